@@ -1,0 +1,80 @@
+"""The ``pdserve`` command line.
+
+Subcommands: ``make-tiny-model DIR`` writes the built-in tiny checkpoint; ``generate`` runs the
+engine in one process over one or many prompts. User errors print one ``error:`` line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.errors import EngineError
+
+
+def default_model_dir() -> Path:
+    """Where the built-in tiny model is cached (``$PDSERVE_CACHE`` or ``~/.cache/pdserve``)."""
+    root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    return root / "tiny-qwen2-vl"
+
+
+def ensure_model(model: str | None) -> Path:
+    """``model`` if given, else the built-in tiny model (written on first use)."""
+    if model:
+        return Path(model)
+    from engine.tiny_model import write_tiny_model
+
+    path = default_model_dir()
+    if not (path / "config.json").is_file():
+        write_tiny_model(path)
+    return path
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from engine.tiny_model import write_tiny_model
+
+    path = write_tiny_model(args.dir, seed=args.seed)
+    print(f"wrote tiny Qwen2-VL checkpoint to {path}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from deploy.generate_cmd import run_generate
+
+    return run_generate(args, ensure_model(args.model))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("make-tiny-model", help="write the built-in tiny random checkpoint")
+    tiny.add_argument("dir", help="output directory")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    from deploy.generate_cmd import add_generate_args
+
+    gen = sub.add_parser("generate", help="run the engine in this process (no servers)")
+    add_generate_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

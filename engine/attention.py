@@ -1,0 +1,97 @@
+"""Attention over the paged KV pool, behind a small backend interface.
+
+A forward covers a batch of sequences, each contributing ``q_len`` new tokens (a prefill chunk,
+one decode token, or a verify window) on top of ``kv_len - q_len`` tokens already in the pool.
+New K/V are written at ``slot_mapping`` first; each query then attends causally to its
+sequence's first ``kv_len - q_len + i + 1`` tokens. Backends: :class:`TorchPagedAttention`
+(gather + SDPA, CPU and anything torch runs on); a CUDA or NPU kernel implements the same two
+methods.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVPool
+
+
+@dataclass
+class AttentionBatch:
+    """Per-forward inputs of attention, built once and shared by every layer."""
+
+    q_lens: list[int]  # new tokens per sequence
+    kv_lens: list[int]  # tokens in the pool per sequence after this forward's writes
+    page_tables: list[list[int]]  # pages of each sequence, in token order
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one forward; :meth:`prepare` runs once, :meth:`forward` per layer."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    @abstractmethod
+    def prepare(self, batch: AttentionBatch) -> None:
+        """Build the metadata of one forward (gather indices, masks) from ``batch``."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
+        """Store ``k, v`` ``[T, kv_heads, D]`` of local layer ``layer`` and attend ``q``
+        ``[T, heads, D]``; returns ``[T, heads, D]``."""
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Gathers each sequence's K/V into a padded batch and runs one SDPA call per layer."""
+
+    def prepare(self, batch: AttentionBatch) -> None:
+        ps = self.pool.page_size
+        bsz = len(batch.q_lens)
+        max_q, max_kv = max(batch.q_lens), max(batch.kv_lens)
+        max_pages = -(-max_kv // ps)
+        table = torch.tensor([(pt + [0] * max_pages)[:max_pages] for pt in batch.page_tables])
+        offsets = torch.arange(ps)
+        # kv_index: [B, max_kv] slots of each sequence's tokens (padding points at slot 0)
+        self.kv_index = (table.unsqueeze(-1) * ps + offsets).view(bsz, -1)[:, :max_kv]
+        self.slot_mapping = batch.slot_mapping
+        kv_len = torch.tensor(batch.kv_lens).view(bsz, 1, 1)
+        if max_q == 1:
+            self.q_index = None
+            self.out_index = None
+            ragged = min(batch.kv_lens) != max_kv
+            keys = torch.arange(max_kv).view(1, 1, max_kv)
+            self.mask = (keys < kv_len).unsqueeze(1) if ragged else None
+            return
+        q_len = torch.tensor(batch.q_lens).view(bsz, 1, 1)
+        rows = torch.arange(max_q).view(1, max_q, 1)
+        keys = torch.arange(max_kv).view(1, 1, max_kv)
+        # mask: [B, 1, max_q, max_kv] causal inside each sequence; padded rows see key 0 only
+        self.mask = ((keys <= kv_len - q_len + rows) & (keys < kv_len)).unsqueeze(1)
+        starts = torch.tensor(batch.q_lens).cumsum(0) - q_len.view(-1)
+        r = rows.view(1, max_q)
+        self.q_index = starts.view(bsz, 1) + torch.minimum(r, q_len.view(bsz, 1) - 1)
+        valid = (r < q_len.view(bsz, 1)).flatten()
+        self.out_index = valid.nonzero().squeeze(1)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
+        flat_k, flat_v = self.pool.flat_k(layer), self.pool.flat_v(layer)
+        flat_k.index_copy_(0, self.slot_mapping, k)
+        flat_v.index_copy_(0, self.slot_mapping, v)
+        bsz, heads, dim = self.kv_index.shape[0], q.shape[1], q.shape[2]
+        keys = flat_k[self.kv_index].transpose(1, 2)  # [B, kv_heads, max_kv, D]
+        vals = flat_v[self.kv_index].transpose(1, 2)
+        if self.q_index is None:
+            qq = q.view(bsz, 1, heads, dim).transpose(1, 2)  # [B, heads, 1, D]
+        else:
+            qq = q[self.q_index].transpose(1, 2)  # [B, heads, max_q, D]
+        out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * max_q, heads, D]
+        return out if self.out_index is None else out[self.out_index]

@@ -1,0 +1,106 @@
+"""Loading and saving Qwen2-VL checkpoints in the Hugging Face safetensors layout.
+
+Accepts one ``model.safetensors``, a sharded set listed in ``model.safetensors.index.json``, and
+both naming schemes (``model.layers.*`` / ``visual.*`` as published, and
+``model.language_model.*`` / ``model.visual.*`` as newer transformers name modules in memory).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError
+from engine.models.qwen2_vl import Qwen2VLModel
+
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("model.visual.", "visual."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def canonical_name(name: str) -> str:
+    """The published checkpoint's name for a tensor named ``name`` in any accepted layout."""
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in a stable order."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: unreadable index: {exc}") from exc
+        files = [model_dir / s for s in shards]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{model_dir}: shards listed in the index are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors weight files")
+    return files
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint under their canonical names."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    state[canonical_name(name)] = f.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises several unrelated types on bad files
+            raise CheckpointError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
+    return state
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[ModelConfig, Qwen2VLModel]:
+    """Build the model of ``model_dir`` and load its weights (strict: every tensor must match)."""
+    path = Path(model_dir)
+    cfg = ModelConfig.from_dir(path)
+    state = read_state_dict(path)
+    with torch.device("meta"):
+        model = Qwen2VLModel(cfg)
+    expected = set(model.state_dict().keys())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: weights do not match config.json: missing {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+        )
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: tensor shapes do not match config.json: {exc}") from exc
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return cfg, model
+
+
+def save_weights(model: Qwen2VLModel, model_dir: str | Path) -> None:
+    """Write ``model.safetensors`` under the published names (tied LM head omitted)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(Path(model_dir) / "model.safetensors"), metadata={"format": "pt"})

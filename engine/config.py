@@ -1,0 +1,190 @@
+"""Model configuration read from a Hugging Face ``config.json`` of ``model_type`` ``qwen2_vl``.
+
+Both layouts are accepted: the nested one transformers 5 writes (``text_config`` /
+``vision_config`` with ``rope_parameters``) and the flat one of the published Qwen2-VL
+checkpoints (text fields at the top level, ``rope_scaling`` with ``mrope_section``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """The decoder's shape and rope settings."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    mrope_section: tuple[int, int, int]
+    hidden_act: str = "silu"
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower's shape."""
+
+    depth: int
+    embed_dim: int
+    hidden_size: int  # output width of the patch merger (== text hidden size)
+    num_heads: int
+    mlp_ratio: float
+    in_channels: int
+    patch_size: int
+    spatial_merge_size: int
+    temporal_patch_size: int
+    hidden_act: str
+    rope_theta: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened input patch: ``C * T * P * P``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the engine needs to know about a Qwen2-VL-architecture checkpoint."""
+
+    text: TextConfig
+    vision: VisionConfig
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    model_type: str = "qwen2_vl"
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir}: no config.json (is this a model directory?)")
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        extra_eos = _read_generation_eos(Path(model_dir))
+        return cls.from_dict(raw, extra_eos=extra_eos)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}: pdserve serves {SUPPORTED_MODEL_TYPES}"
+            )
+        try:
+            text_raw = dict(raw.get("text_config") or raw)
+            text = _text_config(text_raw)
+            vision = _vision_config(raw["vision_config"], text.hidden_size)
+            eos = _as_ids(text_raw.get("eos_token_id", raw.get("eos_token_id")))
+            tie = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
+            cfg = cls(
+                text=text,
+                vision=vision,
+                image_token_id=int(raw.get("image_token_id", 151655)),
+                video_token_id=int(raw.get("video_token_id", 151656)),
+                vision_start_token_id=int(raw.get("vision_start_token_id", 151652)),
+                vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
+                eos_token_ids=tuple(dict.fromkeys((*eos, *extra_eos))),
+                tie_word_embeddings=tie,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"config.json is missing or has a bad field: {exc!r}") from exc
+        _validate(cfg)
+        return cfg
+
+
+def _text_config(t: dict[str, Any]) -> TextConfig:
+    rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
+    section = rope.get("mrope_section", [16, 24, 24])
+    theta = rope.get("rope_theta", t.get("rope_theta", 1_000_000.0))
+    heads = int(t["num_attention_heads"])
+    return TextConfig(
+        vocab_size=int(t["vocab_size"]),
+        hidden_size=int(t["hidden_size"]),
+        intermediate_size=int(t["intermediate_size"]),
+        num_hidden_layers=int(t["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(t.get("num_key_value_heads") or heads),
+        max_position_embeddings=int(t.get("max_position_embeddings", 32768)),
+        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        mrope_section=(int(section[0]), int(section[1]), int(section[2])),
+        hidden_act=str(t.get("hidden_act", "silu")),
+    )
+
+
+def _vision_config(v: dict[str, Any], text_hidden: int) -> VisionConfig:
+    rope = dict(v.get("rope_parameters") or {})
+    return VisionConfig(
+        depth=int(v["depth"]),
+        embed_dim=int(v["embed_dim"]),
+        hidden_size=int(v.get("hidden_size", text_hidden)),
+        num_heads=int(v["num_heads"]),
+        mlp_ratio=float(v.get("mlp_ratio", 4)),
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        patch_size=int(v.get("patch_size", 14)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        hidden_act=str(v.get("hidden_act", "quick_gelu")),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(x) for x in value)
+
+
+def _read_generation_eos(model_dir: Path) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        return _as_ids(json.loads(path.read_text()).get("eos_token_id"))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path}: unreadable: {exc}") from exc
+
+
+def _validate(cfg: ModelConfig) -> None:
+    t, v = cfg.text, cfg.vision
+    if t.hidden_size % t.num_attention_heads:
+        raise ConfigError("hidden_size must be divisible by num_attention_heads")
+    if t.num_attention_heads % t.num_key_value_heads:
+        raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+    if 2 * sum(t.mrope_section) != t.head_dim:
+        raise ConfigError(
+            f"mrope_section {t.mrope_section} must sum to head_dim/2 = {t.head_dim // 2}"
+        )
+    if v.embed_dim % v.num_heads or v.head_dim % 4:
+        raise ConfigError("vision embed_dim/num_heads must be a multiple of 4")
+    if v.hidden_size != t.hidden_size:
+        raise ConfigError("vision_config.hidden_size must equal the text hidden_size")

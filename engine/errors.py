@@ -1,0 +1,27 @@
+"""Errors the engine raises for bad input or bad files.
+
+Every error a user can cause derives from :class:`EngineError` and carries a message meant to be
+shown as is (the servers map :class:`InvalidRequestError` to ``INVALID_ARGUMENT``).
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of all errors the engine raises on purpose."""
+
+
+class ConfigError(EngineError):
+    """A model directory or ``config.json`` that the engine cannot serve."""
+
+
+class CheckpointError(EngineError):
+    """Missing, corrupt or mismatched weight files."""
+
+
+class InvalidRequestError(EngineError):
+    """A request the engine refuses: empty or too long prompt, bad images, bad sampling values."""
+
+
+class OutOfPagesError(EngineError):
+    """The page allocator has fewer free pages than asked for."""

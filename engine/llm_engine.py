@@ -1,0 +1,196 @@
+"""The in-process engine: model, KV pool, scheduler, runner and sampler in one loop.
+
+``LLMEngine.step()`` is schedule -> execute -> sample -> update. ``generate()`` runs prompts to
+completion in one batch (continuous batching with chunked prefill). Servers build on the same
+pieces; this class is what ``pdserve generate`` and the benchmarks use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import TorchPagedAttention
+from engine.checkpoint import load_model
+from engine.errors import InvalidRequestError
+from engine.image_processor import (
+    ImageProcessorConfig,
+    expand_image_placeholders,
+    process_image,
+)
+from engine.inputs import ImageInput, RequestState, build_state
+from engine.kv_cache import KVPool, pages_for_budget
+from engine.model_runner import ModelRunner
+from engine.mrope import num_image_tokens
+from engine.page_allocator import PageAllocator
+from engine.request import FinishReason, Request, SamplingParams
+from engine.sampling import Sampler, make_generator
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime settings of one engine (the model's own settings come from its config.json)."""
+
+    page_size: int = 16
+    kv_budget_bytes: int = 256 << 20  # memory for the KV pool; sets the page count
+    num_pages: int | None = None  # overrides kv_budget_bytes when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget per step, and the prefill chunk size
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: text or token ids, and images (encoded bytes or precomputed patches)."""
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+    images: Sequence[bytes | ImageInput] = ()
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids only
+    logprobs: list[float]
+    text: str | None  # None when the model has no tokenizer
+    finish_reason: FinishReason
+
+
+class LLMEngine:
+    """A Qwen2-VL-architecture model serving requests from one process."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.dtype not in DTYPES:
+            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype}")
+        dtype = DTYPES[config.dtype]
+        self.model_config, self.model = load_model(model_dir, dtype, config.device)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.image_config = ImageProcessorConfig.from_dir(model_dir)
+        text = self.model_config.text
+        num_pages = config.num_pages or pages_for_budget(
+            config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
+            text.num_key_value_heads, text.head_dim, dtype,
+        )
+        self.pool = KVPool(num_pages, config.page_size, text.num_key_value_heads, text.head_dim,
+                           list(range(text.num_hidden_layers)), dtype, config.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=num_pages,
+                page_size=config.page_size,
+                max_model_len=config.max_model_len or text.max_position_embeddings,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                eos_token_ids=self.model_config.eos_token_ids,
+                vocab_size=text.vocab_size,
+            ),
+            PageAllocator(num_pages),
+        )
+        self.runner = ModelRunner(self.model, TorchPagedAttention(self.pool))
+        self.sampler = Sampler()
+        self._next_id = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def prepare_prompt(self, prompt: Prompt) -> tuple[list[int], list[ImageInput]]:
+        """Tokenize and preprocess a prompt: token ids with image placeholders expanded, and
+        the images' patches."""
+        images = [self._image_input(i, im) for i, im in enumerate(prompt.images)]
+        if (prompt.text is None) == (prompt.token_ids is None):
+            raise InvalidRequestError("give exactly one of text and token_ids")
+        if prompt.token_ids is not None:
+            return [int(t) for t in prompt.token_ids], images
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer.json: send token_ids instead")
+        return self._encode_text(prompt.text or "", images), images
+
+    def add_request(
+        self,
+        token_ids: Sequence[int],
+        images: Sequence[ImageInput] = (),
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and queue one request; raises :class:`InvalidRequestError` on bad input."""
+        sampling = sampling or SamplingParams()
+        sampling.validate(self.model_config.text.vocab_size)
+        state = build_state(token_ids, images, self.model_config)
+        state.generator = make_generator(sampling.seed)
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        req = Request(request_id, list(token_ids), sampling, payload=state)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        out = self.scheduler.schedule()
+        if not out.items:
+            return []
+        logits = self.runner.execute(out)
+        sampled = [it.request for it in out.items if it.needs_sample]
+        params = [r.sampling for r in sampled]
+        gens = [_state(r).generator for r in sampled]
+        tokens, logprobs = self.sampler.sample(logits, params, gens)
+        return self.scheduler.update(out, list(zip(tokens, logprobs, strict=True)))
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run ``prompts`` to completion together; results in prompt order."""
+        per = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+        reqs = []
+        for prompt, params in zip(prompts, per, strict=True):
+            ids, images = self.prepare_prompt(prompt)
+            reqs.append(self.add_request(ids, images, params))
+        while self.scheduler.has_unfinished():
+            self.step()
+        return [self.result(r) for r in reqs]
+
+    def result(self, req: Request) -> GenerationResult:
+        assert req.finish_reason is not None, "result() of an unfinished request"
+        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer else None
+        return GenerationResult(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
+                                list(req.output_logprobs), text, req.finish_reason)
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _image_input(self, i: int, image: bytes | ImageInput) -> ImageInput:
+        if isinstance(image, ImageInput):
+            return image
+        processed = process_image(image, self.image_config)
+        return ImageInput(processed.patches, processed.grid_thw)
+
+    def _encode_text(self, text: str, images: list[ImageInput]) -> list[int]:
+        """Token ids of ``text``; each image placeholder (``<|image_pad|>``) becomes that image's
+        tokens. Without placeholders, images are put before the text."""
+        assert self.tokenizer is not None
+        cfg = self.model_config
+        ids = self.tokenizer.encode(text)
+        if images and cfg.image_token_id not in ids:
+            block = [cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id]
+            ids = block * len(images) + ids
+        merge = cfg.vision.spatial_merge_size
+        counts = [num_image_tokens(im.grid_thw, merge) for im in images]
+        return expand_image_placeholders(ids, cfg.image_token_id, counts)
+
+
+def _state(req: Request) -> RequestState:
+    assert isinstance(req.payload, RequestState)
+    return req.payload

@@ -1,0 +1,91 @@
+"""Small building blocks shared by the decoder, the vision tower and the draft model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from engine.errors import ConfigError
+
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32, scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dimension."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, D]``."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
+    """Rotary inverse frequencies ``[dim // 2]`` in float32."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+
+
+class MropeRotary:
+    """cos/sin tables for the decoder from 3-D positions.
+
+    Frequency ``j`` of the ``head_dim / 2`` rotary frequencies takes its position from axis
+    ``axis_of[j]``: the first ``mrope_section[0]`` from the temporal axis, the next
+    ``mrope_section[1]`` from height, the rest from width.
+    """
+
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
+        self.inv_freq = inverse_frequencies(head_dim, theta)  # [D/2]
+        self.axis_of = torch.cat(
+            [
+                torch.full((n,), axis, dtype=torch.long, device="cpu")
+                for axis, n in enumerate(mrope_section)
+            ]
+        )  # [D/2]
+
+    def __call__(
+        self, mrope_positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mrope_positions`` ``[3, T]`` -> ``(cos, sin)`` each ``[T, head_dim]``."""
+        pos = mrope_positions.index_select(0, self.axis_of).t().float()  # [T, D/2]
+        freqs = pos * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS: dict[str, TensorFn] = {
+    "silu": nn.functional.silu,
+    "quick_gelu": quick_gelu,
+    "gelu": nn.functional.gelu,
+    "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+}
+
+
+def activation(name: str) -> TensorFn:
+    """The activation function called ``name`` in Hugging Face configs."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        known = sorted(ACTIVATIONS)
+        raise ConfigError(f"unsupported activation {name!r}; known: {known}") from None

@@ -1,0 +1,134 @@
+"""The Qwen2-VL vision tower: patch embedding, blocks with 2-D rotary, patch merger.
+
+Input: patches ``[N, C*T*P*P]`` exactly as the image processor produces them, and one grid
+``(t, h, w)`` per image. Output: one embedding per merged patch ``[N / merge**2, hidden]``, in
+prompt order. Parameter names follow the Hugging Face ``visual.*`` layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import VisionConfig
+from engine.models.layers import activation, apply_rotary, inverse_frequencies
+
+Grid = tuple[int, int, int]
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.embed_dim, kernel_size=k, stride=k, bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        x = patches.view(-1, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+        return self.proj(x.to(self.proj.weight.dtype)).view(-1, c.embed_dim)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True)
+        self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, heads, D]
+        q = apply_rotary(q.float(), cos, sin).to(x.dtype)
+        k = apply_rotary(k.float(), cos, sin).to(x.dtype)
+        out = torch.empty_like(q)
+        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
+            # [1, heads, L, D] per frame: full attention inside one frame of one image
+            qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
+        return self.proj(out.reshape(n, -1))
+
+
+class VisionMlp(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        hidden = int(cfg.embed_dim * cfg.mlp_ratio)
+        self.fc1 = nn.Linear(cfg.embed_dim, hidden)
+        self.fc2 = nn.Linear(hidden, cfg.embed_dim)
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMlp(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.width = cfg.embed_dim * cfg.spatial_merge_size**2
+        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.hidden_size)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+class VisionTower(nn.Module):
+    """Patches of several images in, merged patch embeddings out."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg)
+        self.inv_freq = inverse_frequencies(cfg.head_dim // 2, cfg.rope_theta)  # [D/4]
+
+    def forward(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        """``patches`` ``[N, C*T*P*P]``, ``grids`` one ``(t, h, w)`` per image -> ``[N/m^2, H]``."""
+        x = self.patch_embed(patches)  # [N, embed_dim]
+        cos, sin = self._rotary(grids)
+        cu = [0]
+        for t, h, w in grids:
+            base = cu[-1]
+            cu.extend(base + h * w * (i + 1) for i in range(t))
+        for blk in self.blocks:
+            x = blk(x, cu, cos, sin)
+        return self.merger(x)
+
+    def _rotary(self, grids: Sequence[Grid]) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[N, head_dim]``: (row, col) of each patch, in merge-block order."""
+        m = self.cfg.spatial_merge_size
+        rows = []
+        for t, h, w in grids:
+            hpos = torch.arange(h, device="cpu").view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+            wpos = torch.arange(w, device="cpu").view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+            hw = torch.stack(
+                [hpos.transpose(1, 2).flatten(), wpos.transpose(1, 2).flatten()], dim=-1
+            )
+            rows.append(hw.repeat(t, 1))
+        pos = torch.cat(rows).float()  # [N, 2]
+        freqs = (pos.unsqueeze(-1) * self.inv_freq).flatten(1)  # [N, D/2]: h freqs, then w
+        emb = torch.cat((freqs, freqs), dim=-1).to(self.patch_embed.proj.weight.device)
+        return emb.cos(), emb.sin()

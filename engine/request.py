@@ -1,0 +1,153 @@
+"""The request model shared by every node kind: sampling values and token counters.
+
+A :class:`Request` is token counters, not phases. ``num_computed_tokens`` counts the tokens whose
+KV is in the pool; it catches up with ``num_tokens`` (prompt + output). After prefill a request has
+``num_tokens == num_computed_tokens + 1``: the last sampled token has no KV yet, and a decode step
+computes that one token and samples the next. Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+MAX_TEMPERATURE = 100.0
+MAX_NEW_TOKENS_LIMIT = 1_000_000
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    ``temperature == 0`` means greedy (argmax); ``top_k == 0`` and ``top_p == 1`` switch those
+    filters off. ``seed`` makes a request's samples reproducible and independent of its batch.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise :class:`InvalidRequestError` naming the first bad value, if any."""
+        _check_temperature(self.temperature)
+        _check_top_p(self.top_p)
+        _check_int("top_k", self.top_k, 0, None)
+        _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
+        _check_stop_ids(self.stop_token_ids, vocab_size)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, MAX_SEED)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_temperature(t: float) -> None:
+    if not _is_real(t) or math.isnan(t) or not 0.0 <= t <= MAX_TEMPERATURE:
+        raise InvalidRequestError(
+            f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {t!r}"
+        )
+
+
+def _check_top_p(p: float) -> None:
+    if not _is_real(p) or math.isnan(p) or not 0.0 < p <= 1.0:
+        raise InvalidRequestError(f"top_p must be a number in (0, 1], got {p!r}")
+
+
+def _check_int(name: str, value: int, lo: int, hi: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        upper = "" if hi is None else f" and at most {hi}"
+        raise InvalidRequestError(f"{name} must be at least {lo}{upper}, got {value}")
+
+
+def _check_stop_ids(ids: tuple[int, ...], vocab_size: int | None) -> None:
+    if not isinstance(ids, tuple):
+        raise InvalidRequestError(f"stop_token_ids must be a tuple of ints, got {ids!r}")
+    for tok in ids:
+        if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+            raise InvalidRequestError(f"stop_token_ids has an invalid token id {tok!r}")
+        if vocab_size is not None and tok >= vocab_size:
+            raise InvalidRequestError(
+                f"stop token id {tok} is outside the vocabulary (size {vocab_size})"
+            )
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request stopped producing tokens."""
+
+    STOP = "stop"  # a stop or EOS token was sampled (it is kept in the output)
+    LENGTH = "length"  # max_new_tokens reached
+    ABORT = "abort"  # cancelled, or failed by the server
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation request, as token counters.
+
+    Invariants kept by the scheduler:
+      * ``0 <= num_computed_tokens <= num_tokens``;
+      * ``page_ids`` hold the KV of tokens ``[0, num_computed_tokens)`` in order (token ``i`` lives
+        in ``page_ids[i // page_size]``), and may cover a few tokens beyond while a step runs;
+      * ``len(output_logprobs) == len(output_token_ids)`` for tokens the engine sampled;
+      * once ``finish_reason`` is set the request never runs again.
+
+    ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
+    Requests compare by identity.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    payload: object | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output (a fresh list; O(length))."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (the one a decode step computes)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while prompt tokens still lack KV."""
+        return self.num_computed_tokens < len(self.prompt_token_ids)

@@ -1,0 +1,114 @@
+"""Token sampling: greedy, temperature, top-k and top-p, with per-request generators.
+
+The returned log-probability of each chosen token is always under the model's own distribution
+(``log_softmax`` of the raw logits at temperature 1), whatever filters picked it. Rows with a
+generator are sampled one by one with that generator, so a seeded request's token depends only on
+its own logits and seed, never on the rest of the batch; rows without one share a single
+``torch.multinomial`` call on the global RNG.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.request import SamplingParams
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """A generator seeded with ``seed`` (None when ``seed`` is None: use the global RNG)."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+class Sampler:
+    """Picks one token per row of a logits batch."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> tuple[list[int], list[float]]:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[n, V]`` raw logits (float32 preferred; other dtypes are upcast).
+            params: one :class:`SamplingParams` per row.
+            generators: one generator (or None for the global RNG) per row.
+        Returns:
+            ``(token_ids, logprobs)``, each of length ``n``.
+        """
+        n = logits.shape[0]
+        if len(params) != n or len(generators) != n:
+            raise ValueError(f"{n} logit rows but {len(params)} params, {len(generators)} gens")
+        if n == 0:
+            return [], []
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1)  # [n, V]
+        tokens = torch.argmax(logits, dim=-1)  # [n]; greedy rows are done
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled_rows:
+            idx = torch.tensor(sampled_rows, device=logits.device)
+            chosen = self._sample_rows(logits[idx], [params[i] for i in sampled_rows],
+                                       [generators[i] for i in sampled_rows])
+            tokens[idx] = chosen
+        token_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [n]
+        return tokens.tolist(), token_lp.tolist()
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Temperature, top-k, top-p, then multinomial: ``logits [m, V]`` -> tokens ``[m]``."""
+        device = logits.device
+        temps = torch.tensor([p.temperature for p in params], device=device)
+        scaled = logits / temps.unsqueeze(1)  # [m, V]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            probs, order = _filtered_sorted_probs(scaled, params)  # [m, V] each, sorted desc
+        else:
+            probs, order = torch.softmax(scaled, dim=-1), None
+        picked = _multinomial(probs, generators)  # [m]
+        if order is None:
+            return picked
+        return order.gather(1, picked.unsqueeze(1)).squeeze(1)
+
+
+def _filtered_sorted_probs(
+    scaled: torch.Tensor, params: list[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort rows descending and keep top-k, then the smallest top-p nucleus (always >= 1 token).
+
+    Returns probabilities over the sorted order and the permutation (``[m, V]`` each).
+    """
+    m, vocab = scaled.shape
+    device = scaled.device
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
+    sorted_logits = sorted_logits.masked_fill(rank >= ks.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)  # [m, V]
+    top_ps = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [m, 1]
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
+    drop = (mass_before >= top_ps) & (top_ps < 1.0)
+    drop[:, 0] = False
+    probs = probs.masked_fill(drop, 0.0)
+    return probs, order
+
+
+def _multinomial(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row of ``probs`` ``[m, V]``; unseeded rows share one call."""
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    free_rows = [i for i, g in enumerate(generators) if g is None]
+    if free_rows:
+        idx = torch.tensor(free_rows, device=probs.device)
+        out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            row = probs[i].to(gen.device)
+            out[i] = torch.multinomial(row, 1, generator=gen).item()
+    return out

@@ -1,0 +1,314 @@
+"""The pure-Python scheduler core: continuous batching with chunked prefill over token counters.
+
+One step is ``schedule() -> (model runs the items) -> update(output, sampled)``. Each step closes
+part of every running request's gap ``num_tokens - num_computed_tokens`` under a token budget:
+
+* running requests first, in admission order: one token each when decoding, the next prompt chunk
+  when still in chunked prefill;
+* then waiting requests, FIFO, while the budget, ``max_num_seqs`` and the page reserve allow.
+
+Admission is preemption-free. The scheduler keeps ``reserved`` (sum of the worst-case page counts
+of running requests) and ``held`` (pages those requests hold), so ``owed = reserved - held`` is the
+number of pages running requests may still need. A request is admitted only if
+``allocator.num_free - owed`` covers its own worst case, so a running request never meets
+:class:`OutOfPagesError`. Pages are still allocated lazily, only for the tokens being scheduled::
+
+    page_ids:  [ p0 | p1 | p2 ]                  (allocated so far, contiguous when possible)
+    tokens:    [ computed .......... | chunk ]   (schedule() allocates pages covering the chunk)
+    worst:     ceil((prompt + max_new_tokens) / page_size) pages, reserved at admission
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from engine.page_allocator import PageAllocator
+from engine.request import FinishReason, Request
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one scheduler. ``max_num_batched_tokens`` is the per-step token budget and so
+    also the longest prefill chunk. ``vocab_size``, when given, bounds prompt and stop ids."""
+
+    num_pages: int
+    page_size: int
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_pages", "page_size", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(slots=True, eq=False)
+class ScheduledItem:
+    """Compute tokens ``[start, start + num_tokens)`` of ``request`` this step.
+
+    ``start == request.num_computed_tokens`` at schedule time; ``needs_sample`` is True iff the
+    chunk ends at ``request.num_tokens`` (the logits of its last token are needed).
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    needs_sample: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """The items of one step, running requests first, then newly admitted ones."""
+
+    items: list[ScheduledItem]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for item in self.items if item.needs_sample)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    """Scheduler core shared by prefill and decode nodes (see the module docstring).
+
+    A request may arrive with ``num_computed_tokens > 0`` and ``page_ids`` already holding that KV
+    (a decode node adopting transferred KV); the scheduler then owns and frees those pages too.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+        if config.num_pages > allocator.num_pages:
+            raise ValueError(
+                f"SchedulerConfig.num_pages={config.num_pages} exceeds the allocator's "
+                f"{allocator.num_pages} pages"
+            )
+        self.config = config
+        self.allocator = allocator
+        self._waiting: dict[str, Request] = {}  # FIFO by insertion order
+        self._running: dict[str, Request] = {}  # admission order
+        self._worst: dict[str, int] = {}  # request_id -> pages reserved at admission
+        self._reserved = 0
+        self._held = 0
+        self._eos = frozenset(config.eos_token_ids)
+        self._initial_free = allocator.num_free
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_owed_pages(self) -> int:
+        """Pages running requests may still allocate in the worst case."""
+        return self._reserved - self._held
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._running.get(request_id) or self._waiting.get(request_id)
+
+    def worst_case_pages(self, request: Request) -> int:
+        """Pages ``request`` can need at most: ceil((prompt + max_new_tokens) / page_size)."""
+        total = request.num_prompt_tokens + request.sampling.max_new_tokens
+        return max(cdiv(total, self.config.page_size), len(request.page_ids))
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Validate ``request`` and queue it (FIFO). Raises :class:`InvalidRequestError`."""
+        self._validate(request)
+        self._waiting[request.request_id] = request
+
+    def _validate(self, req: Request) -> None:
+        cfg = self.config
+        rid = req.request_id
+        if rid in self._waiting or rid in self._running:
+            raise InvalidRequestError(f"duplicate request id {rid!r}")
+        if req.is_finished:
+            raise InvalidRequestError(f"request {rid!r} is already finished")
+        if req.num_prompt_tokens == 0:
+            raise InvalidRequestError(f"request {rid!r} has an empty prompt")
+        req.sampling.validate(cfg.vocab_size)
+        self._validate_prompt_ids(req)
+        total = req.num_prompt_tokens + req.sampling.max_new_tokens
+        if total > cfg.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {req.num_prompt_tokens} tokens + max_new_tokens "
+                f"{req.sampling.max_new_tokens} = {total} exceeds max_model_len {cfg.max_model_len}"
+            )
+        worst = self.worst_case_pages(req)
+        if worst > cfg.num_pages:
+            raise InvalidRequestError(
+                f"request {rid!r} may need {worst} KV pages but the pool has {cfg.num_pages}"
+            )
+        self._validate_counters(req)
+
+    def _validate_prompt_ids(self, req: Request) -> None:
+        vocab = self.config.vocab_size
+        for tok in req.prompt_token_ids:
+            if not isinstance(tok, int) or tok < 0 or (vocab is not None and tok >= vocab):
+                raise InvalidRequestError(
+                    f"request {req.request_id!r} has an invalid prompt token id {tok!r}"
+                )
+
+    def _validate_counters(self, req: Request) -> None:
+        if req.num_output_tokens >= req.sampling.max_new_tokens:
+            raise InvalidRequestError(
+                f"request {req.request_id!r} already has {req.num_output_tokens} output tokens"
+            )
+        if not 0 <= req.num_computed_tokens < req.num_tokens:
+            raise InvalidRequestError(
+                f"request {req.request_id!r}: num_computed_tokens={req.num_computed_tokens} "
+                f"must be in [0, num_tokens={req.num_tokens})"
+            )
+        if len(req.page_ids) < cdiv(req.num_computed_tokens, self.config.page_size):
+            raise InvalidRequestError(
+                f"request {req.request_id!r} holds {len(req.page_ids)} pages, too few for "
+                f"{req.num_computed_tokens} computed tokens"
+            )
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work and allocate the pages it writes (see the module docstring)."""
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledItem] = []
+        for req in self._running.values():
+            if budget == 0:
+                break
+            if req.num_computed_tokens < req.num_tokens:
+                budget -= self._schedule_chunk(req, budget, items)
+        while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
+            req = next(iter(self._waiting.values()))
+            if not self._try_admit(req):
+                break  # FIFO: nobody overtakes the head of the queue
+            budget -= self._schedule_chunk(req, budget, items)
+        return SchedulerOutput(items)
+
+    def _try_admit(self, req: Request) -> bool:
+        worst = self.worst_case_pages(req)
+        held = len(req.page_ids)
+        if self.allocator.num_free - self.num_owed_pages < worst - held:
+            return False
+        del self._waiting[req.request_id]
+        self._running[req.request_id] = req
+        self._worst[req.request_id] = worst
+        self._reserved += worst
+        self._held += held
+        return True
+
+    def _schedule_chunk(self, req: Request, budget: int, items: list[ScheduledItem]) -> int:
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget)
+        self._allocate_pages(req, start + n)
+        items.append(ScheduledItem(req, start, n, start + n == req.num_tokens))
+        return n
+
+    def _allocate_pages(self, req: Request, end: int) -> None:
+        missing = cdiv(end, self.config.page_size) - len(req.page_ids)
+        if missing > 0:
+            after = req.page_ids[-1] if req.page_ids else None
+            req.page_ids.extend(self.allocator.allocate(missing, after=after))
+            self._held += missing
+
+    def update(self, output: SchedulerOutput, sampled: list[tuple[int, float]]) -> list[Request]:
+        """Apply one step's results; return the requests that finished in this step.
+
+        ``sampled`` holds one ``(token_id, logprob)`` per item with ``needs_sample``, in item
+        order. Items whose request was aborted after :meth:`schedule` are skipped.
+        """
+        if len(sampled) != output.num_samples:
+            raise ValueError(
+                f"got {len(sampled)} sampled tokens for {output.num_samples} items that need one"
+            )
+        finished: list[Request] = []
+        samples = iter(sampled)
+        for item in output.items:
+            req = item.request
+            sample = next(samples) if item.needs_sample else None
+            if req.is_finished:
+                continue
+            if item.start != req.num_computed_tokens:
+                raise ValueError(f"stale item for request {req.request_id!r}")
+            req.num_computed_tokens += item.num_tokens
+            if sample is not None and self._append_token(req, *sample):
+                finished.append(req)
+        return finished
+
+    def _append_token(self, req: Request, token: int, logprob: float) -> bool:
+        req.output_token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        params = req.sampling
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
+            reason = FinishReason.STOP
+        elif req.num_output_tokens >= params.max_new_tokens:
+            reason = FinishReason.LENGTH
+        else:
+            return False
+        self._finish(req, reason)
+        return True
+
+    # ---- finishing -----------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a waiting or running request with ABORT and free its pages; None if unknown."""
+        req = self.get(request_id)
+        if req is not None:
+            self._finish(req, FinishReason.ABORT)
+        return req
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        rid = req.request_id
+        if self._running.pop(rid, None) is not None:
+            self._reserved -= self._worst.pop(rid)
+            self._held -= len(req.page_ids)
+        else:
+            del self._waiting[rid]
+        req.finish_reason = reason
+        pages, req.page_ids = req.page_ids, []
+        self.allocator.free(pages)
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the accounting invariants (O(requests + pages); for tests)."""
+        running = list(self._running.values())
+        assert self._held == sum(len(r.page_ids) for r in running)
+        assert self._reserved == sum(self._worst[r.request_id] for r in running)
+        assert set(self._worst) == set(self._running)
+        assert self.allocator.num_free >= self.num_owed_pages, "running requests could starve"
+        for req in running:
+            assert not req.is_finished
+            assert len(req.page_ids) >= cdiv(req.num_computed_tokens, self.config.page_size)
+            assert len(req.page_ids) <= self._worst[req.request_id]
+        self.allocator.check_integrity()
+
+    def check_no_leaks(self) -> None:
+        """Assert the scheduler is empty and every page it took is back in the allocator."""
+        assert not self._waiting and not self._running, "requests left in the scheduler"
+        assert self._reserved == 0 and self._held == 0 and not self._worst
+        assert self.allocator.num_free == self._initial_free, "KV pages leaked"
+        self.allocator.check_integrity()

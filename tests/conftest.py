@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny checkpoints written by transformers and by our own code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+HF_TEXT = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    "eos_token_id": None,
+    "bos_token_id": None,
+}
+HF_VISION = {
+    "depth": 2,
+    "embed_dim": 32,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+HF_SPECIAL = {
+    "image_token_id": 380,
+    "video_token_id": 381,
+    "vision_start_token_id": 378,
+    "vision_end_token_id": 379,
+}
+
+
+def write_hf_checkpoint(path: Path, seed: int = 0, tie: bool = False) -> Path:
+    """A random tiny Qwen2-VL checkpoint written by transformers' own ``save_pretrained``."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(text_config=dict(HF_TEXT), vision_config=dict(HF_VISION),
+                        tie_word_embeddings=tie, **HF_SPECIAL)
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hf") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
