@@ -50,6 +50,12 @@ class AttentionBackend(ABC):
 class TorchPagedAttention(AttentionBackend):
     """Gathers each sequence's K/V into a padded batch and runs one SDPA call per layer."""
 
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool)
+        # [num_slots, kv_heads, D] views of each layer's buffers
+        self.flat_k = [pool.flat_k(i) for i in range(pool.num_layers)]
+        self.flat_v = [pool.flat_v(i) for i in range(pool.num_layers)]
+
     def prepare(self, batch: AttentionBatch) -> None:
         ps = self.pool.page_size
         bsz = len(batch.q_lens)
@@ -59,6 +65,7 @@ class TorchPagedAttention(AttentionBackend):
         offsets = torch.arange(ps)
         # kv_index: [B, max_kv] slots of each sequence's tokens (padding points at slot 0)
         self.kv_index = (table.unsqueeze(-1) * ps + offsets).view(bsz, -1)[:, :max_kv]
+        self.kv_flat = self.kv_index.flatten()
         self.slot_mapping = batch.slot_mapping
         kv_len = torch.tensor(batch.kv_lens).view(bsz, 1, 1)
         if max_q == 1:
@@ -82,12 +89,13 @@ class TorchPagedAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     ) -> torch.Tensor:
-        flat_k, flat_v = self.pool.flat_k(layer), self.pool.flat_v(layer)
+        flat_k, flat_v = self.flat_k[layer], self.flat_v[layer]
         flat_k.index_copy_(0, self.slot_mapping, k)
         flat_v.index_copy_(0, self.slot_mapping, v)
         bsz, heads, dim = self.kv_index.shape[0], q.shape[1], q.shape[2]
-        keys = flat_k[self.kv_index].transpose(1, 2)  # [B, kv_heads, max_kv, D]
-        vals = flat_v[self.kv_index].transpose(1, 2)
+        shape = (bsz, -1, flat_k.shape[1], dim)
+        keys = flat_k.index_select(0, self.kv_flat).view(shape).transpose(1, 2)  # [B, kv_h, S, D]
+        vals = flat_v.index_select(0, self.kv_flat).view(shape).transpose(1, 2)
         if self.q_index is None:
             qq = q.view(bsz, 1, heads, dim).transpose(1, 2)  # [B, heads, 1, D]
         else:

@@ -95,6 +95,7 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
+    model.fuse()
     return cfg, model
 
 

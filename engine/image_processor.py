@@ -30,6 +30,7 @@ import torch
 from PIL import Image, ImageOps
 
 from engine.errors import ConfigError, InvalidRequestError
+from engine.mrope import num_image_tokens  # noqa: F401 - re-exported for callers
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 OPENAI_CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
@@ -87,6 +88,12 @@ class ImageProcessorConfig:
             raise ConfigError("image_mean and image_std need one value per RGB channel")
         if any(not s > 0 for s in self.image_std):
             raise ConfigError(f"image_std values must be positive, got {self.image_std}")
+        if isinstance(self.rescale_factor, bool) or not isinstance(
+            self.rescale_factor, (int, float)
+        ):
+            raise ConfigError(f"rescale_factor must be a number, got {self.rescale_factor!r}")
+        if not isinstance(self.do_rescale, bool) or not isinstance(self.do_normalize, bool):
+            raise ConfigError("do_rescale and do_normalize must be booleans")
         if self.resample not in {int(r) for r in Image.Resampling}:
             raise ConfigError(f"unknown resample filter {self.resample!r}")
 
@@ -109,11 +116,11 @@ class ImageProcessorConfig:
         ``overrides`` (e.g. ``max_image_bytes``) replace values from the file.
         """
         path = Path(model_dir) / PREPROCESSOR_FILE
-        values = _read_preprocessor_json(path) if path.is_file() else {}
-        values.update(overrides)
         try:
+            values = _read_preprocessor_json(path) if path.is_file() else {}
+            values.update(overrides)
             return cls(**values)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad image processor settings in {path}: {exc}") from exc
 
 
@@ -321,12 +328,6 @@ def _check_grid(grid_thw: Any, cfg: ImageProcessorConfig) -> tuple[int, int, int
             f"grid {grid_thw!r} is too large: at most {cfg.max_pixels} pixels in all frames"
         )
     return t, h, w
-
-
-def num_image_tokens(grid_thw: tuple[int, int, int], merge_size: int) -> int:
-    """LLM tokens one image occupies: ``t * h * w // merge_size**2``."""
-    t, h, w = grid_thw
-    return t * h * w // merge_size**2
 
 
 def expand_image_placeholders(

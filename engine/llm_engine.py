@@ -20,6 +20,7 @@ from engine.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
     process_image,
+    validate_patches,
 )
 from engine.inputs import ImageInput, RequestState, build_state
 from engine.kv_cache import KVPool, pages_for_budget
@@ -106,7 +107,7 @@ class LLMEngine:
     def prepare_prompt(self, prompt: Prompt) -> tuple[list[int], list[ImageInput]]:
         """Tokenize and preprocess a prompt: token ids with image placeholders expanded, and
         the images' patches."""
-        images = [self._image_input(i, im) for i, im in enumerate(prompt.images)]
+        images = [self._image_input(im) for im in prompt.images]
         if (prompt.text is None) == (prompt.token_ids is None):
             raise InvalidRequestError("give exactly one of text and token_ids")
         if prompt.token_ids is not None:
@@ -171,10 +172,11 @@ class LLMEngine:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _image_input(self, i: int, image: bytes | ImageInput) -> ImageInput:
+    def _image_input(self, image: bytes | ImageInput) -> ImageInput:
         if isinstance(image, ImageInput):
-            return image
-        processed = process_image(image, self.image_config)
+            processed = validate_patches(image.patches, image.grid_thw, self.image_config)
+        else:
+            processed = process_image(image, self.image_config)
         return ImageInput(processed.patches, processed.grid_thw)
 
     def _encode_text(self, text: str, images: list[ImageInput]) -> list[int]:

@@ -46,8 +46,8 @@ class ModelRunner:
             slots.extend(pages[i // ps] * ps + i % ps for i in range(s, s + n))
             if item.needs_sample:
                 sample_rows.append(len(ids) - 1)
-        ids_t = torch.tensor(ids)
-        mrope = mrope_from_1d(torch.tensor(pos), torch.tensor(deltas))  # [3, T]
+        ids_t, pos_t, deltas_t, slots_t = torch.tensor([ids, pos, deltas, slots]).unbind(0)
+        mrope = mrope_from_1d(pos_t, deltas_t)  # [3, T]
         embeds = self.model.embed(ids_t)  # [T, H]
         mrope = self._prompt_positions(out.items, mrope, embeds, ids_t)
         self.attn.prepare(
@@ -55,7 +55,7 @@ class ModelRunner:
                 q_lens=[it.num_tokens for it in out.items],
                 kv_lens=[it.start + it.num_tokens for it in out.items],
                 page_tables=[it.request.page_ids for it in out.items],
-                slot_mapping=torch.tensor(slots),
+                slot_mapping=slots_t,
             )
         )
         hidden = self.model(embeds, mrope, self.attn)

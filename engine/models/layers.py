@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import ConfigError
@@ -21,21 +22,27 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32:  # one fused kernel; same result as the float32 formula
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dimension."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class RotaryTables:
+    """Rotary embedding of ``T`` tokens: ``x -> x * cos + rotate_half(x) * sin`` where
+    ``rotate_half([x1, x2]) = [-x2, x1]``. The sign is folded into ``signed_sin`` and the half swap
+    is one index_select, so a rotation is four ops with bit-identical results."""
 
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        half = cos.shape[-1] // 2
+        self.cos = cos.unsqueeze(1)
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
+        self.swap = torch.cat((torch.arange(half, 2 * half), torch.arange(half)))
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, heads, D]`` by ``cos``/``sin`` ``[T, D]``."""
-    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, D]``."""
+        return x * self.cos + x.index_select(-1, self.swap) * self.signed_sin
 
 
 def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
@@ -60,14 +67,12 @@ class MropeRotary:
             ]
         )  # [D/2]
 
-    def __call__(
-        self, mrope_positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``mrope_positions`` ``[3, T]`` -> ``(cos, sin)`` each ``[T, head_dim]``."""
+    def __call__(self, mrope_positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """``mrope_positions`` ``[3, T]`` -> rotation tables for ``T`` tokens."""
         pos = mrope_positions.index_select(0, self.axis_of).t().float()  # [T, D/2]
         freqs = pos * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return RotaryTables(emb.cos().to(dtype), emb.sin().to(dtype))
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig, TextConfig
-from engine.models.layers import MropeRotary, RMSNorm, activation, apply_rotary
+from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
 from engine.models.vision import Grid, VisionTower
 
 
@@ -28,20 +29,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.qkv_weight = self.qkv_bias = torch.empty(0)  # set by fuse()
+
+    def fuse(self) -> None:
+        """Store q/k/v weights in one tensor (the projections become views into it) so a
+        forward runs one matmul instead of three."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = torch.cat([p.weight.detach() for p in projs])
+        self.qkv_bias = torch.cat([p.bias.detach() for p in projs])
+        _share_rows(projs, self.qkv_weight, self.qkv_bias)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionBackend,
-        layer: int,
+        self, x: torch.Tensor, rot: RotaryTables, attn: AttentionBackend, layer: int
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(attn.forward(q, k, v, layer).reshape(t, -1))
+        t, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, h + 2 * kv, d)
+        qk = rot.apply(qkv[:, : h + kv])  # q and k heads rotated together
+        out = attn.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv :], layer)
+        return F.linear(out.reshape(t, h * d), self.o_proj.weight)
 
 
 class Mlp(nn.Module):
@@ -51,9 +56,30 @@ class Mlp(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
+        self.gate_up_weight = torch.empty(0)  # set by fuse()
+
+    def fuse(self) -> None:
+        """Store gate and up weights in one tensor (see :meth:`Attention.fuse`)."""
+        projs = (self.gate_proj, self.up_proj)
+        self.gate_up_weight = torch.cat([p.weight.detach() for p in projs])
+        _share_rows(projs, self.gate_up_weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down_proj.weight)
+
+
+def _share_rows(
+    projs: Sequence[nn.Linear], weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """Re-point each projection's parameters at its rows of the fused ``weight``/``bias``."""
+    row = 0
+    for p in projs:
+        n = p.weight.shape[0]
+        p.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            p.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
 
 
 class DecoderLayer(nn.Module):
@@ -65,15 +91,11 @@ class DecoderLayer(nn.Module):
         self.mlp = Mlp(cfg)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn: AttentionBackend,
-        layer: int,
+        self, x: torch.Tensor, rot: RotaryTables, attn: AttentionBackend, layer: int
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # .forward() directly: the hot path skips nn.Module's hook machinery
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), rot, attn, layer)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class TextModel(nn.Module):
@@ -100,13 +122,19 @@ class Qwen2VLModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
 
+    def fuse(self) -> None:
+        """Fuse projections for inference; call after the weights are loaded and placed."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, hidden]``."""
-        return self.model.embed_tokens(input_ids)
+        return F.embedding(input_ids, self.model.embed_tokens.weight)
 
     def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """Image patches -> one embedding per image token ``[sum(t*h*w/m^2), hidden]``."""
@@ -120,12 +148,12 @@ class Qwen2VLModel(nn.Module):
         Writes every token's K/V through ``attn`` and returns the final-normed hidden states
         ``[T, hidden]``.
         """
-        cos, sin = self.rotary(mrope_positions, embeds.dtype)
+        rot = self.rotary(mrope_positions, embeds.dtype)
         x = embeds
         for local, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attn, local)
-        return self.model.norm(x)
+            x = layer.forward(x, rot, attn, local)
+        return self.model.norm.forward(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab]``."""
-        return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head.weight).float()

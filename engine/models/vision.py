@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import VisionConfig
-from engine.models.layers import activation, apply_rotary, inverse_frequencies
+from engine.models.layers import RotaryTables, activation, inverse_frequencies
 
 Grid = tuple[int, int, int]
 
@@ -40,12 +40,12 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cu_seqlens: list[int], rot: RotaryTables
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, heads, D]
-        q = apply_rotary(q.float(), cos, sin).to(x.dtype)
-        k = apply_rotary(k.float(), cos, sin).to(x.dtype)
+        q = rot.apply(q.float()).to(x.dtype)
+        k = rot.apply(k.float()).to(x.dtype)
         out = torch.empty_like(q)
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
             # [1, heads, L, D] per frame: full attention inside one frame of one image
@@ -74,10 +74,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(cfg)
         self.mlp = VisionMlp(cfg)
 
-    def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+    def forward(self, x: torch.Tensor, cu_seqlens: list[int], rot: RotaryTables) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, rot)
         return x + self.mlp(self.norm2(x))
 
 
@@ -108,17 +106,17 @@ class VisionTower(nn.Module):
     def forward(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """``patches`` ``[N, C*T*P*P]``, ``grids`` one ``(t, h, w)`` per image -> ``[N/m^2, H]``."""
         x = self.patch_embed(patches)  # [N, embed_dim]
-        cos, sin = self._rotary(grids)
+        rot = self._rotary(grids)
         cu = [0]
         for t, h, w in grids:
             base = cu[-1]
             cu.extend(base + h * w * (i + 1) for i in range(t))
         for blk in self.blocks:
-            x = blk(x, cu, cos, sin)
+            x = blk(x, cu, rot)
         return self.merger(x)
 
-    def _rotary(self, grids: Sequence[Grid]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[N, head_dim]``: (row, col) of each patch, in merge-block order."""
+    def _rotary(self, grids: Sequence[Grid]) -> RotaryTables:
+        """2-D rotary tables from the (row, col) of each patch, in merge-block order."""
         m = self.cfg.spatial_merge_size
         rows = []
         for t, h, w in grids:
@@ -131,4 +129,4 @@ class VisionTower(nn.Module):
         pos = torch.cat(rows).float()  # [N, 2]
         freqs = (pos.unsqueeze(-1) * self.inv_freq).flatten(1)  # [N, D/2]: h freqs, then w
         emb = torch.cat((freqs, freqs), dim=-1).to(self.patch_embed.proj.weight.device)
-        return emb.cos(), emb.sin()
+        return RotaryTables(emb.cos(), emb.sin())

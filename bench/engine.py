@@ -1,0 +1,92 @@
+"""Engine throughput against transformers' ``generate`` on the same checkpoint, in one run.
+
+    python bench/engine.py [--model DIR] [--batch-sizes 1,8,32] [--prompt-len 128] [--new 64]
+
+Prints decode tokens/s of both and the ratio per batch size (greedy, float32, CPU). Both see the
+same random prompts of exactly ``--prompt-len`` tokens and produce exactly ``--new`` tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # run as a script: bench/engine.py must not shadow the engine package
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.request import SamplingParams
+from engine.tiny_model import write_tiny_model
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 16, (batch, length), generator=gen).tolist()
+
+
+def run_ours(model_dir: Path, ids: list[list[int]], new: int) -> float:
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=2048, page_size=16, max_num_seqs=256,
+                                               max_num_batched_tokens=4096))
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    engine.generate([Prompt(token_ids=ids[0])], params)  # warm-up
+    start = time.perf_counter()
+    results = engine.generate([Prompt(token_ids=p) for p in ids], params)
+    elapsed = time.perf_counter() - start
+    assert all(len(r.token_ids) == new for r in results)
+    return len(ids) * new / elapsed
+
+
+def run_transformers(model_dir: Path, ids: list[list[int]], new: int) -> float:
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    batch = torch.tensor(ids)
+    kwargs = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+              "pad_token_id": 0, "attention_mask": torch.ones_like(batch)}
+    with torch.inference_mode():
+        model.generate(input_ids=batch[:1], **{**kwargs, "attention_mask": batch[:1] * 0 + 1})
+        start = time.perf_counter()
+        out = model.generate(input_ids=batch, **kwargs)
+        elapsed = time.perf_counter() - start
+    assert out.shape[1] == batch.shape[1] + new
+    return len(ids) * new / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint directory (default: a fresh tiny model)")
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else write_tiny_model(Path(tmp) / "tiny")
+        vocab = json.loads((model_dir / "config.json").read_text())
+        vocab = (vocab.get("text_config") or vocab)["vocab_size"]
+        rows = []
+        for bs in (int(b) for b in args.batch_sizes.split(",")):
+            ids = prompts(bs, args.prompt_len, vocab)
+            ours = run_ours(model_dir, ids, args.new)
+            ref = run_transformers(model_dir, ids, args.new)
+            rows.append({"batch": bs, "pdserve_tok_s": round(ours, 1),
+                         "transformers_tok_s": round(ref, 1), "ratio": round(ours / ref, 2)})
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"{'batch':>5} {'pdserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['pdserve_tok_s']:>14} {r['transformers_tok_s']:>19} "
+              f"{r['ratio']:>6}")
+
+
+if __name__ == "__main__":
+    main()
