@@ -83,15 +83,14 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (is this a model directory?)")
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+        raw = _read_json_object(path)
         extra_eos = _read_generation_eos(Path(model_dir))
         return cls.from_dict(raw, extra_eos=extra_eos)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], extra_eos: tuple[int, ...] = ()) -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"a model config must be a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -122,6 +121,8 @@ class ModelConfig:
 def _text_config(t: dict[str, Any]) -> TextConfig:
     rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
     section = rope.get("mrope_section", [16, 24, 24])
+    if not isinstance(section, list) or len(section) != 3:
+        raise ValueError(f"mrope_section must be a list of 3 ints, got {section!r}")
     theta = rope.get("rope_theta", t.get("rope_theta", 1_000_000.0))
     heads = int(t["num_attention_heads"])
     return TextConfig(
@@ -164,14 +165,24 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, found {type(raw).__name__}")
+    return raw
+
+
 def _read_generation_eos(model_dir: Path) -> tuple[int, ...]:
     path = model_dir / "generation_config.json"
     if not path.is_file():
         return ()
     try:
-        return _as_ids(json.loads(path.read_text()).get("eos_token_id"))
-    except (OSError, ValueError, TypeError) as exc:
-        raise ConfigError(f"{path}: unreadable: {exc}") from exc
+        return _as_ids(_read_json_object(path).get("eos_token_id"))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{path}: bad eos_token_id: {exc}") from exc
 
 
 def _validate(cfg: ModelConfig) -> None:

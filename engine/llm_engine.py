@@ -156,10 +156,15 @@ class LLMEngine:
     ) -> list[GenerationResult]:
         """Run ``prompts`` to completion together; results in prompt order."""
         per = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-        reqs = []
-        for prompt, params in zip(prompts, per, strict=True):
-            ids, images = self.prepare_prompt(prompt)
-            reqs.append(self.add_request(ids, images, params))
+        prepared = [self.prepare_prompt(p) for p in prompts]
+        reqs: list[Request] = []
+        try:
+            for (ids, images), params in zip(prepared, per, strict=True):
+                reqs.append(self.add_request(ids, images, params))
+        except Exception:
+            for req in reqs:  # all or nothing: a bad prompt leaves no sibling queued
+                self.abort(req.request_id)
+            raise
         while self.scheduler.has_unfinished():
             self.step()
         return [self.result(r) for r in reqs]
