@@ -7,11 +7,13 @@ engine in one process over one or many prompts. User errors print one ``error:``
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from deploy.engine_args import add_engine_args, add_server_args, engine_config
 from engine.errors import EngineError
 
 
@@ -47,6 +49,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return run_generate(args, ensure_model(args.model))
 
 
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from decode_node.server import serve_decode
+
+    asyncio.run(serve_decode(ensure_model(args.model), engine_config(args), args.host, args.port))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="run the engine in this process (no servers)")
     add_generate_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    dec = sub.add_parser("decode", help="run a decode worker (gRPC DecodeWorker)")
+    add_engine_args(dec)
+    add_server_args(dec, default_port=50061)
+    dec.set_defaults(func=_cmd_decode)
     return parser
 
 

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from deploy.engine_args import add_engine_args, engine_config
 from engine.errors import InvalidRequestError
 from engine.inputs import ImageInput
-from engine.llm_engine import EngineConfig, GenerationResult, LLMEngine, Prompt
+from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.request import SamplingParams
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", help="prompt texts (each one is a request)")
-    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
     p.add_argument("--token-ids", action="append", default=[], metavar="1,2,3",
                    help="a prompt as comma-separated token ids (repeatable)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
@@ -34,11 +34,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    add_engine_args(p)
 
 
 def _parse_ids(text: str, what: str) -> list[int]:
@@ -77,10 +73,7 @@ def run_generate(args: argparse.Namespace, model_dir: Path) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         max_new_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(model_dir, EngineConfig(
-        page_size=args.page_size, num_pages=args.num_pages, dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-    ))
+    engine = LLMEngine(model_dir, engine_config(args))
     start = time.perf_counter()
     results = engine.generate(prompts, sampling)
     elapsed = time.perf_counter() - start

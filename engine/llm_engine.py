@@ -59,6 +59,15 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class StepResult:
+    """What one step did: requests that got one new token (their last output token), and the
+    requests that finished (a subset of them, or aborted ones)."""
+
+    new_tokens: list[Request]
+    finished: list[Request]
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     request_id: str
     prompt_token_ids: list[int]
@@ -139,17 +148,20 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that finished in it."""
+    def step(self) -> StepResult:
+        """Run one scheduler step: schedule, forward, sample, update."""
         out = self.scheduler.schedule()
         if not out.items:
-            return []
+            return StepResult([], [])
         logits = self.runner.execute(out)
         sampled = [it.request for it in out.items if it.needs_sample]
         params = [r.sampling for r in sampled]
         gens = [_state(r).generator for r in sampled]
         tokens, logprobs = self.sampler.sample(logits, params, gens)
-        return self.scheduler.update(out, list(zip(tokens, logprobs, strict=True)))
+        counts = [r.num_output_tokens for r in sampled]
+        finished = self.scheduler.update(out, list(zip(tokens, logprobs, strict=True)))
+        grown = [r for r, n in zip(sampled, counts, strict=True) if r.num_output_tokens > n]
+        return StepResult(grown, finished)
 
     def generate(
         self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]

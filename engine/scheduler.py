@@ -127,6 +127,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def request_ids(self) -> list[str]:
+        """Ids of every waiting and running request."""
+        return [*self._waiting, *self._running]
+
     def get(self, request_id: str) -> Request | None:
         return self._running.get(request_id) or self._waiting.get(request_id)
 

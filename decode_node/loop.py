@@ -1,0 +1,120 @@
+"""The decode node's engine thread: runs engine steps while other threads submit and abort.
+
+All scheduler state is touched under one lock: the engine thread holds it for a step, and
+:meth:`EngineLoop.submit` / :meth:`EngineLoop.abort` take it briefly, so a bad request is
+refused synchronously (``InvalidRequestError``) and never reaches the loop. After each step the
+thread hands the step's token events to ``emit`` in one call (one event per request that got a
+token or finished), outside the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.inputs import ImageInput
+from engine.llm_engine import LLMEngine
+from engine.request import FinishReason, Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New tokens of one request; ``finish_reason`` is set on its last event."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Emit = Callable[[list[TokenEvent]], None]
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Owns an :class:`LLMEngine` and steps it on a background thread."""
+
+    def __init__(self, engine: LLMEngine, emit: Emit) -> None:
+        self.engine = engine
+        self._emit = emit
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def submit(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        images: Sequence[ImageInput],
+        sampling: SamplingParams,
+    ) -> Request:
+        """Validate and queue a request; raises ``InvalidRequestError`` on bad input."""
+        with self._wake:
+            req = self.engine.add_request(token_ids, images, sampling, request_id=request_id)
+            self._wake.notify()
+            return req
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; True if it was still running. It gets a final ABORT event."""
+        with self._wake:
+            req = self.engine.abort(request_id)
+        if req is None:
+            return False
+        self._emit([_event(req, 0)])
+        return True
+
+    def _abort_all(self) -> list[TokenEvent]:
+        sched = self.engine.scheduler
+        reqs = [sched.abort(rid) for rid in sched.request_ids()]
+        return [_event(r, 0) for r in reqs if r is not None]
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            sched = self.engine.scheduler
+            return {
+                "waiting_requests": sched.num_waiting,
+                "running_requests": sched.num_running,
+                "kv_pages_used": sched.allocator.num_used,
+                "kv_pages_total": sched.allocator.num_pages,
+            }
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.engine.scheduler.has_unfinished():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                try:
+                    result = self.engine.step()
+                except Exception:  # a bug must fail the step's requests, not hang them
+                    log.exception("engine step failed; aborting every running request")
+                    self._emit(self._abort_all())
+                    continue
+            events = [_event(r, 1) for r in result.new_tokens]
+            done = {id(r) for r in result.new_tokens}
+            events += [_event(r, 0) for r in result.finished if id(r) not in done]
+            if events:
+                self._emit(events)
+
+
+def _event(req: Request, new: int) -> TokenEvent:
+    """The event for ``req``'s last ``new`` output tokens."""
+    ids = req.output_token_ids[len(req.output_token_ids) - new :] if new else []
+    lps = req.output_logprobs[len(req.output_logprobs) - new :] if new else []
+    return TokenEvent(req.request_id, ids, lps, req.finish_reason, req.num_prompt_tokens,
+                      req.num_output_tokens)

@@ -1,0 +1,118 @@
+"""The decode node's gRPC service: ``Decode`` streams a room's tokens as the engine makes them.
+
+Events from the engine thread reach the asyncio loop with one ``call_soon_threadsafe`` per step;
+each stream sends everything queued for it since its last write as one message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import torch
+
+from decode_node.loop import EngineLoop, TokenEvent
+from engine.errors import EngineError
+from engine.inputs import ImageInput
+from engine.request import SamplingParams
+from proto.convert import ConversionError, patches_array, sampling_kwargs
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import worker_pb2 as wpb
+from proto.pdserve.v1 import worker_pb2_grpc
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def engine_inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:
+    """Engine values of a worker request; raises ``ConversionError`` on malformed content."""
+    images = []
+    for msg in req.images:
+        array, grid = patches_array(msg)
+        images.append(ImageInput(torch.from_numpy(array.copy()), grid))
+    sampling = SamplingParams(**sampling_kwargs(req.sampling, DEFAULT_MAX_NEW_TOKENS))
+    return list(req.token_ids), images, sampling
+
+
+class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+    """Serves ``DecodeWorker`` over an :class:`EngineLoop` (colocated: prefill runs here too)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._loop: EngineLoop | None = None
+
+    def bind(self, loop: EngineLoop, aio: asyncio.AbstractEventLoop) -> None:
+        """Attach the engine loop (whose ``emit`` is :meth:`emit`) and the asyncio loop the
+        server runs on; call before serving."""
+        self._loop, self._aio = loop, aio
+
+    @property
+    def loop(self) -> EngineLoop:
+        assert self._loop is not None, "DecodeService.bind() was not called"
+        return self._loop
+
+    def emit(self, events: list[TokenEvent]) -> None:
+        """Called on the engine thread after each step."""
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self._dispatch, events)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            queue = self._streams.get(ev.request_id)
+            if queue is not None:
+                queue.put_nowait(ev)
+
+    async def Decode(  # noqa: N802 - gRPC method name
+        self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gpb.GenerateResponse]:
+        req = request.request
+        rid = str(req.room)
+        if rid in self._streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {req.room} is running")
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[rid] = queue
+        finished = False
+        try:
+            try:
+                ids, images, sampling = engine_inputs(req)
+                await asyncio.to_thread(self.loop.submit, rid, ids, images, sampling)
+            except (EngineError, ConversionError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            while not finished:
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                msg = merge_events(req.request_id, events)
+                finished = msg.finished
+                yield msg
+        finally:
+            del self._streams[rid]
+            if not finished:
+                await asyncio.to_thread(self.loop.abort, rid)
+
+    async def AbortRoom(  # noqa: N802
+        self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.AbortRoomResponse:
+        found = await asyncio.to_thread(self.loop.abort, str(request.room))
+        return wpb.AbortRoomResponse(found=found)
+
+    async def GetLoad(  # noqa: N802
+        self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.LoadReport:
+        return wpb.LoadReport(**self.loop.stats())
+
+
+def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateResponse:
+    """One stream message for consecutive events of one request."""
+    msg = gpb.GenerateResponse(request_id=request_id)
+    for ev in events:
+        msg.token_ids.extend(ev.token_ids)
+        msg.logprobs.extend(ev.logprobs)
+    last = events[-1]
+    if last.finish_reason is not None:
+        msg.finished = True
+        msg.finish_reason = last.finish_reason.value
+        msg.usage.prompt_tokens = last.prompt_tokens
+        msg.usage.completion_tokens = last.completion_tokens
+    return msg

@@ -1,0 +1,63 @@
+"""Conversions between protobuf messages and plain Python values (no engine types here:
+the nodes build their own objects from these values)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from proto.pdserve.v1 import generate_pb2 as pb
+
+MAX_PATCH_BYTES = 256 << 20
+
+
+class ConversionError(ValueError):
+    """A message whose content cannot be converted (wrong shapes, sizes, values)."""
+
+
+def sampling_kwargs(msg: pb.SamplingParams, default_max_new_tokens: int) -> dict[str, Any]:
+    """Keyword arguments of ``engine.request.SamplingParams`` from the wire message."""
+    return {
+        "temperature": float(msg.temperature),
+        "top_p": float(msg.top_p) if msg.top_p else 1.0,
+        "top_k": int(msg.top_k),
+        "max_new_tokens": int(msg.max_new_tokens) or default_max_new_tokens,
+        "stop_token_ids": tuple(int(t) for t in msg.stop_token_ids),
+        "seed": int(msg.seed) if msg.HasField("seed") else None,
+        "ignore_eos": bool(msg.ignore_eos),
+        "logprobs": bool(msg.logprobs),
+    }
+
+
+def sampling_message(kwargs: dict[str, Any]) -> pb.SamplingParams:
+    """The wire message for a dict of ``SamplingParams`` fields (the inverse of the above)."""
+    msg = pb.SamplingParams(
+        temperature=kwargs["temperature"], top_p=kwargs["top_p"], top_k=kwargs["top_k"],
+        max_new_tokens=kwargs["max_new_tokens"], stop_token_ids=list(kwargs["stop_token_ids"]),
+        ignore_eos=kwargs["ignore_eos"], logprobs=kwargs["logprobs"],
+    )
+    if kwargs.get("seed") is not None:
+        msg.seed = kwargs["seed"]
+    return msg
+
+
+def patches_array(msg: pb.ImagePatches) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """``(patches float32 [n, d], grid (t, h, w))`` from the wire; shapes are checked here,
+    their agreement with the model by the engine."""
+    if len(msg.shape) != 2 or len(msg.grid_thw) != 3:
+        raise ConversionError("image patches need a 2-D shape and a 3-value grid_thw")
+    n, d = int(msg.shape[0]), int(msg.shape[1])
+    if len(msg.data) != n * d * 4 or len(msg.data) > MAX_PATCH_BYTES:
+        raise ConversionError(
+            f"image patches: {len(msg.data)} bytes do not hold float32 {n}x{d} "
+            f"(or exceed {MAX_PATCH_BYTES} bytes)"
+        )
+    array = np.frombuffer(msg.data, dtype="<f4").reshape(n, d)
+    t, h, w = (int(x) for x in msg.grid_thw)
+    return array, (t, h, w)
+
+
+def patches_message(array: np.ndarray, grid: tuple[int, int, int]) -> pb.ImagePatches:
+    data = np.ascontiguousarray(array, dtype="<f4")
+    return pb.ImagePatches(data=data.tobytes(), shape=list(data.shape), grid_thw=list(grid))

@@ -1,0 +1,47 @@
+"""Starting a gRPC (asyncio) server the same way on every node: our services, the standard
+health service and server reflection, bound to loopback unless told otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 << 20
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+]
+
+Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
+
+
+async def start_server(
+    services: Sequence[Registration], host: str = "127.0.0.1", port: int = 0
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start a server with ``services`` (``(add_X_to_server, servicer, full_service_name)``).
+
+    Returns the server, the bound port (``port=0`` picks a free one) and its health servicer,
+    already ``SERVING`` for every service.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    names = []
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    for name in ["", *names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
