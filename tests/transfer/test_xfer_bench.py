@@ -1,0 +1,25 @@
+"""The transfer benchmark runs end to end on a tiny shape and reports all three rates."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_bench_reports_rates() -> None:
+    cmd = [sys.executable, str(ROOT / "bench" / "transfer.py"), "--json", "--layers", "2",
+           "--kv-heads", "2", "--head-dim", "16", "--page-size", "4", "--dtype", "float32",
+           "--tokens", "64", "--reps", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    out = json.loads(proc.stdout)
+    for key in ("send_kvcache_gbps", "engine_gbps", "memcpy_gbps", "send_over_engine",
+                "engine_over_memcpy"):
+        assert out[key] > 0
+    assert [c["fragmented"] for c in out["cases"]] == [False, True]

@@ -1,0 +1,177 @@
+"""Test helpers: KV pools filled with known bytes and a second process holding one node side.
+
+A peer process is started with ``spawn`` and runs one object (a decode KV manager, a prefill
+bootstrap server or a decode bootstrap client); the test calls its methods over a pipe. Every
+engine and server binds 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.kv_cache import KVPool
+from transfer.ascend import AscendKVManager
+from transfer.aux import AuxBuffer
+from transfer.base import KVManager
+from transfer.bootstrap import BootstrapConfig, ModelIdentity
+from transfer.mooncake import MooncakeKVManager, create_mooncake_engine
+
+HOST = "127.0.0.1"
+HIDDEN = 8
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Shape of one node's KV: target layer ids, optional draft band ids, pool geometry."""
+
+    layer_ids: tuple[int, ...] = (0, 1, 2, 3)
+    draft_ids: tuple[int, ...] = ()
+    num_pages: int = 64
+    page_size: int = 4
+    heads: int = 2
+    head_dim: int = 8
+    aux_rows: int = 4
+    backend: str = "mooncake"  # or "ascend" (Ascend manager over an injected TCP engine)
+    fingerprint: str = "model-a"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(self.fingerprint, self.page_size, "torch.float32")
+
+
+class Node:
+    """One node's pools, aux buffer and registered manager."""
+
+    def __init__(self, spec: Spec, fill_seed: int | None = None) -> None:
+        self.spec = spec
+        geo = (spec.num_pages, spec.page_size, spec.heads, spec.head_dim)
+        self.pools = [KVPool(*geo, layer_ids=list(spec.layer_ids))]
+        if spec.draft_ids:
+            self.pools.append(KVPool(*geo, layer_ids=list(spec.draft_ids)))
+        if fill_seed is not None:
+            gen = torch.Generator().manual_seed(fill_seed)
+            for buf in self.entries():
+                buf.copy_(torch.randn(buf.shape, generator=gen))
+        self.aux = AuxBuffer(spec.aux_rows, HIDDEN)
+        self.manager = make_manager(spec)
+        infos = [info for pool in self.pools for info in pool.buffer_infos()]
+        self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True))
+
+    def entries(self) -> list[torch.Tensor]:
+        return [e for pool in self.pools for e in pool.entries()]
+
+    def layer_ids(self) -> list[int]:
+        return [i for pool in self.pools for i in pool.entry_layer_ids()]
+
+    def dump(self) -> list[bytes]:
+        return [e.numpy().tobytes() for e in self.entries()]
+
+    def zero(self) -> None:
+        for e in self.entries():
+            e.zero_()
+
+    def registration(self) -> Any:
+        ident = self.spec.identity
+        return self.manager.registration(
+            page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint
+        )
+
+
+def make_manager(spec: Spec) -> KVManager:
+    if spec.backend == "ascend":
+        engine = create_mooncake_engine(HOST)
+        return AscendKVManager(hostname=HOST, protocol="tcp", engine=engine,
+                               batch_limit=spec.extra.get("batch_limit", 1024))
+    return MooncakeKVManager(hostname=HOST, batch_limit=spec.extra.get("batch_limit", 1024))
+
+
+class FreeList:
+    """A page allocator stand-in: hands out page ids, takes them back, counts what is held."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.free = list(range(num_pages))
+        self.total = num_pages
+
+    def take(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def give(self, pages: list[int]) -> None:
+        assert not set(pages) & set(self.free), "page freed twice"
+        self.free.extend(pages)
+
+    @property
+    def held(self) -> int:
+        return self.total - len(self.free)
+
+
+def _build(role: str, spec: Spec, arg: Any) -> Any:
+    from transfer.bootstrap_decode import DecodeBootstrapClient
+    from transfer.bootstrap_prefill import PrefillBootstrapServer
+
+    cfg: BootstrapConfig = spec.extra.get("config", BootstrapConfig())
+    if role == "node":
+        return Node(spec)
+    if role == "prefill":
+        node = Node(spec, fill_seed=1)
+        server = PrefillBootstrapServer(node.manager, spec.identity, host=HOST, config=cfg)
+        server.node = node  # type: ignore[attr-defined]  # keep the buffers alive
+        return server
+    node = Node(spec)
+    pages = FreeList(spec.num_pages)
+    client = DecodeBootstrapClient(node.manager, spec.identity, arg, pages.give, config=cfg)
+    client.node, client.pages = node, pages  # type: ignore[attr-defined]
+    return client
+
+
+def _child(conn: Any, role: str, spec: Spec, arg: Any) -> None:
+    obj = _build(role, spec, arg)
+    ready = obj.registration() if role == "node" else getattr(obj, "address", None)
+    conn.send(ready)
+    while True:
+        name, args = conn.recv()
+        if name == "stop":
+            return
+        try:
+            target = obj
+            for part in name.split("."):
+                target = getattr(target, part)
+            conn.send(("ok", target(*args) if callable(target) else target))
+        except Exception as exc:  # report to the test, keep serving
+            conn.send(("err", repr(exc)))
+
+
+class Peer:
+    """Parent-side handle of a peer process."""
+
+    def __init__(self, role: str, spec: Spec, arg: Any = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child_conn, role, spec, arg), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise TimeoutError(f"{role} peer did not start")
+        self.ready = self.conn.recv()
+
+    def call(self, name: str, *args: Any) -> Any:
+        self.conn.send((name, args))
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"peer {name} failed: {value}")
+        return value
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop", ()))
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()

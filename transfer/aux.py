@@ -1,0 +1,113 @@
+"""Aux rows: the small per-room record the prefill writes next to the KV.
+
+A row holds the first generated token, its logprob, the last hidden state for the draft model
+(``hidden_size`` float32 values), the request's mrope delta and the room id echoed back so the
+decode can detect a row that belongs to another room. Rows have a fixed size (a multiple of 64
+bytes) and live in one host buffer that is registered with the engine once; slots are owned by
+one room at a time through :meth:`AuxBuffer.alloc` / :meth:`AuxBuffer.free`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_HEADER = struct.Struct("<qf4xqQ")  # first_token, logprob, (pad), mrope_delta, room
+_ROW_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class AuxLayout:
+    """The byte layout of one aux row for a given hidden size."""
+
+    hidden_size: int
+
+    @property
+    def row_bytes(self) -> int:
+        raw = _HEADER.size + 4 * self.hidden_size
+        return -(-raw // _ROW_ALIGN) * _ROW_ALIGN
+
+
+@dataclass(frozen=True)
+class AuxRow:
+    """One room's aux record; ``hidden`` is ``hidden_size`` float32 values."""
+
+    room: int
+    first_token: int
+    logprob: float
+    mrope_delta: int
+    hidden: tuple[float, ...]
+
+
+class AuxBuffer:
+    """``num_rows`` fixed-size rows in one host allocation, with a slot allocator."""
+
+    def __init__(self, num_rows: int, hidden_size: int) -> None:
+        if num_rows <= 0 or hidden_size < 0:
+            raise ValueError(f"bad aux buffer shape: {num_rows} rows, hidden size {hidden_size}")
+        self.layout = AuxLayout(hidden_size)
+        self.num_rows = num_rows
+        self._mem = (ctypes.c_char * (num_rows * self.layout.row_bytes))()
+        self._free = list(range(num_rows - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def ptr(self) -> int:
+        return ctypes.addressof(self._mem)
+
+    @property
+    def nbytes(self) -> int:
+        return ctypes.sizeof(self._mem)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def row_ptr(self, slot: int) -> int:
+        self._check(slot)
+        return self.ptr + slot * self.row_bytes
+
+    def alloc(self) -> int | None:
+        """A free slot, or ``None`` when every slot is owned."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        """Return ``slot``: its row is zeroed (room 0 means "no row") and it becomes free."""
+        self._check(slot)
+        ctypes.memset(self.row_ptr(slot), 0, self.row_bytes)
+        with self._lock:
+            if slot in self._free:
+                raise ValueError(f"aux slot {slot} freed twice")
+            self._free.append(slot)
+
+    def write(self, slot: int, row: AuxRow) -> None:
+        hidden = _floats(row.hidden, self.layout.hidden_size)
+        data = _HEADER.pack(row.first_token, row.logprob, row.mrope_delta, row.room) + hidden
+        ctypes.memmove(self.row_ptr(slot), data, len(data))
+
+    def read(self, slot: int) -> AuxRow:
+        data = ctypes.string_at(self.row_ptr(slot), self.row_bytes)
+        first_token, logprob, mrope_delta, room = _HEADER.unpack_from(data)
+        hidden = array("f")
+        hidden.frombytes(data[_HEADER.size : _HEADER.size + 4 * self.layout.hidden_size])
+        return AuxRow(room, first_token, logprob, mrope_delta, tuple(hidden))
+
+    def _check(self, slot: int) -> None:
+        if not 0 <= slot < self.num_rows:
+            raise ValueError(f"aux slot {slot} is outside 0..{self.num_rows - 1}")
+
+
+def _floats(values: Sequence[float], n: int) -> bytes:
+    if len(values) != n:
+        raise ValueError(f"hidden state has {len(values)} values, the aux row holds {n}")
+    return array("f", values).tobytes()

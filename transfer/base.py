@@ -1,0 +1,171 @@
+"""The KV manager contract every transfer backend implements.
+
+A manager owns the local side of the transfer: the KV buffer entries and aux buffer it registered
+with its engine (once), and the push of pages into a peer's buffers. ``send_kvcache`` is defined
+here, once, with one keyword signature; backends only supply the engine calls
+(:meth:`KVManager._register_ranges`, :meth:`KVManager._write`). Unknown keywords are accepted and
+ignored, so a caller passing what one backend needs can never crash another.
+
+Invariant: every check (page lists, layer pairing, bytes per page) runs before the first byte
+moves; a failure after that raises :class:`~transfer.errors.EngineCallError`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from transfer.aux import AuxBuffer
+from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
+from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
+from transfer.layers import check_bytes_per_page, pair_entries
+from transfer.messages import Registration
+
+if TYPE_CHECKING:
+    from engine.kv_cache import BufferInfo
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """What one send moved: engine blocks, engine calls and bytes."""
+
+    blocks: int
+    batches: int
+    nbytes: int
+
+
+class KVManager(ABC):
+    """Local KV and aux buffers registered with a transfer engine, and the push into a peer."""
+
+    def __init__(self, *, batch_limit: int = 1024) -> None:
+        if batch_limit <= 0:
+            raise ValueError(f"batch_limit must be positive, got {batch_limit}")
+        self.batch_limit = batch_limit
+        self.kv_ptrs: list[int] = []
+        self.kv_bytes_per_page: list[int] = []
+        self.kv_layer_ids: list[int] | None = None
+        self.num_pages = 0
+        self.aux: AuxBuffer | None = None
+        self._registered = False
+
+    @property
+    @abstractmethod
+    def session_id(self) -> str:
+        """This manager's engine address as peers name it (``host:port``)."""
+
+    @abstractmethod
+    def _register_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Register ``(address, length)`` ranges with the engine; raise on failure."""
+
+    @abstractmethod
+    def _write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        """One engine batch write of at most ``batch_limit`` blocks; returns 0 on success."""
+
+    def register(
+        self, kv: Sequence[BufferInfo], aux: AuxBuffer | None = None, *, use_layer_ids: bool = True
+    ) -> None:
+        """Register the KV buffer entries (and the aux buffer) with the engine, exactly once.
+
+        ``use_layer_ids=False`` publishes no layer ids, so pairing is positional.
+        """
+        if self._registered:
+            raise TransferError("buffers are already registered; a manager registers once")
+        if not kv:
+            raise TransferError("no KV buffer entries to register")
+        self.kv_ptrs = [b.ptr for b in kv]
+        self.kv_bytes_per_page = [b.bytes_per_page for b in kv]
+        self.kv_layer_ids = [b.layer_id for b in kv] if use_layer_ids else None
+        self.num_pages = min(b.nbytes // b.bytes_per_page for b in kv)
+        self.aux = aux
+        ranges = [(b.ptr, b.nbytes) for b in kv]
+        if aux is not None:
+            ranges.append((aux.ptr, aux.nbytes))
+        self._register_ranges(ranges)
+        self._registered = True
+
+    def registration(self, *, page_size: int, dtype: str, model_fingerprint: str) -> Registration:
+        """The message a decode node publishes once per connection."""
+        aux = self._require_aux()
+        return Registration(
+            session_id=self.session_id,
+            kv_ptrs=list(self.kv_ptrs),
+            kv_bytes_per_page=list(self.kv_bytes_per_page),
+            kv_layer_ids=list(self.kv_layer_ids or []),
+            num_pages=self.num_pages,
+            aux_ptr=aux.ptr,
+            aux_row_bytes=aux.row_bytes,
+            aux_num_rows=aux.num_rows,
+            page_size=page_size,
+            dtype=dtype,
+            model_fingerprint=model_fingerprint,
+        )
+
+    def send_kvcache(
+        self,
+        session: str,
+        src_pages: Sequence[int],
+        dst_ptrs: Sequence[int],
+        dst_pages: Sequence[int],
+        *,
+        dst_layer_ids: Sequence[int] | None = None,
+        dst_bytes_per_page: Sequence[int] | None = None,
+        **ignored: Any,
+    ) -> SendResult:
+        """Write local pages ``src_pages`` into the peer's pages ``dst_pages`` of every entry.
+
+        ``dst_ptrs`` are the peer's buffer entry base addresses, ``dst_layer_ids`` its global
+        layer id per entry (paired with ours by id, in order of occurrence) and
+        ``dst_bytes_per_page`` its bytes per page per entry (checked against ours when given).
+        Runs of pages consecutive on both sides go as one block; all blocks go in as few engine
+        calls as ``batch_limit`` allows.
+        """
+        del ignored
+        if not self._registered:
+            raise TransferError("register() the KV buffers before sending")
+        src = as_page_list(src_pages, "src_pages")
+        dst = as_page_list(dst_pages, "dst_pages")
+        if src and max(src) >= self.num_pages:
+            raise PageListError(f"source page {max(src)} is outside 0..{self.num_pages - 1}")
+        pairs = pair_entries(self.kv_layer_ids, dst_layer_ids, len(self.kv_ptrs), len(dst_ptrs))
+        if dst_bytes_per_page is not None:
+            if len(dst_bytes_per_page) != len(dst_ptrs):
+                raise LayerPairingError(
+                    f"{len(dst_bytes_per_page)} bytes-per-page values for {len(dst_ptrs)} "
+                    "destination entries"
+                )
+            check_bytes_per_page(pairs, self.kv_bytes_per_page, dst_bytes_per_page)
+        runs = contiguous_runs(src, dst)
+        srcs, dsts, lens = build_blocks(pairs, self.kv_ptrs, dst_ptrs, self.kv_bytes_per_page, runs)
+        return self._write_blocks(session, srcs, dsts, lens)
+
+    def send_aux(self, session: str, src_slot: int, dst_aux_ptr: int, dst_row_bytes: int,
+                 dst_slot: int) -> SendResult:
+        """Write local aux row ``src_slot`` into the peer's aux row ``dst_slot``."""
+        aux = self._require_aux()
+        if dst_row_bytes != aux.row_bytes:
+            raise TransferError(
+                f"aux rows differ in size: local {aux.row_bytes}, peer {dst_row_bytes} bytes"
+            )
+        dst = dst_aux_ptr + dst_slot * dst_row_bytes
+        return self._write_blocks(session, [aux.row_ptr(src_slot)], [dst], [aux.row_bytes])
+
+    def _write_blocks(
+        self, session: str, srcs: list[int], dsts: list[int], lens: list[int]
+    ) -> SendResult:
+        calls = 0
+        for part in batches(len(srcs), self.batch_limit):
+            ret = self._write(session, srcs[part], dsts[part], lens[part])
+            calls += 1
+            if ret != 0:
+                raise EngineCallError(
+                    f"engine write to {session} failed with code {ret} "
+                    f"(batch {calls}, {part.stop - part.start} blocks)"
+                )
+        return SendResult(blocks=len(srcs), batches=calls, nbytes=sum(lens))
+
+    def _require_aux(self) -> AuxBuffer:
+        if self.aux is None:
+            raise TransferError("no aux buffer was registered")
+        return self.aux

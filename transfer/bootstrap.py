@@ -1,0 +1,89 @@
+"""The P/D handshake: shared configuration and the compatibility check at registration.
+
+Protocol (one TCP connection per decode node and prefill node, frames of :mod:`transfer.wire`):
+
+1. The decode connects to the prefill's bootstrap endpoint and sends its
+   :class:`~transfer.messages.Registration` once; the prefill answers
+   :class:`~transfer.messages.RegisterReply` (a mismatched pair is refused with the reason).
+2. Per room the decode sends a :class:`~transfer.messages.Destination` (its page ids and aux
+   slot). The prefill gates compute on the room until it has arrived.
+3. The prefill pushes each chunk's pages through its KV manager, writes the aux row on the last
+   chunk and only then sends ``Status(Success)``.
+4. Failure: either side may send :class:`~transfer.messages.Abort`. The prefill sends its final
+   word on a room (``Status``, ``Abort`` or ``AbortAck``) only once no write into the room is in
+   flight, and marks it ``quiesced`` when no write can still land. The decode frees a failed
+   room's pages only after such a quiesced word, or after ``quarantine_s``.
+5. The decode sends a :class:`~transfer.messages.Heartbeat` every ``heartbeat_interval_s``; a
+   peer silent for ``heartbeat_interval_s * heartbeat_misses`` (or a closed connection) fails
+   every room it shared, on both sides.
+
+Implementations: :mod:`transfer.bootstrap_prefill` and :mod:`transfer.bootstrap_decode`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transfer.base import KVManager
+from transfer.errors import IncompatiblePeerError, LayerPairingError
+from transfer.layers import check_bytes_per_page, pair_entries
+from transfer.messages import Registration
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """Timeouts of the handshake, in seconds."""
+
+    bootstrap_timeout_s: float = 300.0  # a room without a destination fails after this
+    waiting_timeout_s: float = 300.0  # decode: destination sent, no final status after this
+    heartbeat_interval_s: float = 5.0
+    heartbeat_misses: int = 2  # a peer silent for interval * misses is dead
+    quarantine_s: float = 30.0  # decode: hold a failed room's pages this long without an ack
+    connect_timeout_s: float = 5.0
+    tick_s: float = 0.05  # period of the timeout sweeper
+
+    @property
+    def peer_timeout_s(self) -> float:
+        return self.heartbeat_interval_s * self.heartbeat_misses
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What both nodes must agree on to exchange KV."""
+
+    model_fingerprint: str
+    page_size: int
+    dtype: str
+
+
+def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registration) -> None:
+    """Raise :class:`IncompatiblePeerError` unless the decode's registration fits this prefill.
+
+    Checks model fingerprint, page size, dtype, that every local layer entry has a destination
+    entry with equal bytes per page, and that aux rows have the same size.
+    """
+    mismatches = [
+        (name, mine, theirs)
+        for name, mine, theirs in (
+            ("model fingerprint", identity.model_fingerprint, reg.model_fingerprint),
+            ("page size", identity.page_size, reg.page_size),
+            ("dtype", identity.dtype, reg.dtype),
+        )
+        if mine != theirs
+    ]
+    if mismatches:
+        name, mine, theirs = mismatches[0]
+        raise IncompatiblePeerError(f"{name} differs: prefill has {mine!r}, decode has {theirs!r}")
+    if not len(reg.kv_ptrs) == len(reg.kv_bytes_per_page):
+        raise IncompatiblePeerError("registration has ragged kv_ptrs / kv_bytes_per_page")
+    try:
+        pairs = pair_entries(
+            manager.kv_layer_ids, reg.kv_layer_ids or None, len(manager.kv_ptrs), len(reg.kv_ptrs)
+        )
+        check_bytes_per_page(pairs, manager.kv_bytes_per_page, reg.kv_bytes_per_page)
+    except LayerPairingError as exc:
+        raise IncompatiblePeerError(f"KV layers do not match: {exc}") from exc
+    if manager.aux is not None and manager.aux.row_bytes != reg.aux_row_bytes:
+        raise IncompatiblePeerError(
+            f"aux rows differ: prefill {manager.aux.row_bytes} bytes, decode {reg.aux_row_bytes}"
+        )

@@ -1,0 +1,372 @@
+"""The prefill side of the handshake: the bootstrap endpoint and per-room sending.
+
+Threads: one accepting connections, one reader per decode connection, one sweeper enforcing the
+bootstrap timeout and the heartbeat deadline. The prefill scheduler calls :meth:`add_room`,
+:meth:`poll` (the gate: compute only once it says ``WaitingForInput``), :meth:`send_chunk`,
+:meth:`abort` and, once a room is terminal, :meth:`release`.
+
+Invariants: the final word on a room (``Status``, ``Abort`` or ``AbortAck``) is sent exactly
+once and only when no write into the room is in flight; a room that failed cannot start another
+write; a room the scheduler never claimed is dropped by the sweeper once it fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transfer.aux import AuxRow
+from transfer.base import KVManager
+from transfer.bootstrap import BootstrapConfig, ModelIdentity, check_compatible
+from transfer.errors import EngineCallError, MessageError, TransferError
+from transfer.messages import (
+    Abort,
+    AbortAck,
+    Destination,
+    Heartbeat,
+    HeartbeatAck,
+    Message,
+    RegisterReply,
+    Registration,
+    Status,
+)
+from transfer.status import KVPoll, advance
+from transfer.wire import FramedSocket
+
+
+@dataclass(eq=False)
+class _Conn:
+    """One registered decode connection."""
+
+    sock: FramedSocket
+    reg: Registration
+    last_seen: float
+    alive: bool = True
+
+
+@dataclass(eq=False)
+class _Room:
+    """Prefill-side state of one room (guarded by the server lock)."""
+
+    room: int
+    created: float
+    claimed: bool  # the scheduler called add_room (and will call release)
+    status: KVPoll = KVPoll.Bootstrapping
+    reason: str = ""
+    conn: _Conn | None = None
+    dest: Destination | None = None
+    cursor: int = 0  # destination pages already written
+    inflight: int = 0  # send_chunk calls in progress
+    quiesced: bool = True  # no failed engine call may still land bytes
+    peer_aborted: bool = False  # the decode sent Abort: answer AbortAck
+    aborted_here: bool = False  # the scheduler called abort(): tell the decode Abort
+    final_sent: bool = False
+    outbox: list[Message] = field(default_factory=list)
+
+
+class PrefillBootstrapServer:
+    """Bootstrap endpoint of a prefill node, bound to ``host:port`` (port 0: any free port)."""
+
+    def __init__(
+        self,
+        manager: KVManager,
+        identity: ModelIdentity,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        config: BootstrapConfig | None = None,
+    ) -> None:
+        self.manager = manager
+        self.identity = identity
+        self.config = config or BootstrapConfig()
+        self._lock = threading.Lock()
+        self._rooms: dict[int, _Room] = {}
+        self._conns: list[_Conn] = []
+        self._stop = threading.Event()
+        self._listener = socket.create_server((host, port))
+        self._listener.settimeout(self.config.tick_s * 4)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="bootstrap-accept", daemon=True),
+            threading.Thread(target=self._sweep_loop, name="bootstrap-sweep", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- scheduler API -------------------------------------------------------------------
+
+    @property
+    def num_rooms(self) -> int:
+        with self._lock:
+            return len(self._rooms)
+
+    def add_room(self, room: int) -> None:
+        """Claim ``room`` for a request; its destination may already have arrived."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None:
+                self._rooms[room] = _Room(room, time.monotonic(), claimed=True)
+            elif r.claimed:
+                raise TransferError(f"room {room} is already claimed")
+            else:
+                r.claimed = True
+
+    def poll(self, room: int) -> KVPoll:
+        """The room's status; compute may start once it is ``WaitingForInput`` or later."""
+        with self._lock:
+            return self._room(room).status
+
+    def failure_reason(self, room: int) -> str:
+        with self._lock:
+            return self._room(room).reason
+
+    def send_chunk(
+        self, room: int, src_pages: Sequence[int], *, last: AuxRow | None = None
+    ) -> KVPoll:
+        """Write the next ``len(src_pages)`` destination pages of ``room`` from ``src_pages``.
+
+        Pass the aux row as ``last`` on the last chunk: it is written after the pages and is
+        followed by ``Status(Success)``. Returns the room's status afterwards (``Failed`` when
+        the room failed before or during the write).
+        """
+        src = [int(p) for p in src_pages]
+        with self._lock:
+            r = self._room(room)
+            if r.status is KVPoll.Failed:
+                return r.status
+            if r.dest is None or r.conn is None:
+                raise TransferError(f"room {room} has no destination yet: poll() gates compute")
+            if r.cursor + len(src) > len(r.dest.pages):
+                self._fail(r, f"{r.cursor + len(src)} pages sent, destination has "
+                              f"{len(r.dest.pages)}", quiesced=True)
+                return self._finish_locked(r)
+            dst = r.dest.pages[r.cursor : r.cursor + len(src)]
+            reg, aux_slot = r.conn.reg, r.dest.aux_slot
+            r.cursor += len(src)
+            r.inflight += 1
+            r.status = advance(r.status, KVPoll.Transferring)
+        error: TransferError | None = None
+        try:
+            self.manager.send_kvcache(
+                reg.session_id, src, reg.kv_ptrs, dst,
+                dst_layer_ids=reg.kv_layer_ids or None, dst_bytes_per_page=reg.kv_bytes_per_page,
+            )
+            if last is not None:
+                self._send_aux(reg, aux_slot, dataclasses.replace(last, room=room))
+        except TransferError as exc:
+            error = exc
+        with self._lock:
+            r.inflight -= 1
+            if error is not None:
+                self._fail(r, f"transfer failed: {error}", not isinstance(error, EngineCallError))
+            elif last is not None:
+                r.status = advance(r.status, KVPoll.Success)
+            return self._finish_locked(r)
+
+    def abort(self, room: int, reason: str = "aborted by prefill") -> None:
+        """Fail ``room``; the decode hears ``Abort`` once no write into it is in flight."""
+        with self._lock:
+            r = self._rooms.get(room)
+            if r is None or r.status.is_terminal:
+                return
+            r.aborted_here = True
+            self._fail(r, reason, quiesced=True)
+            self._finish_locked(r)
+
+    def release(self, room: int) -> None:
+        """Drop a terminal room the scheduler is done with."""
+        with self._lock:
+            r = self._room(room)
+            if not r.status.is_terminal:
+                raise TransferError(f"room {room} is {r.status.name}; abort it before release")
+            del self._rooms[room]
+
+    def close(self) -> None:
+        """Stop the threads and close every connection."""
+        self._stop.set()
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            c.sock.close()
+        for t in self._threads:
+            t.join(timeout=2)
+
+    # ---- internals (call with the lock held unless named otherwise) ----------------------
+
+    def _room(self, room: int) -> _Room:
+        r = self._rooms.get(room)
+        if r is None:
+            raise TransferError(f"unknown room {room}")
+        return r
+
+    def _fail(self, r: _Room, reason: str, quiesced: bool) -> None:
+        if r.status is not KVPoll.Failed:
+            r.reason = reason
+        r.status = KVPoll.Failed
+        r.quiesced = r.quiesced and quiesced
+
+    def _finish_locked(self, r: _Room) -> KVPoll:
+        """Queue the room's final word once it is terminal and quiet; flush its outbox."""
+        if r.status.is_terminal and r.inflight == 0 and not r.final_sent and r.conn is not None:
+            r.final_sent = True
+            if r.peer_aborted:
+                r.outbox.append(AbortAck(r.room))
+            elif r.aborted_here:
+                r.outbox.append(Abort(r.room, r.reason))
+            else:
+                r.outbox.append(Status(r.room, int(r.status), r.reason, r.quiesced))
+        if r.outbox and r.conn is not None:
+            conn, msgs = r.conn, list(r.outbox)
+            r.outbox.clear()
+            threading.Thread(target=self._send_all, args=(conn, msgs), daemon=True).start()
+        if not r.claimed and r.status is KVPoll.Failed and r.inflight == 0:
+            self._rooms.pop(r.room, None)
+        return r.status
+
+    def _send_all(self, conn: _Conn, msgs: list[Message]) -> None:
+        """Send outside the lock; a dead socket is the reader's and sweeper's business."""
+        try:
+            for m in msgs:
+                conn.sock.send(m)
+        except OSError:
+            self._drop_conn(conn, "lost the decode connection while sending")
+
+    def _send_aux(self, reg: Registration, dst_slot: int, row: AuxRow) -> None:
+        aux = self.manager.aux
+        if aux is None:
+            raise TransferError("the prefill manager has no aux buffer")
+        slot = aux.alloc()
+        if slot is None:
+            raise TransferError("no free aux slot on the prefill")
+        try:
+            aux.write(slot, row)
+            self.manager.send_aux(reg.session_id, slot, reg.aux_ptr, reg.aux_row_bytes, dst_slot)
+        finally:
+            aux.free(slot)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        """Registration, then messages until the connection ends (thread per connection)."""
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        fs = FramedSocket(sock)
+        try:
+            sock.settimeout(self.config.connect_timeout_s)
+            reg = fs.recv()
+            if not isinstance(reg, Registration):
+                raise MessageError(f"expected Registration, got {type(reg).__name__}")
+            check_compatible(self.identity, self.manager, reg)
+            fs.send(RegisterReply(True, ""))
+            sock.settimeout(None)
+        except (OSError, TransferError) as exc:
+            try:
+                fs.send(RegisterReply(False, str(exc)))
+            except (OSError, TransferError):
+                pass
+            fs.close()
+            return
+        conn = _Conn(fs, reg, time.monotonic())
+        with self._lock:
+            self._conns.append(conn)
+        try:
+            while conn.alive:
+                self._handle(conn, fs.recv())
+        except (OSError, MessageError):
+            self._drop_conn(conn, "lost the decode connection")
+
+    def _handle(self, conn: _Conn, msg: Message) -> None:
+        with self._lock:
+            conn.last_seen = time.monotonic()
+            if isinstance(msg, Heartbeat):
+                r = None
+            elif isinstance(msg, Destination):
+                r = self._on_destination(conn, msg)
+            elif isinstance(msg, Abort):
+                r = self._on_abort(conn, msg)
+            else:
+                raise MessageError(f"unexpected {type(msg).__name__} from a decode")
+            if r is not None:
+                self._finish_locked(r)
+        if isinstance(msg, Heartbeat):
+            self._send_all(conn, [HeartbeatAck(msg.seq)])
+
+    def _on_abort(self, conn: _Conn, a: Abort) -> _Room | None:
+        r = self._rooms.get(a.room)
+        if r is None or r.conn not in (conn, None) or r.final_sent:
+            # Nothing of this connection's can still be written into that room: ack at once.
+            threading.Thread(
+                target=self._send_all, args=(conn, [AbortAck(a.room)]), daemon=True
+            ).start()
+            return None
+        r.conn, r.peer_aborted = conn, True
+        self._fail(r, f"aborted by decode: {a.reason}", quiesced=True)
+        return r
+
+    def _on_destination(self, conn: _Conn, d: Destination) -> _Room:
+        r = self._rooms.get(d.room)
+        if r is None:
+            r = self._rooms[d.room] = _Room(d.room, time.monotonic(), claimed=False)
+        if r.dest is not None:
+            # A second destination for a live room: refuse it without touching the first.
+            threading.Thread(
+                target=self._send_all,
+                args=(conn, [Abort(d.room, "aborted: duplicate destination for this room")]),
+                daemon=True,
+            ).start()
+            return r
+        r.conn, r.dest = conn, d
+        bad = [p for p in d.pages if not 0 <= p < conn.reg.num_pages]
+        if bad or not 0 <= d.aux_slot < conn.reg.aux_num_rows:
+            self._fail(r, f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot})",
+                       quiesced=True)
+        else:
+            r.status = advance(r.status, KVPoll.WaitingForInput)
+        return r
+
+    def _drop_conn(self, conn: _Conn, reason: str) -> None:
+        """Fail every room of a dead or silent decode; nothing more is sent to it."""
+        with self._lock:
+            if not conn.alive:
+                return
+            conn.alive = False
+            if conn in self._conns:
+                self._conns.remove(conn)
+            for r in list(self._rooms.values()):
+                if r.conn is conn:
+                    r.conn = None
+                    if not r.status.is_terminal:
+                        self._fail(r, reason, quiesced=True)
+                    self._finish_locked(r)
+        conn.sock.close()
+
+    def _sweep_loop(self) -> None:
+        cfg = self.config
+        while not self._stop.wait(cfg.tick_s):
+            now = time.monotonic()
+            with self._lock:
+                silent = [c for c in self._conns if now - c.last_seen > cfg.peer_timeout_s]
+                for r in list(self._rooms.values()):
+                    if now - r.created <= cfg.bootstrap_timeout_s or r.status.is_terminal:
+                        continue
+                    if r.status is KVPoll.Bootstrapping:
+                        self._fail(r, "bootstrap timeout: no destination arrived", quiesced=True)
+                    elif not r.claimed:
+                        self._fail(r, "bootstrap timeout: no request for this room", True)
+                    else:
+                        continue
+                    self._finish_locked(r)
+            for c in silent:
+                self._drop_conn(c, "decode heartbeat timeout")

@@ -1,0 +1,176 @@
+"""Every message that crosses the prefill/decode bootstrap boundary, as typed classes.
+
+Encoding: msgpack of ``[VERSION, type name, {field: value}]``. Decoding is strict: the version
+must match, the type must be known, the field set must be exactly the class's fields and every
+value must have the declared type (``bool`` is not accepted as ``int``). Payloads larger than
+``MAX_MESSAGE_BYTES`` are refused before they are parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+
+from transfer.errors import MessageError
+from transfer.status import KVPoll
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a decode node publishes once per connection: where its KV and aux rows live.
+
+    ``kv_ptrs``, ``kv_bytes_per_page`` and ``kv_layer_ids`` are parallel, one item per buffer
+    entry (``[K_0..K_{L-1}, V_0..V_{L-1}]``); ``kv_layer_ids`` holds global layer ids.
+    """
+
+    session_id: str  # transfer engine address of the decode, "host:rpc_port"
+    kv_ptrs: list[int]
+    kv_bytes_per_page: list[int]
+    kv_layer_ids: list[int]
+    num_pages: int
+    aux_ptr: int
+    aux_row_bytes: int
+    aux_num_rows: int
+    page_size: int
+    dtype: str
+    model_fingerprint: str
+
+
+@dataclass(frozen=True)
+class RegisterReply:
+    """The prefill's answer to a registration; ``ok=False`` carries the refusal reason."""
+
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where one room's KV goes on the decode: page ids in prompt order and the aux row slot."""
+
+    room: int
+    pages: list[int]
+    aux_slot: int
+
+
+@dataclass(frozen=True)
+class Status:
+    """Prefill to decode: a room's status. ``quiesced`` promises no more writes into its pages."""
+
+    room: int
+    status: int  # a KVPoll value
+    reason: str
+    quiesced: bool
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Either direction: give up on ``room``."""
+
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class AbortAck:
+    """Prefill to decode: the prefill will write nothing more into ``room``'s pages."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Decode to prefill liveness probe; answered with :class:`HeartbeatAck` of the same seq."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class HeartbeatAck:
+    """Prefill to decode answer to :class:`Heartbeat`."""
+
+    seq: int
+
+
+Message = typing.Union[  # noqa: UP007 (a runtime alias)
+    Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck
+]
+_TYPES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (
+        Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck
+    )
+}
+
+
+class _Schema:
+    """Field name to a checker, built once per message class from its type hints."""
+
+    cache: ClassVar[dict[type, dict[str, Any]]] = {}
+
+    @classmethod
+    def of(cls, msg_type: type) -> dict[str, Any]:
+        if msg_type not in cls.cache:
+            hints = typing.get_type_hints(msg_type)
+            cls.cache[msg_type] = {f.name: hints[f.name] for f in dataclasses.fields(msg_type)}
+        return cls.cache[msg_type]
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    raise TypeError(f"unsupported field type {hint}")
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize one message; raises :class:`MessageError` if it exceeds the size limit."""
+    name = type(msg).__name__
+    if name not in _TYPES:
+        raise MessageError(f"not a bootstrap message: {type(msg)!r}")
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    data = msgpack.packb([VERSION, name, fields], use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"{name} message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode(data: bytes) -> Message:
+    """Parse and strictly validate one message (version, type, exact fields, value types)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise MessageError(f"undecodable message: {exc}") from exc
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise MessageError("message is not a [version, type, fields] triple")
+    version, name, fields = obj
+    if version != VERSION:
+        raise MessageError(f"message version {version!r} is not {VERSION}")
+    msg_type = _TYPES.get(name) if isinstance(name, str) else None
+    if msg_type is None:
+        raise MessageError(f"unknown message type {name!r}")
+    schema = _Schema.of(msg_type)
+    if not isinstance(fields, dict) or set(fields) != set(schema):
+        got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+        raise MessageError(f"{name} fields {got} are not {sorted(schema)}")
+    for key, hint in schema.items():
+        if not _type_ok(fields[key], hint):
+            raise MessageError(f"{name}.{key} has a value of the wrong type: {fields[key]!r:.80}")
+    if msg_type is Status and fields["status"] not in set(KVPoll):
+        raise MessageError(f"Status.status {fields['status']} is not a KVPoll value")
+    return msg_type(**fields)

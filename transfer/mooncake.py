@@ -1,0 +1,86 @@
+"""KV manager over Mooncake's transfer engine (``mooncake.engine.TransferEngine``).
+
+TCP by default with the peer-to-peer handshake (metadata server ``P2PHANDSHAKE``: no metadata
+service, a peer is named ``host:rpc_port``); RDMA with ``protocol="rdma"`` and a device name.
+Push model: the prefill writes into pages the decode reserved. Each buffer is registered once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transfer.base import KVManager
+from transfer.errors import BackendUnavailableError, EngineCallError
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+
+
+def create_mooncake_engine(
+    hostname: str, *, protocol: str = "tcp", device_name: str = "",
+    metadata_server: str = P2P_HANDSHAKE,
+) -> Any:
+    """A started ``TransferEngine`` listening on ``hostname``."""
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "MooncakeKVManager needs the Mooncake transfer engine: "
+            "pip install mooncake-transfer-engine-non-cuda (or the CUDA build)"
+        ) from exc
+    engine = TransferEngine()
+    ret = engine.initialize(hostname, metadata_server, protocol, device_name)
+    if ret != 0:
+        raise EngineCallError(
+            f"TransferEngine.initialize({hostname!r}, {metadata_server!r}, {protocol!r}) "
+            f"returned {ret}"
+        )
+    return engine
+
+
+class MooncakeKVManager(KVManager):
+    """Mooncake-backed manager; pass ``engine`` to reuse an initialized engine."""
+
+    def __init__(
+        self,
+        *,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        metadata_server: str = P2P_HANDSHAKE,
+        engine: Any = None,
+        batch_limit: int = 1024,
+    ) -> None:
+        super().__init__(batch_limit=batch_limit)
+        self.hostname = hostname
+        self.protocol = protocol
+        self.engine = engine if engine is not None else self._create_engine(
+            hostname, protocol, device_name, metadata_server
+        )
+        self._ranges: list[tuple[int, int]] = []
+
+    def _create_engine(
+        self, hostname: str, protocol: str, device_name: str, metadata_server: str
+    ) -> Any:
+        return create_mooncake_engine(
+            hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server
+        )
+
+    @property
+    def session_id(self) -> str:
+        return f"{self.hostname}:{self.engine.get_rpc_port()}"
+
+    def _register_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        for ptr, length in ranges:
+            ret = self.engine.register_memory(ptr, length)
+            if ret != 0:
+                raise EngineCallError(f"register_memory({ptr:#x}, {length}) returned {ret}")
+            self._ranges.append((ptr, length))
+
+    def _write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        return int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+
+    def close(self) -> None:
+        """Unregister every range this manager registered."""
+        for ptr, _ in self._ranges:
+            self.engine.unregister_memory(ptr)
+        self._ranges.clear()
