@@ -14,14 +14,17 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from decode_node.remote import RemoteQueues, RemoteRoom, RoomOutcome
+from engine.errors import InvalidRequestError
 from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, Request, SamplingParams
+from transfer.bootstrap_decode import DecodeBootstrapClient
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """New tokens of one request; ``finish_reason`` is set on its last event."""
+    """New tokens of one request; ``finish_reason`` (or ``error``) is set on its last event."""
 
     request_id: str
     token_ids: list[int]
@@ -29,10 +32,12 @@ class TokenEvent:
     finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
+    error: str | None = None
 
 
 Emit = Callable[[list[TokenEvent]], None]
 log = logging.getLogger(__name__)
+IDLE_POLL_S = 0.002  # how often transfers are polled while nothing else runs
 
 
 class EngineLoop:
@@ -40,6 +45,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, emit: Emit) -> None:
         self.engine = engine
+        self.remote = RemoteQueues(engine)
         self._emit = emit
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -68,14 +74,40 @@ class EngineLoop:
             self._wake.notify()
             return req
 
+    def submit_remote(
+        self, room: int, token_ids: Sequence[int], sampling: SamplingParams,
+        client: DecodeBootstrapClient,
+    ) -> None:
+        """Queue a room whose prompt a prefill node computes; raises ``InvalidRequestError``."""
+        req = Request(str(room), list(token_ids), sampling)
+        with self._wake:
+            if room in self.remote or self.engine.scheduler.get(req.request_id):
+                raise InvalidRequestError(f"room {room} is already running here")
+            self.remote.add(RemoteRoom(room, req, client))
+            self._wake.notify()
+
     def abort(self, request_id: str) -> bool:
         """Cancel a request; True if it was still running. It gets a final ABORT event."""
         with self._wake:
-            req = self.engine.abort(request_id)
+            remote = self.remote.abort(int(request_id), "aborted") if request_id.isdigit() else None
+            req = remote.request if remote else self.engine.abort(request_id)
         if req is None:
             return False
+        req.finish_reason = FinishReason.ABORT
         self._emit([_event(req, 0)])
         return True
+
+    def _emit_outcomes(self, outcomes: list[RoomOutcome]) -> None:
+        events = []
+        for o in outcomes:
+            req = o.room.request
+            if o.error is not None:
+                events.append(TokenEvent(req.request_id, [], [], FinishReason.ABORT,
+                                         req.num_prompt_tokens, 0, error=o.error))
+            else:  # adopted or finished: the first token, from the prefill
+                events.append(_event(req, 1))
+        if events:
+            self._emit(events)
 
     def _abort_all(self) -> list[TokenEvent]:
         sched = self.engine.scheduler
@@ -86,19 +118,26 @@ class EngineLoop:
         with self._lock:
             sched = self.engine.scheduler
             return {
-                "waiting_requests": sched.num_waiting,
+                "waiting_requests": sched.num_waiting + self.remote.num_rooms,
                 "running_requests": sched.num_running,
                 "kv_pages_used": sched.allocator.num_used,
                 "kv_pages_total": sched.allocator.num_pages,
+                "rooms_active": self.remote.num_rooms,
             }
 
     def _run(self) -> None:
         while True:
             with self._wake:
                 while not self._stopping and not self.engine.scheduler.has_unfinished():
-                    self._wake.wait()
+                    if self.remote.num_rooms:
+                        self._emit_outcomes(self.remote.tick())
+                        if self.engine.scheduler.has_unfinished():
+                            break
+                    self._wake.wait(IDLE_POLL_S if self.remote.num_rooms else None)
                 if self._stopping:
                     return
+                if self.remote.num_rooms:
+                    self._emit_outcomes(self.remote.tick())
                 try:
                     result = self.engine.step()
                 except Exception:  # a bug must fail the step's requests, not hang them

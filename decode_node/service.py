@@ -10,26 +10,24 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
-import torch
 
+from decode_node.clients import BootstrapClients
 from decode_node.loop import EngineLoop, TokenEvent
 from engine.errors import EngineError
-from engine.inputs import ImageInput
+from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
 from proto.convert import ConversionError, patches_array, sampling_kwargs
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
+from transfer.errors import IncompatiblePeerError, TransferError
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def engine_inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:
     """Engine values of a worker request; raises ``ConversionError`` on malformed content."""
-    images = []
-    for msg in req.images:
-        array, grid = patches_array(msg)
-        images.append(ImageInput(torch.from_numpy(array.copy()), grid))
+    images = [image_from_array(*patches_array(msg)) for msg in req.images]
     sampling = SamplingParams(**sampling_kwargs(req.sampling, DEFAULT_MAX_NEW_TOKENS))
     return list(req.token_ids), images, sampling
 
@@ -41,11 +39,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: EngineLoop | None = None
+        self._clients: BootstrapClients | None = None
 
-    def bind(self, loop: EngineLoop, aio: asyncio.AbstractEventLoop) -> None:
-        """Attach the engine loop (whose ``emit`` is :meth:`emit`) and the asyncio loop the
-        server runs on; call before serving."""
-        self._loop, self._aio = loop, aio
+    def bind(
+        self, loop: EngineLoop, aio: asyncio.AbstractEventLoop, clients: BootstrapClients
+    ) -> None:
+        """Attach the engine loop (whose ``emit`` is :meth:`emit`), the asyncio loop the
+        server runs on and the bootstrap connections; call before serving."""
+        self._loop, self._aio, self._clients = loop, aio, clients
 
     @property
     def loop(self) -> EngineLoop:
@@ -74,15 +75,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._streams[rid] = queue
         finished = False
         try:
-            try:
-                ids, images, sampling = engine_inputs(req)
-                await asyncio.to_thread(self.loop.submit, rid, ids, images, sampling)
-            except (EngineError, ConversionError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._submit(request, context)
             while not finished:
                 events = [await queue.get()]
                 while not queue.empty():
                     events.append(queue.get_nowait())
+                if events[-1].error is not None:
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, events[-1].error)
                 msg = merge_events(req.request_id, events)
                 finished = msg.finished
                 yield msg
@@ -90,6 +90,24 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             del self._streams[rid]
             if not finished:
                 await asyncio.to_thread(self.loop.abort, rid)
+
+    async def _submit(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
+        req = request.request
+        try:
+            ids, images, sampling = engine_inputs(req)
+            if request.local_prefill or not request.prefill_bootstrap:
+                await asyncio.to_thread(self.loop.submit, str(req.room), ids, images, sampling)
+                return
+            assert self._clients is not None
+            client = await asyncio.to_thread(self._clients.get, request.prefill_bootstrap)
+            await asyncio.to_thread(self.loop.submit_remote, req.room, ids, sampling, client)
+        except (EngineError, ConversionError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except IncompatiblePeerError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (TransferError, OSError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"prefill bootstrap {request.prefill_bootstrap}: {exc}")
 
     async def AbortRoom(  # noqa: N802
         self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext

@@ -13,7 +13,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from deploy.engine_args import add_engine_args, add_server_args, engine_config
+from deploy.engine_args import (
+    add_engine_args,
+    add_server_args,
+    add_transfer_args,
+    advertise_host,
+    engine_config,
+)
 from engine.errors import EngineError
 
 
@@ -52,8 +58,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_decode(args: argparse.Namespace) -> int:
     from decode_node.server import serve_decode
 
-    asyncio.run(serve_decode(ensure_model(args.model), engine_config(args), args.host, args.port))
+    asyncio.run(serve_decode(
+        ensure_model(args.model), engine_config(args), args.host, args.port,
+        transfer_backend=args.transfer_backend, advertise_host=advertise_host(args),
+    ))
     return 0
+
+
+def _cmd_prefill(args: argparse.Namespace) -> int:
+    from prefill_node.server import serve_prefill
+
+    asyncio.run(serve_prefill(
+        ensure_model(args.model), engine_config(args), args.host, args.port,
+        bootstrap_port=args.bootstrap_port, transfer_backend=args.transfer_backend,
+        advertise_host=advertise_host(args),
+    ))
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from deploy.router_cmd import run_router
+
+    return run_router(args, ensure_model(args.model))
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from deploy.client_cmd import run_client
+
+    return run_client(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     dec = sub.add_parser("decode", help="run a decode worker (gRPC DecodeWorker)")
     add_engine_args(dec)
     add_server_args(dec, default_port=50061)
+    add_transfer_args(dec)
     dec.set_defaults(func=_cmd_decode)
+
+    pre = sub.add_parser("prefill", help="run a prefill worker (gRPC PrefillWorker)")
+    add_engine_args(pre)
+    add_server_args(pre, default_port=50051)
+    add_transfer_args(pre)
+    pre.add_argument("--bootstrap-port", type=int, default=0,
+                     help="port of the KV transfer bootstrap endpoint (0 picks a free one)")
+    pre.set_defaults(func=_cmd_prefill)
+
+    from deploy.client_cmd import add_client_args
+    from deploy.router_cmd import add_router_args
+
+    rtr = sub.add_parser("router", help="run the router (public gRPC Generation API)")
+    add_router_args(rtr)
+    rtr.set_defaults(func=_cmd_router)
+
+    cli = sub.add_parser("client", help="stream one answer from a router")
+    add_client_args(cli)
+    cli.set_defaults(func=_cmd_client)
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 from engine.llm_engine import EngineConfig
 
@@ -32,3 +33,18 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 to serve other machines)")
     p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+
+
+def add_transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "ascend"])
+    p.add_argument("--advertise-host", default=None,
+                   help="address peers use to reach this node's transfer engine and bootstrap "
+                        "(default: --host, or this machine's address when --host is 0.0.0.0)")
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return str(args.advertise_host)
+    if args.host not in ("0.0.0.0", "::", ""):
+        return str(args.host)
+    return socket.gethostbyname(socket.gethostname())

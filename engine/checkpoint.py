@@ -7,6 +7,7 @@ both naming schemes (``model.layers.*`` / ``visual.*`` as published, and
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -97,6 +98,27 @@ def load_model(
     model.eval().requires_grad_(False)
     model.fuse()
     return cfg, model
+
+
+_SAMPLE_BYTES = 1 << 20
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A short hash that differs between checkpoints: ``config.json``, and per weight file its
+    size and its first and last MiB (header included). Two nodes exchange KV only when their
+    fingerprints agree; hashing samples keeps this fast for checkpoints of any size."""
+    path = Path(model_dir)
+    digest = hashlib.sha256()
+    config = json.loads((path / "config.json").read_text())
+    digest.update(json.dumps(config, sort_keys=True).encode())
+    for file in weight_files(path):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(_SAMPLE_BYTES))
+            f.seek(max(0, size - _SAMPLE_BYTES))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
 
 
 def save_weights(model: Qwen2VLModel, model_dir: str | Path) -> None:

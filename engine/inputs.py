@@ -26,6 +26,11 @@ class ImageInput:
     grid_thw: Grid
 
 
+def image_from_array(patches: np.ndarray, grid_thw: Grid) -> ImageInput:
+    """An :class:`ImageInput` owning a float32 copy of ``patches``."""
+    return ImageInput(torch.from_numpy(np.array(patches, dtype=np.float32)), grid_thw)
+
+
 @dataclass(eq=False)
 class RequestState:
     """Engine-side data of one request (the scheduler never reads it)."""

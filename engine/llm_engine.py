@@ -29,7 +29,7 @@ from engine.mrope import num_image_tokens
 from engine.page_allocator import PageAllocator
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampling import Sampler, make_generator
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +125,22 @@ class LLMEngine:
             raise InvalidRequestError("this model has no tokenizer.json: send token_ids instead")
         return self._encode_text(prompt.text or "", images), images
 
+    def new_request(
+        self,
+        token_ids: Sequence[int],
+        images: Sequence[ImageInput] = (),
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """A validated request, not yet queued; raises :class:`InvalidRequestError`."""
+        sampling = sampling or SamplingParams()
+        sampling.validate(self.model_config.text.vocab_size)
+        state = build_state(token_ids, images, self.model_config)
+        state.generator = make_generator(sampling.seed)
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        return Request(request_id, list(token_ids), sampling, payload=state)
+
     def add_request(
         self,
         token_ids: Sequence[int],
@@ -133,13 +149,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> Request:
         """Validate and queue one request; raises :class:`InvalidRequestError` on bad input."""
-        sampling = sampling or SamplingParams()
-        sampling.validate(self.model_config.text.vocab_size)
-        state = build_state(token_ids, images, self.model_config)
-        state.generator = make_generator(sampling.seed)
-        if request_id is None:
-            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        req = Request(request_id, list(token_ids), sampling, payload=state)
+        req = self.new_request(token_ids, images, sampling, request_id)
         self.scheduler.add(req)
         return req
 
@@ -153,15 +163,22 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.items:
             return StepResult([], [])
+        samples = self.forward(out)
+        sampled = [it.request for it in out.items if it.needs_sample]
+        counts = [r.num_output_tokens for r in sampled]
+        finished = self.scheduler.update(out, samples)
+        grown = [r for r, n in zip(sampled, counts, strict=True) if r.num_output_tokens > n]
+        return StepResult(grown, finished)
+
+    def forward(self, out: SchedulerOutput) -> list[tuple[int, float]]:
+        """Run the model over a scheduled step and sample: one ``(token, logprob)`` per item
+        with ``needs_sample``, in item order (the input of ``Scheduler.update``)."""
         logits = self.runner.execute(out)
         sampled = [it.request for it in out.items if it.needs_sample]
         params = [r.sampling for r in sampled]
         gens = [_state(r).generator for r in sampled]
         tokens, logprobs = self.sampler.sample(logits, params, gens)
-        counts = [r.num_output_tokens for r in sampled]
-        finished = self.scheduler.update(out, list(zip(tokens, logprobs, strict=True)))
-        grown = [r for r, n in zip(sampled, counts, strict=True) if r.num_output_tokens > n]
-        return StepResult(grown, finished)
+        return list(zip(tokens, logprobs, strict=True))
 
     def generate(
         self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]

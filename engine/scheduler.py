@@ -143,10 +143,11 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Validate ``request`` and queue it (FIFO). Raises :class:`InvalidRequestError`."""
-        self._validate(request)
+        self.validate(request)
         self._waiting[request.request_id] = request
 
-    def _validate(self, req: Request) -> None:
+    def validate(self, req: Request) -> None:
+        """Raise :class:`InvalidRequestError` if :meth:`add` would refuse ``req``."""
         cfg = self.config
         rid = req.request_id
         if rid in self._waiting or rid in self._running:

@@ -3,6 +3,8 @@ health service and server reflection, bound to loopback unless told otherwise.""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,3 +47,12 @@ async def start_server(
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+async def wait_for_signal() -> None:
+    """Return on SIGINT or SIGTERM (graceful shutdown of a node)."""
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.add_signal_handler(sig, stop.set)
+    await stop.wait()

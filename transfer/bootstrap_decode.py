@@ -111,6 +111,12 @@ class DecodeBootstrapClient:
         with self._lock:
             return len(self._rooms)
 
+    @property
+    def alive(self) -> bool:
+        """False once the prefill is known dead (closed connection or missed heartbeats)."""
+        with self._lock:
+            return self._alive
+
     def add_room(self, room: int) -> None:
         """Track ``room`` from the moment the request arrives (``Bootstrapping``)."""
         with self._lock:

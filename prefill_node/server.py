@@ -1,0 +1,48 @@
+"""``pdserve prefill``: a prefill worker process (gRPC ``PrefillWorker`` + its transfer
+bootstrap endpoint)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from engine.checkpoint import model_fingerprint
+from engine.llm_engine import EngineConfig, LLMEngine
+from prefill_node.loop import PrefillLoop
+from prefill_node.service import PrefillService
+from proto.pdserve.v1 import worker_pb2_grpc
+from proto.server import start_server, wait_for_signal
+from transfer.bootstrap import ModelIdentity
+from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.setup import make_kv_manager
+
+SERVICE_NAME = "pdserve.v1.PrefillWorker"
+
+
+async def serve_prefill(
+    model_dir: Path, config: EngineConfig, host: str, port: int, *, bootstrap_port: int,
+    transfer_backend: str, advertise_host: str,
+) -> None:
+    """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
+    engine = LLMEngine(model_dir, config)
+    manager = make_kv_manager(
+        transfer_backend, engine.pool.buffer_infos(),
+        hidden_size=engine.model_config.text.hidden_size,
+        aux_rows=4, hostname=advertise_host,
+    )
+    identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
+    bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port)
+    service = PrefillService()
+    loop = PrefillLoop(engine, bootstrap, service.on_done)
+    service.bind(loop, asyncio.get_running_loop(), f"{advertise_host}:{bootstrap.address[1]}")
+    loop.start()
+    server, bound, _ = await start_server(
+        [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service, SERVICE_NAME)], host, port
+    )
+    print(f"READY {bound}", flush=True)
+    try:
+        await wait_for_signal()
+    finally:
+        await server.stop(grace=5.0)
+        loop.stop()
+        bootstrap.close()

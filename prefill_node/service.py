@@ -1,0 +1,88 @@
+"""The prefill node's gRPC service: ``Prefill`` returns once a room's KV is delivered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from engine.errors import EngineError
+from engine.inputs import ImageInput, image_from_array
+from engine.request import SamplingParams
+from prefill_node.loop import PrefillLoop
+from proto.convert import ConversionError, patches_array, sampling_kwargs
+from proto.pdserve.v1 import worker_pb2 as wpb
+from proto.pdserve.v1 import worker_pb2_grpc
+from transfer.errors import TransferError
+
+
+class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+    """Serves ``PrefillWorker`` over a :class:`PrefillLoop`."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, asyncio.Future[str | None]] = {}
+        self._aio: asyncio.AbstractEventLoop | None = None
+        self._loop: PrefillLoop | None = None
+        self.bootstrap_address = ""
+
+    def bind(self, loop: PrefillLoop, aio: asyncio.AbstractEventLoop, bootstrap: str) -> None:
+        """Attach the prefill loop (whose ``on_done`` is :meth:`on_done`), the asyncio loop
+        and the bootstrap endpoint address reported in load reports."""
+        self._loop, self._aio, self.bootstrap_address = loop, aio, bootstrap
+
+    @property
+    def loop(self) -> PrefillLoop:
+        assert self._loop is not None, "PrefillService.bind() was not called"
+        return self._loop
+
+    def on_done(self, room: int, error: str | None) -> None:
+        """Called on the prefill thread when a room ends."""
+        if self._aio is not None:
+            self._aio.call_soon_threadsafe(self._resolve, room, error)
+
+    def _resolve(self, room: int, error: str | None) -> None:
+        fut = self._pending.get(room)
+        if fut is not None and not fut.done():
+            fut.set_result(error)
+
+    async def Prefill(  # noqa: N802 - gRPC method name
+        self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.PrefillResponse:
+        req = request.request
+        room = req.room
+        if room in self._pending:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {room} is running")
+        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._pending[room] = fut
+        try:
+            try:
+                ids, images, sampling = _inputs(req)
+                await asyncio.to_thread(self.loop.submit, room, ids, images, sampling)
+            except (EngineError, ConversionError, TransferError, ValueError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            error = await fut
+        except asyncio.CancelledError:
+            await asyncio.to_thread(self.loop.abort, room, "prefill call cancelled")
+            raise
+        finally:
+            del self._pending[room]
+        if error is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room} failed: {error}")
+        return wpb.PrefillResponse(room=room, prompt_tokens=len(req.token_ids))
+
+    async def AbortRoom(  # noqa: N802
+        self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.AbortRoomResponse:
+        reason = request.reason or "aborted by the router"
+        found = await asyncio.to_thread(self.loop.abort, request.room, reason)
+        return wpb.AbortRoomResponse(found=found)
+
+    async def GetLoad(  # noqa: N802
+        self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.LoadReport:
+        return wpb.LoadReport(bootstrap=self.bootstrap_address, **self.loop.stats())
+
+
+def _inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:
+    images = [image_from_array(*patches_array(msg)) for msg in req.images]
+    return list(req.token_ids), images, SamplingParams(**sampling_kwargs(req.sampling, 1))

@@ -1,0 +1,39 @@
+"""Building a node's KV manager: pick the backend, register the pool and an aux buffer once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from transfer.aux import AuxBuffer
+from transfer.base import KVManager
+from transfer.errors import TransferError
+
+if TYPE_CHECKING:
+    from engine.kv_cache import BufferInfo
+
+BACKENDS = ("mooncake", "ascend")
+
+
+def make_kv_manager(
+    backend: str,
+    kv: Sequence[BufferInfo],
+    *,
+    hidden_size: int,
+    aux_rows: int,
+    hostname: str,
+) -> KVManager:
+    """A manager of ``backend`` with ``kv`` and a fresh aux buffer registered."""
+    manager: KVManager
+    if backend == "mooncake":
+        from transfer.mooncake import MooncakeKVManager
+
+        manager = MooncakeKVManager(hostname=hostname)
+    elif backend == "ascend":
+        from transfer.ascend import AscendKVManager
+
+        manager = AscendKVManager(hostname=hostname)
+    else:
+        raise TransferError(f"unknown transfer backend {backend!r}; choose from {BACKENDS}")
+    manager.register(kv, AuxBuffer(aux_rows, hidden_size))
+    return manager
