@@ -48,37 +48,39 @@ class AttentionBackend(ABC):
 
 
 class TorchPagedAttention(AttentionBackend):
-    """Gathers each sequence's K/V into a padded batch and runs one SDPA call per layer."""
+    """Gathers each sequence's pages into a padded batch and runs one SDPA call per layer.
+
+    K/V are gathered a page at a time (``index_select`` over ``[num_pages, page_size * ...]``
+    rows), so a sequence's keys are its pages laid end to end: ``S = max_pages * page_size``
+    key positions per sequence, of which the mask admits the first ``kv_len``.
+    """
 
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
-        # [num_slots, kv_heads, D] views of each layer's buffers
+        # [num_slots, kv_heads, D] views of each layer's buffers, for writes by slot
         self.flat_k = [pool.flat_k(i) for i in range(pool.num_layers)]
         self.flat_v = [pool.flat_v(i) for i in range(pool.num_layers)]
 
     def prepare(self, batch: AttentionBatch) -> None:
         ps = self.pool.page_size
         bsz = len(batch.q_lens)
-        max_q, max_kv = max(batch.q_lens), max(batch.kv_lens)
-        max_pages = -(-max_kv // ps)
-        table = torch.tensor([(pt + [0] * max_pages)[:max_pages] for pt in batch.page_tables])
-        offsets = torch.arange(ps)
-        # kv_index: [B, max_kv] slots of each sequence's tokens (padding points at slot 0)
-        self.kv_index = (table.unsqueeze(-1) * ps + offsets).view(bsz, -1)[:, :max_kv]
-        self.kv_flat = self.kv_index.flatten()
+        max_q = max(batch.q_lens)
+        max_pages = -(-max(batch.kv_lens) // ps)
+        span = max_pages * ps
+        self.bsz = bsz
+        self.pages = torch.tensor([(pt + [0] * max_pages)[:max_pages] for pt in batch.page_tables])
+        self.pages = self.pages.flatten()  # [B * max_pages]
         self.slot_mapping = batch.slot_mapping
         kv_len = torch.tensor(batch.kv_lens).view(bsz, 1, 1)
+        keys = torch.arange(span).view(1, 1, span)
         if max_q == 1:
             self.q_index = None
             self.out_index = None
-            ragged = min(batch.kv_lens) != max_kv
-            keys = torch.arange(max_kv).view(1, 1, max_kv)
-            self.mask = (keys < kv_len).unsqueeze(1) if ragged else None
+            self.mask = (keys < kv_len).unsqueeze(1)  # [B, 1, 1, S]
             return
         q_len = torch.tensor(batch.q_lens).view(bsz, 1, 1)
         rows = torch.arange(max_q).view(1, max_q, 1)
-        keys = torch.arange(max_kv).view(1, 1, max_kv)
-        # mask: [B, 1, max_q, max_kv] causal inside each sequence; padded rows see key 0 only
+        # mask: [B, 1, max_q, S] causal inside each sequence; padded rows see key 0 only
         self.mask = ((keys <= kv_len - q_len + rows) & (keys < kv_len)).unsqueeze(1)
         starts = torch.tensor(batch.q_lens).cumsum(0) - q_len.view(-1)
         r = rows.view(1, max_q)
@@ -89,17 +91,20 @@ class TorchPagedAttention(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     ) -> torch.Tensor:
-        flat_k, flat_v = self.flat_k[layer], self.flat_v[layer]
-        flat_k.index_copy_(0, self.slot_mapping, k)
-        flat_v.index_copy_(0, self.slot_mapping, v)
-        bsz, heads, dim = self.kv_index.shape[0], q.shape[1], q.shape[2]
-        shape = (bsz, -1, flat_k.shape[1], dim)
-        keys = flat_k.index_select(0, self.kv_flat).view(shape).transpose(1, 2)  # [B, kv_h, S, D]
-        vals = flat_v.index_select(0, self.kv_flat).view(shape).transpose(1, 2)
+        self.flat_k[layer].index_copy_(0, self.slot_mapping, k)
+        self.flat_v[layer].index_copy_(0, self.slot_mapping, v)
+        bsz, heads, dim = self.bsz, q.shape[1], q.shape[2]
+        kv_heads = k.shape[1]
+        shape = (bsz, -1, kv_heads, dim)
+        keys = self.pool.k[layer].index_select(0, self.pages).view(shape).transpose(1, 2)
+        vals = self.pool.v[layer].index_select(0, self.pages).view(shape).transpose(1, 2)
+        # keys, vals: [B, kv_heads, S, D]
         if self.q_index is None:
-            qq = q.view(bsz, 1, heads, dim).transpose(1, 2)  # [B, heads, 1, D]
-        else:
-            qq = q[self.q_index].transpose(1, 2)  # [B, heads, max_q, D]
+            # decode: a kv head's query heads play the role of query rows, so no GQA expansion
+            qq = q.view(bsz, kv_heads, -1, dim)  # [B, kv_heads, heads / kv_heads, D]
+            out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask)
+            return out.reshape(bsz, heads, dim)
+        qq = q[self.q_index].transpose(1, 2)  # [B, heads, max_q, D]
         out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * max_q, heads, D]
         return out if self.out_index is None else out[self.out_index]
