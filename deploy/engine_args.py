@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import socket
+from typing import TYPE_CHECKING
 
-from engine.llm_engine import EngineConfig
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from engine.llm_engine import EngineConfig  # torch: only for commands that run an engine
+
     return EngineConfig(
         page_size=args.page_size, num_pages=args.num_pages, kv_budget_bytes=args.kv_budget_mb << 20,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.inputs import ImageInput
 from engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from engine.request import SamplingParams
 from engine.tiny_model import tiny_config_dict
@@ -79,14 +80,13 @@ def test_disaggregated_equals_colocated(tiny_dir: Path) -> None:
     ]
     engine = LLMEngine(tiny_dir, EngineConfig(num_pages=96, page_size=8))
     greedy = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    from engine.inputs import ImageInput
-
     expected = [engine.generate([Prompt(token_ids=ids, images=[ImageInput(*im) for im in ims])],
                                 greedy)[0].token_ids for ids, ims in cases]
     model = ["--model", str(tiny_dir)]
     with running(["prefill", *model, *NODE_ARGS], ["decode", *model, *NODE_ARGS]) as [p, d]:
         with grpc.insecure_channel(p.address) as ch:
-            bootstrap = worker_pb2_grpc.PrefillWorkerStub(ch).GetLoad(wpb.GetLoadRequest()).bootstrap
+            load = worker_pb2_grpc.PrefillWorkerStub(ch).GetLoad(wpb.GetLoadRequest())
+            bootstrap = load.bootstrap
         for room, ((ids, ims), exp) in enumerate(zip(cases, expected, strict=True), start=1):
             got = run_room(p.address, d.address, bootstrap, worker_request(room, ids, 10, ims))
             assert got == exp, f"case {room}"

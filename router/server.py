@@ -1,0 +1,43 @@
+"""``pdserve router``: the router process (``Generation`` + health + reflection)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from proto.pdserve.v1 import generate_pb2_grpc
+from proto.server import start_server
+from router.config import RouterConfig
+from router.preprocess import ModelAssets
+from router.service import GenerationService
+from router.workers import WorkerPool
+
+SERVICE_NAME = "pdserve.v1.Generation"
+
+
+async def serve_router(config: RouterConfig, host: str, port: int) -> None:
+    """Run a router until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
+
+    Workers need not be up yet: unreachable ones are marked unhealthy and retried by the
+    background ``GetLoad`` poll.
+    """
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    assets = ModelAssets.from_dir(config.model_dir)
+    pool = WorkerPool(config.prefill, config.decode or config.colocated,
+                      refresh_s=config.load_refresh_s, timeout_s=config.worker_timeout_s)
+    await pool.start()
+    service = GenerationService(config, assets, pool)
+    server, bound, _ = await start_server(
+        [(generate_pb2_grpc.add_GenerationServicer_to_server, service, SERVICE_NAME)], host, port
+    )
+    print(f"READY {bound}", flush=True)
+    stop = asyncio.Event()
+    aio = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=5.0)
+        await pool.close()

@@ -1,0 +1,136 @@
+"""The ``pdserve.v1.Generation`` servicer: validate, pick workers, run the room, relay.
+
+Invariants: a request id and a room id are live from admission until the stream ends (however
+it ends); every :class:`RoomRun` is closed exactly once, in ``Generate``'s ``finally``, which
+also runs when the client cancels, its deadline passes or the generator is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import generate_pb2_grpc
+from proto.pdserve.v1 import worker_pb2 as wpb
+from router.config import RouterConfig
+from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
+from router.relay import relay
+from router.room import RoomRun, WorkerFailure
+from router.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+ROOM_BITS = 63
+
+
+class GenerationService(generate_pb2_grpc.GenerationServicer):
+    """Serves the public API over a :class:`WorkerPool`."""
+
+    def __init__(self, config: RouterConfig, assets: ModelAssets, pool: WorkerPool) -> None:
+        self.config = config
+        self.assets = assets
+        self.pool = pool
+        self.prep = Preprocessor(assets, config.max_new_tokens_default, config.max_images)
+        self.ids: set[str] = set()  # request ids from admission to the end of their stream
+        self.running: dict[str, RoomRun] = {}  # the ones whose workers are already called
+        self.rooms: set[int] = set()
+        self.metrics: Counter[str] = Counter()  # requests, local_prefill, remote_prefill, ...
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` in the background, keeping a reference until it finishes."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gpb.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.ids:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is running")
+        self.ids.add(rid)  # reserved synchronously: no await between the check and this line
+        run: RoomRun | None = None
+        try:
+            try:
+                prepared = await asyncio.to_thread(self.prep.prepare, request)
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            run = await self._admit(rid, prepared, context)
+            detok = self.assets.tokenizer.detokenizer() if self.assets.tokenizer else None
+            async for msg in relay(run, rid, detok, prepared.sampling.logprobs):
+                if msg.finished:
+                    run.finished = True
+                    self.metrics[f"finish_{msg.finish_reason}"] += 1
+                yield msg
+        except WorkerFailure as exc:
+            self.metrics["failed"] += 1
+            await context.abort(exc.code, exc.details)
+        finally:
+            self.ids.discard(rid)
+            self.running.pop(rid, None)
+            if run is not None:
+                run.close()
+                self.rooms.discard(run.room)
+
+    async def _admit(self, rid: str, prepared: PreparedRequest,
+                     context: grpc.aio.ServicerContext) -> RoomRun:
+        """Pick the workers, draw the room id, register and start the room."""
+        room = self._new_room()
+        decode = self.pool.pick(self.pool.decode)
+        prefill = None
+        bootstrap = ""
+        short = len(prepared.token_ids) < self.config.local_prefill_threshold
+        local = not self.pool.prefill or short
+        if not local:
+            prefill = self.pool.pick(self.pool.prefill)
+            bootstrap = await self.pool.bootstrap_of(prefill)
+            if not bootstrap:
+                self.rooms.discard(room)
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"prefill worker {prefill.address}: no bootstrap address")
+        self.metrics["requests"] += 1
+        self.metrics["local_prefill" if local else "remote_prefill"] += 1
+        wreq = wpb.WorkerRequest(room=room, request_id=rid, token_ids=prepared.token_ids,
+                                 images=prepared.images, sampling=prepared.sampling)
+        run = RoomRun(room, wreq, decode, prefill, bootstrap, self.spawn,
+                      timeout_s=self.config.worker_timeout_s, deadline_s=context.time_remaining())
+        self.running[rid] = run
+        run.start()
+        return run
+
+    def _new_room(self) -> int:
+        """A random nonzero 63-bit room id not used by any live room (reserved on return)."""
+        while True:
+            room = secrets.randbits(ROOM_BITS)
+            if room and room not in self.rooms:
+                self.rooms.add(room)
+                return room
+
+    async def GetModelInfo(  # noqa: N802
+        self, request: gpb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> gpb.ModelInfo:
+        cfg = self.assets.config
+        return gpb.ModelInfo(model_type=cfg.model_type, vocab_size=cfg.text.vocab_size,
+                             max_model_len=self.assets.max_model_len,
+                             has_tokenizer=self.assets.tokenizer is not None,
+                             mode=self.config.mode)
+
+    async def Abort(  # noqa: N802
+        self, request: gpb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> gpb.AbortResponse:
+        run = self.running.get(request.request_id)
+        if run is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no running request {request.request_id!r}")
+        self.metrics["aborted"] += 1
+        await run.abort()
+        return gpb.AbortResponse()
