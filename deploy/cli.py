@@ -127,7 +127,38 @@ def build_parser() -> argparse.ArgumentParser:
     cli = sub.add_parser("client", help="stream one answer from a router")
     add_client_args(cli)
     cli.set_defaults(func=_cmd_client)
+    _add_cluster_commands(sub)
     return parser
+
+
+def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
+    from deploy.launch_cmd import add_launch_args
+
+    launch = sub.add_parser("launch", help="start router, prefill and decode workers on Ray")
+    add_launch_args(launch)
+    launch.set_defaults(func=_cmd_launch)
+    status = sub.add_parser("status", help="show the detached cluster started by launch")
+    status.set_defaults(func=_cmd_status)
+    stop = sub.add_parser("stop", help="stop the detached cluster started by launch")
+    stop.set_defaults(func=_cmd_stop)
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from deploy.launch_cmd import run_launch
+
+    return run_launch(args, ensure_model(args.model), default_model_dir().parent)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from deploy.launch_cmd import run_status
+
+    return run_status(default_model_dir().parent)
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from deploy.launch_cmd import run_stop
+
+    return run_stop(default_model_dir().parent)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -178,7 +178,7 @@ def test_cancel_reaches_both_workers(setup: Setup) -> None:
     _wait(lambda: room in setup.decode.ended)
 
 
-def _wait(cond, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+def _wait(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"

@@ -1,0 +1,86 @@
+"""``pdserve launch`` on a local Ray cluster: serves over gRPC, answers like the colocated
+engine, and Ctrl-C leaves no server, actor or Ray process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.request import SamplingParams
+from engine.tiny_model import write_tiny_model
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import generate_pb2_grpc
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def processes_matching(text: str) -> list[str]:
+    """Command lines of live processes that contain ``text``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd)
+    return found
+
+
+def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "launch-model")
+    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", "--model", str(model),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, cwd=ROOT)
+    assert proc.stdout is not None
+    try:
+        address = None
+        deadline = time.monotonic() + 180
+        log = []
+        while time.monotonic() < deadline and address is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            log.append(line)
+            if line.startswith("READY "):
+                address = line.split()[1]
+        assert address is not None, "".join(log)
+        assert address.startswith("127.0.0.1:")  # single node: loopback only
+        request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, 2, 3, 4]),
+                                      sampling=gpb.SamplingParams(max_new_tokens=12,
+                                                                  ignore_eos=True))
+        with grpc.insecure_channel(address) as ch:
+            msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60))
+        got = [t for m in msgs for t in m.token_ids]
+        engine = LLMEngine(model, EngineConfig(num_pages=64))
+        [expected] = engine.generate([Prompt(token_ids=[1, 2, 3, 4])],
+                                     SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert got == expected.token_ids
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out
+        assert "stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = processes_matching(str(model)) + processes_matching("raylet")
+        if not left:
+            break
+        time.sleep(0.5)
+    assert not left, left
