@@ -46,6 +46,11 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
     path = write_tiny_model(args.dir, seed=args.seed)
     print(f"wrote tiny Qwen2-VL checkpoint to {path}")
+    if args.with_draft:
+        from engine.tiny_model import write_tiny_draft
+
+        draft = write_tiny_draft(path / "draft", seed=args.seed + 1)
+        print(f"wrote its EAGLE draft to {draft}")
     return 0
 
 
@@ -95,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="write the built-in tiny random checkpoint")
     tiny.add_argument("dir", help="output directory")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--with-draft", action="store_true",
+                      help="also write an EAGLE draft to DIR/draft")
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
     from deploy.generate_cmd import add_generate_args

@@ -100,6 +100,23 @@ def load_model(
     return cfg, model
 
 
+def keep_layers(model: Qwen2VLModel, layers: range) -> Qwen2VLModel:
+    """Drop every decoder layer outside ``layers`` (a pipeline stage's share) to free memory.
+
+    The dropped layers become empty modules, so ``model.model.layers[i]`` keeps its global index
+    ``i``; only :meth:`Qwen2VLModel.forward_layers` over ``layers`` may run afterwards. The
+    whole checkpoint is still read first (loading only a stage's tensors is a later
+    improvement).
+    """
+    n = len(model.model.layers)
+    if not (0 <= layers.start < layers.stop <= n and layers.step == 1):
+        raise CheckpointError(f"layer range {layers} is not a contiguous part of 0..{n - 1}")
+    for i in range(n):
+        if i not in layers:
+            model.model.layers[i] = torch.nn.Module()
+    return model
+
+
 _SAMPLE_BYTES = 1 << 20
 
 

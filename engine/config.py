@@ -98,7 +98,7 @@ class ModelConfig:
             )
         try:
             text_raw = dict(raw.get("text_config") or raw)
-            text = _text_config(text_raw)
+            text = text_config_from_dict(text_raw)
             vision = _vision_config(raw["vision_config"], text.hidden_size)
             eos = _as_ids(text_raw.get("eos_token_id", raw.get("eos_token_id")))
             tie = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
@@ -118,7 +118,7 @@ class ModelConfig:
         return cfg
 
 
-def _text_config(t: dict[str, Any]) -> TextConfig:
+def text_config_from_dict(t: dict[str, Any]) -> TextConfig:
     rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
     section = rope.get("mrope_section", [16, 24, 24])
     if not isinstance(section, list) or len(section) != 3:

@@ -24,7 +24,7 @@ from engine.image_processor import (
 )
 from engine.inputs import ImageInput, RequestState, build_state
 from engine.kv_cache import KVPool, pages_for_budget
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, StepForward
 from engine.mrope import num_image_tokens
 from engine.page_allocator import PageAllocator
 from engine.request import FinishReason, Request, SamplingParams
@@ -45,6 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # token budget per step, and the prefill chunk size
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    lookahead_tokens: int = 0  # KV a request may write past its tokens (speculative decoding)
     dtype: str = "float32"
     device: str = "cpu"
 
@@ -104,6 +105,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 eos_token_ids=self.model_config.eos_token_ids,
                 vocab_size=text.vocab_size,
+                lookahead_tokens=config.lookahead_tokens,
             ),
             PageAllocator(num_pages),
         )
@@ -173,12 +175,19 @@ class LLMEngine:
     def forward(self, out: SchedulerOutput) -> list[tuple[int, float]]:
         """Run the model over a scheduled step and sample: one ``(token, logprob)`` per item
         with ``needs_sample``, in item order (the input of ``Scheduler.update``)."""
-        logits = self.runner.execute(out)
+        return self.forward_states(out)[0]
+
+    def forward_states(
+        self, out: SchedulerOutput
+    ) -> tuple[list[tuple[int, float]], StepForward]:
+        """:meth:`forward`, also returning the forward's tensors (for a draft model)."""
+        fwd = self.runner.run(out)
+        logits = self.model.logits(fwd.hidden[fwd.sample_rows])
         sampled = [it.request for it in out.items if it.needs_sample]
         params = [r.sampling for r in sampled]
         gens = [_state(r).generator for r in sampled]
         tokens, logprobs = self.sampler.sample(logits, params, gens)
-        return list(zip(tokens, logprobs, strict=True))
+        return list(zip(tokens, logprobs, strict=True)), fwd
 
     def generate(
         self, prompts: Sequence[Prompt], sampling: SamplingParams | Sequence[SamplingParams]

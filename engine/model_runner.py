@@ -9,6 +9,8 @@ its prompt is done.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.attention import AttentionBackend, AttentionBatch
@@ -16,6 +18,17 @@ from engine.inputs import RequestState
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
 from engine.scheduler import ScheduledItem, SchedulerOutput
+
+
+@dataclass
+class StepForward:
+    """One forward's tensors, kept for whoever runs after the target (the draft model)."""
+
+    input_ids: torch.Tensor  # [T]
+    hidden: torch.Tensor  # [T, H] final-normed hidden states
+    mrope: torch.Tensor  # [3, T] the positions the forward used
+    slots: torch.Tensor  # [T] KV slots written
+    sample_rows: list[int]  # rows whose logits are sampled, in item order
 
 
 class ModelRunner:
@@ -31,6 +44,12 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Forward the step's tokens; returns float32 logits ``[num_samples, vocab]`` in item
         order (one row per item with ``needs_sample``)."""
+        fwd = self.run(out)
+        return self.model.logits(fwd.hidden[fwd.sample_rows])
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> StepForward:
+        """Forward the step's tokens; the hidden states and positions of every token."""
         ids: list[int] = []
         pos: list[int] = []
         deltas: list[int] = []
@@ -50,16 +69,23 @@ class ModelRunner:
         mrope = mrope_from_1d(pos_t, deltas_t)  # [3, T]
         embeds = self.model.embed(ids_t)  # [T, H]
         mrope = self._prompt_positions(out.items, mrope, embeds, ids_t)
-        self.attn.prepare(
-            AttentionBatch(
-                q_lens=[it.num_tokens for it in out.items],
-                kv_lens=[it.start + it.num_tokens for it in out.items],
-                page_tables=[it.request.page_ids for it in out.items],
-                slot_mapping=slots_t,
-            )
+        batch = AttentionBatch(
+            q_lens=[it.num_tokens for it in out.items],
+            kv_lens=[it.start + it.num_tokens for it in out.items],
+            page_tables=[it.request.page_ids for it in out.items],
+            slot_mapping=slots_t,
         )
-        hidden = self.model(embeds, mrope, self.attn)
-        return self.model.logits(hidden[sample_rows])
+        hidden = self.forward_embeds(embeds, mrope, batch)
+        return StepForward(ids_t, hidden, mrope, slots_t, sample_rows)
+
+    @torch.inference_mode()
+    def forward_embeds(
+        self, embeds: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """The target model over explicit inputs: ``embeds`` ``[T, H]`` at ``mrope`` ``[3, T]``,
+        K/V written at ``batch.slot_mapping``; returns hidden states ``[T, H]``."""
+        self.attn.prepare(batch)
+        return self.model(embeds, mrope, self.attn)
 
     def _prompt_positions(
         self,

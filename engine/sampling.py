@@ -78,6 +78,18 @@ class Sampler:
         return order.gather(1, picked.unsqueeze(1)).squeeze(1)
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is sampled from (temperature, top-k, top-p applied),
+    normalised, in vocabulary order: ``logits [m, V]`` -> ``[m, V]``. Rows must not be greedy."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    scaled = logits.float() / temps.unsqueeze(1)
+    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        return torch.softmax(scaled, dim=-1)
+    sorted_probs, order = _filtered_sorted_probs(scaled, params)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def _filtered_sorted_probs(
     scaled: torch.Tensor, params: list[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor]:

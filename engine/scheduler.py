@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
+    lookahead_tokens: int = 0  # speculative decoding writes KV this far past the last token
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_model_len", "max_num_seqs",
@@ -137,6 +138,7 @@ class Scheduler:
     def worst_case_pages(self, request: Request) -> int:
         """Pages ``request`` can need at most: ceil((prompt + max_new_tokens) / page_size)."""
         total = request.num_prompt_tokens + request.sampling.max_new_tokens
+        total += self.config.lookahead_tokens
         return max(cdiv(total, self.config.page_size), len(request.page_ids))
 
     # ---- admission -----------------------------------------------------------------------------
@@ -197,13 +199,18 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's work and allocate the pages it writes (see the module docstring)."""
+    def schedule(self, prefill_only: bool = False) -> SchedulerOutput:
+        """Pick this step's work and allocate the pages it writes (see the module docstring).
+
+        ``prefill_only`` leaves decoding requests out (a speculative decoder runs them).
+        """
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledItem] = []
         for req in self._running.values():
             if budget == 0:
                 break
+            if prefill_only and not req.is_prefill:
+                continue
             if req.num_computed_tokens < req.num_tokens:
                 budget -= self._schedule_chunk(req, budget, items)
         while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
@@ -262,6 +269,27 @@ class Scheduler:
             if sample is not None and self._append_token(req, *sample):
                 finished.append(req)
         return finished
+
+    def decoding(self) -> list[Request]:
+        """Running requests past their prompt (a speculative decoder's batch)."""
+        return [r for r in self._running.values() if not r.is_prefill]
+
+    def grow(self, req: Request, end: int) -> None:
+        """Allocate pages so a running ``req`` can hold KV for tokens ``[0, end)``; ``end`` may
+        pass ``num_tokens`` by up to ``lookahead_tokens`` (speculative writes)."""
+        limit = self._worst[req.request_id] * self.config.page_size
+        if end > limit:
+            raise ValueError(f"request {req.request_id!r}: {end} tokens exceed its reserve")
+        self._allocate_pages(req, end)
+
+    def commit(self, req: Request, computed: int, tokens: list[tuple[int, float]]) -> bool:
+        """Record a speculative round: KV now covers ``computed`` tokens and ``tokens`` were
+        accepted (in order). Stops at a stop token or ``max_new_tokens``; returns True when the
+        request finished (its pages are then freed)."""
+        if not req.num_computed_tokens < computed <= req.num_tokens + len(tokens) - 1:
+            raise ValueError(f"request {req.request_id!r}: bad computed count {computed}")
+        req.num_computed_tokens = computed
+        return any(self._append_token(req, tok, lp) for tok, lp in tokens)
 
     def _append_token(self, req: Request, token: int, logprob: float) -> bool:
         req.output_token_ids.append(token)

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from engine.checkpoint import save_weights
 from engine.config import ModelConfig
+from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.tiny_tokenizer import build_tiny_tokenizer, special_token_ids
 
@@ -90,6 +92,21 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+
+
+def write_tiny_draft(draft_dir: str | Path, seed: int = 1, vocab_size: int = TINY_VOCAB) -> Path:
+    """Write a random EAGLE draft for the tiny model to ``draft_dir``."""
+    path = Path(draft_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    target = tiny_config_dict(vocab_size)
+    layers = target["text_config"]["num_hidden_layers"]
+    raw = draft_config_dict(target["text_config"], layers)
+    draft = EagleDraft(DraftConfig.from_dict(raw))
+    init_weights(draft, seed)
+    state = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return path
 
 
 def write_tiny_model(model_dir: str | Path, seed: int = 0, vocab_size: int = TINY_VOCAB) -> Path:

@@ -154,6 +154,24 @@ class Qwen2VLModel(nn.Module):
             x = layer.forward(x, rot, attn, local)
         return self.model.norm.forward(x)
 
+    def forward_layers(
+        self, hidden: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,
+        layers: range, *, final_norm: bool,
+    ) -> torch.Tensor:
+        """Run global decoder layers ``layers`` (a contiguous range, a pipeline stage's share)
+        over ``hidden`` ``[T, hidden]`` at ``mrope_positions`` ``[3, T]``.
+
+        The attention pool holds exactly these layers, numbered locally from 0 (global layer
+        ``layers.start + i`` is pool layer ``i``). Returns ``[T, hidden]``: the final-normed
+        states when ``final_norm`` (the last stage), else the raw residual stream for the next
+        stage. Over all layers with ``final_norm`` this equals :meth:`forward`.
+        """
+        rot = self.rotary(mrope_positions, hidden.dtype)
+        x = hidden
+        for gid in layers:
+            x = self.model.layers[gid].forward(x, rot, attn, gid - layers.start)
+        return self.model.norm.forward(x) if final_norm else x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab]``."""
         return F.linear(hidden, self.lm_head.weight).float()

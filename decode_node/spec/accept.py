@@ -1,0 +1,53 @@
+"""Acceptance of a chain of draft tokens against the target's verify forward.
+
+Greedy: draft ``d_{j+1}`` is accepted iff it equals the target's argmax at row ``j``, in order;
+the first mismatch (or row ``K`` when all match) gives the new bonus token. Sampling: lossless
+speculative sampling (Leviathan et al.; Chen et al.): accept ``d`` with probability
+``min(1, p(d) / q(d))``; at the first rejection draw from ``normalize(max(p - q, 0))``; when all
+``K`` drafts pass, draw the bonus from ``p`` at row ``K``. ``p`` and ``q`` must be the exact
+distributions the target samples from and the drafts were drawn from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accept_greedy(drafts: list[int], target_argmax: list[int]) -> list[int]:
+    """Tokens to commit: the accepted drafts followed by the target's token at the first
+    mismatch. ``len(target_argmax) == len(drafts) + 1``."""
+    out = []
+    for j, d in enumerate(drafts):
+        if d != target_argmax[j]:
+            break
+        out.append(d)
+    out.append(target_argmax[len(out)])
+    return out
+
+
+def accept_sampled(
+    drafts: list[int],
+    p: torch.Tensor,
+    q: torch.Tensor,
+    generator: torch.Generator | None,
+) -> list[int]:
+    """Lossless speculative sampling of one request.
+
+    ``p``: target distributions ``[K + 1, V]`` (row ``j`` is the distribution of the token
+    after the ``j``-th verified token); ``q``: the draft distributions ``[K, V]`` that
+    ``drafts`` were sampled from. Returns the tokens to commit (accepted drafts + one more).
+    """
+    out = []
+    for j, d in enumerate(drafts):
+        u = torch.rand((), generator=generator).item()
+        pd, qd = float(p[j, d]), float(q[j, d])
+        if qd > 0 and u * qd < pd:
+            out.append(d)
+            continue
+        residual = torch.clamp(p[j] - q[j], min=0.0)
+        total = float(residual.sum())
+        dist = residual / total if total > 0 else p[j]
+        out.append(int(torch.multinomial(dist, 1, generator=generator).item()))
+        return out
+    out.append(int(torch.multinomial(p[len(drafts)], 1, generator=generator).item()))
+    return out

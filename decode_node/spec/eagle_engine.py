@@ -1,0 +1,288 @@
+"""EAGLE speculative decoding over the engine: draft, verify, accept, draft-extend.
+
+Notation (per request): ``S`` = tokens whose KV is in both the target and the draft cache; the
+bonus token ``b`` (the last committed token) sits at index ``S`` without KV; ``K`` drafts
+``d_1..d_K`` are guesses for indices ``S+1..S+K``; ``A`` = accepted drafts + 1.
+
+* **Prefill** runs through the scheduler in chunks. After the target's forward over a chunk, the
+  draft runs over the same rows: row ``p`` pairs the target feature of ``p`` with token ``p+1``
+  (the next chunk's first token, or the sampled bonus on the last chunk), at row ``p``'s own 3-D
+  position and KV slot. The last row's output predicts ``d_1``.
+* **Draft decode** (``K - 1`` forwards): step ``i`` feeds ``d_{i+1}`` with the previous draft
+  output as feature at 1-D position ``S + i``, writing draft KV at slot ``S + i``; positions
+  advance after each forward.
+* **Verify**: the target over ``[b, d_1..d_K]`` at positions ``S..S+K`` (causal), KV at slots
+  ``S..S+K``. Acceptance is greedy or lossless rejection sampling.
+* **Draft extend**: the draft over the same ``K + 1`` rows with the verify's hidden states and the
+  committed tokens shifted by one, at the very positions tensor the verify used; row ``A - 1``
+  (``select_index``) seeds the next round. Rows ``>= A`` write KV past ``S + A`` that nothing reads
+  before it is overwritten.
+
+Every forward's mrope positions come from :func:`engine.mrope.mrope_from_1d` applied to that
+forward's final 1-D positions (the prompt's rope table for prompt rows), so their column count
+always equals the forward's token count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decode_node.spec.accept import accept_greedy, accept_sampled
+from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.inputs import RequestState
+from engine.kv_cache import KVPool
+from engine.llm_engine import GenerationResult, LLMEngine, Prompt
+from engine.models.eagle import EagleDraft
+from engine.mrope import mrope_from_1d
+from engine.request import Request, SamplingParams
+from engine.sampling import sampling_probs
+from engine.scheduler import SchedulerOutput
+
+# (phase, request ids per row, 1-D positions [T], mrope positions [3, T]) of every forward
+PositionLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class DraftState:
+    """The draft's seed for a request's next round."""
+
+    token: int  # d_1: the draft's guess for index S + 1
+    feature: torch.Tensor  # [H] the draft output that predicted it
+    q: torch.Tensor | None  # [V] the distribution d_1 was drawn from (None when greedy)
+
+
+@dataclass
+class SpecStats:
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Average tokens committed per verify round (accepted drafts + the bonus)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass(frozen=True)
+class SpecStepResult:
+    new_tokens: list[tuple[Request, int]]  # requests and how many tokens they got this step
+    finished: list[Request]
+
+
+class EagleEngine:
+    """An :class:`LLMEngine` whose decoding runs in EAGLE rounds of ``k`` draft tokens."""
+
+    def __init__(self, engine: LLMEngine, draft: EagleDraft, k: int) -> None:
+        if k < 1:
+            raise ValueError(f"num_draft_tokens must be at least 1, got {k}")
+        if engine.scheduler.config.lookahead_tokens < k:
+            raise ValueError("the engine's lookahead_tokens must be at least num_draft_tokens")
+        draft.cfg.check_target(engine.model_config.text)
+        self.engine, self.draft, self.k = engine, draft, k
+        pool = engine.pool
+        self.draft_pool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
+                                 [draft.cfg.layer_id], pool.dtype)
+        self.draft_attn = TorchPagedAttention(self.draft_pool)
+        self.states: dict[str, DraftState] = {}
+        self.stats = SpecStats()
+        self.request_stats: dict[str, SpecStats] = {}
+        self.position_log: PositionLog | None = None
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> SpecStepResult:
+        sched = self.engine.scheduler
+        new: list[tuple[Request, int]] = []
+        finished: list[Request] = []
+        out = sched.schedule(prefill_only=True)
+        if out.items:
+            samples, fwd = self.engine.forward_states(out)
+            self._log("prefill", out, fwd.mrope)
+            self._draft_prefill(out, samples, fwd.hidden, fwd.mrope, fwd.slots)
+            sampled = [it.request for it in out.items if it.needs_sample]
+            done = sched.update(out, samples)
+            new += [(r, 1) for r in sampled if r.num_output_tokens == 1]
+            finished += done
+        ready = [r for r in sched.decoding() if r.request_id in self.states]
+        if ready:
+            n, done = self._round(ready)
+            new += n
+            finished += done
+        for r in finished:
+            self.states.pop(r.request_id, None)
+        return SpecStepResult(new, finished)
+
+    def generate(
+        self, prompts: Sequence[Prompt], sampling: SamplingParams
+    ) -> list[GenerationResult]:
+        reqs = []
+        for prompt in prompts:
+            ids, images = self.engine.prepare_prompt(prompt)
+            reqs.append(self.engine.add_request(ids, images, sampling))
+        while self.engine.scheduler.has_unfinished():
+            self.step()
+        return [self.engine.result(r) for r in reqs]
+
+    # ---- prefill -----------------------------------------------------------------------------
+
+    def _draft_prefill(self, out: SchedulerOutput, samples: list[tuple[int, float]],
+                       hidden: torch.Tensor, mrope: torch.Tensor, slots: torch.Tensor) -> None:
+        """The draft over the chunk rows the target just computed (tokens shifted by one)."""
+        ids: list[int] = []
+        bonus = iter(samples)
+        last_rows: list[tuple[Request, int]] = []
+        for item in out.items:
+            prompt, end = item.request.prompt_token_ids, item.start + item.num_tokens
+            ids += prompt[item.start + 1 : end]
+            ids.append(prompt[end] if end < len(prompt) else next(bonus)[0])
+            if item.needs_sample:
+                last_rows.append((item.request, len(ids) - 1))
+        batch = AttentionBatch([it.num_tokens for it in out.items],
+                               [it.start + it.num_tokens for it in out.items],
+                               [it.request.page_ids for it in out.items], slots)
+        feats = self._draft_forward(torch.tensor(ids), hidden, mrope, batch)
+        self._log("draft_prefill", out, mrope)
+        if last_rows:
+            reqs = [r for r, _ in last_rows]
+            rows = feats[[row for _, row in last_rows]]
+            tokens, qs = self._pick(rows, reqs)
+            for r, tok, q, feat in zip(reqs, tokens, qs, rows, strict=True):
+                self.states[r.request_id] = DraftState(tok, feat, q)
+
+    # ---- one speculative round -------------------------------------------------------------
+
+    def _round(self, reqs: list[Request]) -> tuple[list[tuple[Request, int]], list[Request]]:
+        n = self.k + 1
+        sched = self.engine.scheduler
+        starts = [r.num_computed_tokens for r in reqs]
+        for r, s in zip(reqs, starts, strict=True):
+            sched.grow(r, s + n)
+        deltas = torch.tensor([_state(r).delta for r in reqs])
+        drafts, qs = self._draft_decode(reqs, starts, deltas)
+        # verify: [b, d_1..d_K] at S..S+K
+        ids = torch.tensor([[r.output_token_ids[-1], *d] for r, d in zip(reqs, drafts,
+                                                                         strict=True)]).flatten()
+        pos = (torch.tensor(starts).unsqueeze(1) + torch.arange(n)).flatten()  # [B*N]
+        mrope = mrope_from_1d(pos, deltas.repeat_interleave(n))
+        batch = self._batch(reqs, [n] * len(reqs), [s + n for s in starts], pos)
+        hidden = self.engine.runner.forward_embeds(self.engine.model.embed(ids), mrope, batch)
+        self._log_rows("verify", [r.request_id for r in reqs for _ in range(n)], mrope, pos)
+        logits = self.engine.model.logits(hidden).view(len(reqs), n, -1)
+        committed = [self._accept(r, d, q, lg) for r, d, q, lg in zip(reqs, drafts, qs, logits,
+                                                                       strict=True)]
+        # draft extend over the verified window, at the verify's own positions
+        ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed]).flatten()
+        feats = self._draft_forward(ext, hidden, mrope, batch)
+        self._log_rows("draft_extend", [r.request_id for r in reqs for _ in range(n)], mrope, pos)
+        select = [i * n + len(c) - 1 for i, c in enumerate(committed)]
+        seeds = feats[select]
+        tokens, seed_qs = self._pick(seeds, reqs)
+        return self._commit(reqs, starts, committed, logits, tokens, seed_qs, seeds)
+
+    def _draft_decode(
+        self, reqs: list[Request], starts: list[int], deltas: torch.Tensor
+    ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
+        """``K - 1`` draft forwards; returns each request's drafts ``d_1..d_K`` and their
+        distributions."""
+        states = [self.states[r.request_id] for r in reqs]
+        drafts = [[st.token] for st in states]
+        qs: list[list[torch.Tensor | None]] = [[st.q] for st in states]
+        feats = torch.stack([st.feature for st in states])  # [B, H]
+        pos = torch.tensor(starts)  # [B]: step i runs at S + i
+        for i in range(self.k - 1):
+            cur = torch.tensor([d[-1] for d in drafts])
+            mrope = mrope_from_1d(pos, deltas)  # derived from the final positions of this step
+            batch = self._batch(reqs, [1] * len(reqs), [s + i + 1 for s in starts], pos)
+            feats = self._draft_forward(cur, feats, mrope, batch)
+            self._log_rows("draft_decode", [r.request_id for r in reqs], mrope, pos)
+            tokens, step_qs = self._pick(feats, reqs)
+            for d, q_list, tok, q in zip(drafts, qs, tokens, step_qs, strict=True):
+                d.append(tok)
+                q_list.append(q)
+            pos = pos + 1  # advance after the forward
+        return drafts, qs
+
+    def _accept(self, req: Request, drafts: list[int], qs: list[torch.Tensor | None],
+                logits: torch.Tensor) -> list[int]:
+        """Tokens to commit for one request from its verify logits ``[K + 1, V]``."""
+        if req.sampling.is_greedy:
+            return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
+        p = sampling_probs(logits, [req.sampling] * logits.shape[0])
+        q = torch.stack([x for x in qs if x is not None])
+        return accept_sampled(drafts, p, q, _state(req).generator)
+
+    def _commit(self, reqs: list[Request], starts: list[int], committed: list[list[int]],
+                logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor | None],
+                seeds: torch.Tensor) -> tuple[list[tuple[Request, int]], list[Request]]:
+        new, finished = [], []
+        logprobs = torch.log_softmax(logits, dim=-1)  # [B, N, V]
+        for i, (r, c) in enumerate(zip(reqs, committed, strict=True)):
+            lps = [float(logprobs[i, j, tok]) for j, tok in enumerate(c)]
+            before = r.num_output_tokens
+            done = self.engine.scheduler.commit(r, starts[i] + len(c), list(zip(c, lps,
+                                                                                 strict=True)))
+            new.append((r, r.num_output_tokens - before))
+            stats = self.request_stats.setdefault(r.request_id, SpecStats())
+            for s in (stats, self.stats):
+                s.drafted += self.k
+                s.accepted += len(c) - 1
+                s.rounds += 1
+            if done:
+                finished.append(r)
+            else:
+                self.states[r.request_id] = DraftState(tokens[i], seeds[i], qs[i])
+        return new, finished
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _draft_forward(self, ids: torch.Tensor, features: torch.Tensor, mrope: torch.Tensor,
+                       batch: AttentionBatch) -> torch.Tensor:
+        self.draft_attn.prepare(batch)
+        return self.draft(self.engine.model.embed(ids), features, mrope, self.draft_attn)
+
+    def _pick(self, feats: torch.Tensor, reqs: list[Request]
+              ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """The draft's token per row (argmax, or sampled with the request's settings) and the
+        distribution it came from."""
+        logits = self.engine.model.logits(feats)
+        tokens = logits.argmax(dim=-1).tolist()
+        qs: list[torch.Tensor | None] = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if not r.sampling.is_greedy:
+                q = sampling_probs(logits[i : i + 1], [r.sampling])[0]
+                tokens[i] = int(torch.multinomial(q, 1, generator=_state(r).generator).item())
+                qs[i] = q
+        return tokens, qs
+
+    def _batch(self, reqs: list[Request], q_lens: list[int], kv_lens: list[int],
+               pos: torch.Tensor) -> AttentionBatch:
+        """Attention inputs for rows at 1-D positions ``pos``: a token's KV slot is its absolute
+        index (kept apart from its rope position)."""
+        ps = self.engine.config.page_size
+        slots = []
+        row = 0
+        for r, q in zip(reqs, q_lens, strict=True):
+            for p in pos[row : row + q].tolist():
+                slots.append(r.page_ids[p // ps] * ps + p % ps)
+            row += q
+        return AttentionBatch(q_lens, kv_lens, [r.page_ids for r in reqs], torch.tensor(slots))
+
+    def _log(self, phase: str, out: SchedulerOutput, mrope: torch.Tensor) -> None:
+        if self.position_log is not None:
+            rows = [it.request.request_id for it in out.items for _ in range(it.num_tokens)]
+            pos = torch.cat([torch.arange(it.start, it.start + it.num_tokens) for it in out.items])
+            self.position_log(phase, rows, pos, mrope)
+
+    def _log_rows(self, phase: str, rows: list[str], mrope: torch.Tensor,
+                  pos: torch.Tensor) -> None:
+        if self.position_log is not None:
+            self.position_log(phase, rows, pos, mrope)
+
+
+def _state(req: Request) -> RequestState:
+    assert isinstance(req.payload, RequestState)
+    return req.payload

@@ -1,0 +1,134 @@
+"""The EAGLE draft head: one decoder layer over (token embedding, target feature) pairs.
+
+Row ``p`` of a draft forward takes the target's final hidden state at index ``p`` (or, while
+drafting, the draft's own output of the previous row) and the embedding of token ``p + 1``, at
+rope position ``p``; its output feature predicts token ``p + 2`` through the target's LM head.
+Embedding and LM head are the target's (shared, not stored here). The draft's KV lives in its own
+pool whose single entry carries the global layer id ``target_num_layers + 0`` (the draft band).
+
+Checkpoint layout (a Hugging Face-style directory): ``config.json`` with ``model_type``
+``qwen2_vl_eagle``, the target's ``text_config`` shape (``num_hidden_layers`` 1) and
+``target_num_hidden_layers``; ``model.safetensors`` with ``fc.weight``, ``layers.0.*``,
+``norm.weight``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import TextConfig, text_config_from_dict
+from engine.errors import CheckpointError, ConfigError
+from engine.models.layers import MropeRotary, RMSNorm
+from engine.models.qwen2_vl import DecoderLayer
+
+DRAFT_MODEL_TYPE = "qwen2_vl_eagle"
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    text: TextConfig
+    target_num_layers: int
+
+    @property
+    def layer_id(self) -> int:
+        """Global layer id of the draft layer's KV (the draft band)."""
+        return self.target_num_layers
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> DraftConfig:
+        file = Path(path) / "config.json"
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{file}: unreadable draft config: {exc}") from exc
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> DraftConfig:
+        if not isinstance(raw, dict) or raw.get("model_type") != DRAFT_MODEL_TYPE:
+            kind = raw.get("model_type") if isinstance(raw, dict) else type(raw).__name__
+            raise ConfigError(f"not an EAGLE draft config (model_type {kind!r}, "
+                              f"expected {DRAFT_MODEL_TYPE!r})")
+        try:
+            text = text_config_from_dict(dict(raw["text_config"]))
+            return cls(text, int(raw["target_num_hidden_layers"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"draft config.json has a bad field: {exc!r}") from exc
+
+    def check_target(self, target: TextConfig) -> None:
+        """Raise ``ConfigError`` unless this draft fits ``target``."""
+        t, d = target, self.text
+        same = (t.hidden_size, t.vocab_size, t.num_hidden_layers) == (
+            d.hidden_size, d.vocab_size, self.target_num_layers)
+        if not same:
+            raise ConfigError(
+                f"draft (hidden {d.hidden_size}, vocab {d.vocab_size}, for a "
+                f"{self.target_num_layers}-layer target) does not fit the target (hidden "
+                f"{t.hidden_size}, vocab {t.vocab_size}, {t.num_hidden_layers} layers)")
+
+
+class EagleDraft(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        t = cfg.text
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(t)])
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
+
+    def fuse(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        features: torch.Tensor,
+        mrope_positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Rows ``(embedding of token p+1, feature of p)`` at ``mrope_positions`` ``[3, T]``;
+        writes the draft KV through ``attn`` and returns the output features ``[T, H]``."""
+        x = self.fc(torch.cat((token_embeds, features), dim=-1))
+        rot = self.rotary(mrope_positions, x.dtype)
+        x = self.layers[0].forward(x, rot, attn, 0)
+        return self.norm.forward(x)
+
+
+def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype) -> EagleDraft:
+    """Load and check an EAGLE draft directory against the target's text config."""
+    from engine.checkpoint import read_state_dict
+
+    cfg = DraftConfig.from_dir(path)
+    cfg.check_target(target)
+    state = read_state_dict(Path(path))
+    with torch.device("meta"):
+        draft = EagleDraft(cfg)
+    expected = set(draft.state_dict())
+    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: draft weights do not match: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    try:
+        draft.load_state_dict(state, assign=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: draft tensor shapes do not match: {exc}") from exc
+    draft = draft.to(dtype=dtype).eval().requires_grad_(False)
+    draft.fuse()
+    return draft
+
+
+def draft_config_dict(target_text: dict[str, Any], target_layers: int) -> dict[str, Any]:
+    """``config.json`` of a draft for a target whose ``text_config`` is ``target_text``."""
+    text = {**target_text, "num_hidden_layers": 1}
+    return {"model_type": DRAFT_MODEL_TYPE, "architectures": ["Qwen2VLEagleDraft"],
+            "text_config": text, "target_num_hidden_layers": target_layers}
