@@ -1,0 +1,85 @@
+"""EAGLE on vs off: decode tokens per second on the same prompts, in one run.
+
+    python bench/spec.py [--model DIR (with DIR/draft)] [--k 3] [--batch 1,8] [--new 64] [--json]
+
+Prints tokens/s of plain decoding and of EAGLE rounds, their ratio, and the acceptance length
+(tokens committed per verify round). Greedy, so both produce the same tokens (checked).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # run as a script: bench/ must not shadow the packages
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from decode_node.spec.eagle_engine import EagleEngine
+from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.models.eagle import load_draft
+from engine.request import SamplingParams
+from engine.tiny_model import write_tiny_draft, write_tiny_model
+
+
+def run(model_dir: Path, prompts: list[Prompt], params: SamplingParams, k: int | None
+        ) -> tuple[float, list[list[int]], float]:
+    config = EngineConfig(num_pages=4096, page_size=16, max_num_seqs=256,
+                          max_num_batched_tokens=4096, lookahead_tokens=k or 0)
+    engine = LLMEngine(model_dir, config)
+    runner: LLMEngine | EagleEngine = engine
+    if k:
+        draft = load_draft(model_dir / "draft", engine.model_config.text, torch.float32)
+        runner = EagleEngine(engine, draft, k)
+    runner.generate(prompts[:1], params)  # warm-up
+    start = time.perf_counter()
+    results = runner.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(r.token_ids) for r in results)
+    accept = runner.stats.acceptance_length if isinstance(runner, EagleEngine) else 1.0
+    return tokens / elapsed, [r.token_ids for r in results], accept
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model directory with an EAGLE draft in DIR/draft")
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--batch", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else write_tiny_model(Path(tmp) / "tiny")
+        if not (model_dir / "draft").is_dir():
+            write_tiny_draft(model_dir / "draft")
+        params = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
+        gen = torch.Generator().manual_seed(0)
+        for bs in (int(b) for b in args.batch.split(",")):
+            ids = torch.randint(0, 400, (bs, args.prompt_len), generator=gen).tolist()
+            prompts = [Prompt(token_ids=p) for p in ids]
+            off, plain, _ = run(model_dir, prompts, params, None)
+            on, spec, accept = run(model_dir, prompts, params, args.k)
+            assert spec == plain, "EAGLE changed the output"
+            rows.append({"batch": bs, "k": args.k, "plain_tok_s": round(off, 1),
+                         "eagle_tok_s": round(on, 1), "ratio": round(on / off, 2),
+                         "acceptance_length": round(accept, 2)})
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"{'batch':>5} {'k':>2} {'plain tok/s':>12} {'eagle tok/s':>12} {'ratio':>6} "
+          f"{'accept len':>10}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['k']:>2} {r['plain_tok_s']:>12} {r['eagle_tok_s']:>12} "
+              f"{r['ratio']:>6} {r['acceptance_length']:>10}")
+
+
+if __name__ == "__main__":
+    main()
