@@ -76,14 +76,18 @@ class EngineLoop:
 
     def submit_remote(
         self, room: int, token_ids: Sequence[int], sampling: SamplingParams,
-        client: DecodeBootstrapClient,
+        client: DecodeBootstrapClient | list[DecodeBootstrapClient],
     ) -> None:
-        """Queue a room whose prompt a prefill node computes; raises ``InvalidRequestError``."""
+        """Queue a room whose prompt a prefill node computes; raises ``InvalidRequestError``.
+
+        ``client`` is the prefill's bootstrap client, or one client per pipeline stage in stage
+        order (the last stage sends the aux row)."""
+        clients = client if isinstance(client, list) else [client]
         req = Request(str(room), list(token_ids), sampling)
         with self._wake:
             if room in self.remote or self.engine.scheduler.get(req.request_id):
                 raise InvalidRequestError(f"room {room} is already running here")
-            self.remote.add(RemoteRoom(room, req, client))
+            self.remote.add(RemoteRoom(room, req, clients))
             self._wake.notify()
 
     def abort(self, request_id: str) -> bool:
@@ -129,14 +133,14 @@ class EngineLoop:
         while True:
             with self._wake:
                 while not self._stopping and not self.engine.scheduler.has_unfinished():
-                    if self.remote.num_rooms:
+                    if self.remote.active:
                         self._emit_outcomes(self.remote.tick())
                         if self.engine.scheduler.has_unfinished():
                             break
-                    self._wake.wait(IDLE_POLL_S if self.remote.num_rooms else None)
+                    self._wake.wait(IDLE_POLL_S if self.remote.active else None)
                 if self._stopping:
                     return
-                if self.remote.num_rooms:
+                if self.remote.active:
                     self._emit_outcomes(self.remote.tick())
                 try:
                     result = self.engine.step()

@@ -11,13 +11,19 @@ A remote room moves through:
   released to the bootstrap client, which frees its pages once the prefill can no longer write
   into them (through :meth:`RemoteQueues.free_later`, drained by the engine thread).
 
+A room prefilled by a pipeline (several prefill stages, one client each, in stage order) sends
+the same destination pages to every stage; only the last stage's client holds the aux slot. The
+room succeeds when every stage says ``Success`` and fails when any stage fails (the others are
+aborted). Its pages are freed once, after every stage that took them is quiet: the clients each
+hand them back through :meth:`free_later`, counted in ``_shares``.
+
 Every method except :meth:`free_later` runs on the engine thread with the loop lock held.
 """
 
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.inputs import RequestState
 from engine.llm_engine import LLMEngine
@@ -32,8 +38,13 @@ from transfer.status import KVPoll
 class RemoteRoom:
     room: int
     request: Request  # prompt and sampling; no pages until prealloc
-    client: DecodeBootstrapClient
+    clients: list[DecodeBootstrapClient]  # one per prefill stage; the last one sends the aux row
     pages: list[int] | None = None
+    holding: list[DecodeBootstrapClient] = field(default_factory=list)  # took the pages
+
+    @property
+    def aux_client(self) -> DecodeBootstrapClient:
+        return self.clients[-1]
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,8 @@ class RemoteQueues:
         self.prealloc: dict[int, RemoteRoom] = {}
         self.transfer: dict[int, RemoteRoom] = {}
         self._to_free: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+        self._shares: dict[tuple[int, ...], int] = {}  # pages of a failed pipeline room: holders
+        self._owed: set[tuple[int, ...]] = set()  # pages of given-up rooms not yet back
 
     def free_later(self, pages: list[int]) -> None:
         """Bootstrap-client callback (any thread): pages that are safe to reuse."""
@@ -64,9 +77,23 @@ class RemoteQueues:
     def num_rooms(self) -> int:
         return len(self.prealloc) + len(self.transfer)
 
+    @property
+    def active(self) -> bool:
+        """Whether :meth:`tick` has work: live rooms, or given-up rooms' pages still to free."""
+        return self.num_rooms > 0 or bool(self._owed)
+
     def add(self, r: RemoteRoom) -> None:
         self.engine.scheduler.validate(r.request)
-        r.client.add_room(r.room)
+        added: list[DecodeBootstrapClient] = []
+        try:
+            for c in r.clients:
+                c.add_room(r.room)
+                added.append(c)
+        except Exception:
+            for c in added:
+                c.abort(r.room, "room refused by another prefill stage")
+                c.release(r.room)
+            raise
         self.prealloc[r.room] = r
 
     def abort(self, room: int, reason: str) -> RemoteRoom | None:
@@ -80,7 +107,15 @@ class RemoteQueues:
         """One pass: free what became safe, admit preallocs, poll transfers."""
         alloc = self.engine.scheduler.allocator
         while not self._to_free.empty():
-            alloc.free(self._to_free.get())
+            pages = self._to_free.get()
+            key = tuple(pages)
+            left = self._shares.get(key, 1) - 1
+            if left > 0:
+                self._shares[key] = left
+                continue
+            self._shares.pop(key, None)
+            self._owed.discard(key)
+            alloc.free(pages)
         self._admit()
         return self._poll()
 
@@ -93,30 +128,41 @@ class RemoteQueues:
                 return  # FIFO: nobody overtakes the head
             pages = sched.allocator.allocate(need)
             try:
-                r.client.send_destination(room, pages)
+                r.aux_client.send_destination(room, pages)
             except TransferError:
                 sched.allocator.free(pages)
                 return  # no aux slot now: retry on a later tick
             r.pages = pages
+            r.holding = [r.aux_client]
+            for c in r.clients[:-1]:  # earlier stages: same pages, no aux row
+                try:
+                    c.send_destination(room, pages, aux=False)
+                except TransferError:
+                    pass  # the room failed on that stage; _poll fails the whole room
+                else:
+                    r.holding.append(c)
             self.transfer[room] = self.prealloc.pop(room)
 
     def _poll(self) -> list[RoomOutcome]:
         out = []
         for room, r in list(self.transfer.items()):
-            status = r.client.poll(room)
-            if status is KVPoll.Success:
+            statuses = [c.poll(room) for c in r.clients]
+            if all(s is KVPoll.Success for s in statuses):
                 del self.transfer[room]
                 out.append(self._adopt(r))
-            elif status is KVPoll.Failed:
+            elif KVPoll.Failed in statuses:
                 del self.transfer[room]
-                reason = r.client.failure_reason(room)
-                r.client.release(room)
+                bad = r.clients[statuses.index(KVPoll.Failed)]
+                reason = bad.failure_reason(room)
+                self._give_up(r, reason)
                 out.append(RoomOutcome(r, error=reason))
         return out
 
     def _adopt(self, r: RemoteRoom) -> RoomOutcome:
         """Commit a delivered room: check the echoed room id, append the first token."""
-        row = r.client.commit(r.room)
+        for c in r.clients[:-1]:
+            c.commit_without_aux(r.room)
+        row = r.aux_client.commit(r.room)
         req, pages = r.request, r.pages or []
         if row.room != r.room:
             self.engine.scheduler.allocator.free(pages)
@@ -146,9 +192,22 @@ class RemoteQueues:
         return None
 
     def _give_up(self, r: RemoteRoom, reason: str) -> None:
-        r.client.abort(r.room, reason)  # now Failed, unless it was delivered a moment ago
-        if r.client.poll(r.room) is KVPoll.Success:
-            r.client.commit(r.room)
-            self.engine.scheduler.allocator.free(r.pages or [])
-            return
-        r.client.release(r.room)  # its pages come back through free_later once safe
+        """Fail the room on every stage; its pages come back once every holder is quiet."""
+        released = 0
+        for c in r.clients:
+            c.abort(r.room, reason)  # now Failed, unless it was delivered a moment ago
+            if c.poll(r.room) is KVPoll.Success:
+                if c is r.aux_client:
+                    c.commit(r.room)
+                else:
+                    c.commit_without_aux(r.room)
+                continue
+            released += c in r.holding
+            c.release(r.room)  # a holder hands the pages to free_later once safe
+        if r.pages:
+            if released == 0:
+                self.engine.scheduler.allocator.free(r.pages)
+                return
+            self._owed.add(tuple(r.pages))
+            if released > 1:
+                self._shares[tuple(r.pages)] = released

@@ -99,8 +99,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 await asyncio.to_thread(self.loop.submit, str(req.room), ids, images, sampling)
                 return
             assert self._clients is not None
-            client = await asyncio.to_thread(self._clients.get, request.prefill_bootstrap)
-            await asyncio.to_thread(self.loop.submit_remote, req.room, ids, sampling, client)
+            # a pipeline-parallel prefill lists every stage's address, in stage order
+            clients = [await asyncio.to_thread(self._clients.get, address.strip())
+                       for address in request.prefill_bootstrap.split(",")]
+            await asyncio.to_thread(self.loop.submit_remote, req.room, ids, sampling, clients)
         except (EngineError, ConversionError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except IncompatiblePeerError as exc:

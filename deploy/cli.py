@@ -73,10 +73,18 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 def _cmd_prefill(args: argparse.Namespace) -> int:
     from prefill_node.server import serve_prefill
 
+    if not 0 <= args.pp_rank < args.pp_size:
+        print(f"error: --pp-rank {args.pp_rank} is outside 0..{args.pp_size - 1}", file=sys.stderr)
+        return 2
+    if bool(args.pp_next) != (args.pp_rank < args.pp_size - 1):
+        print("error: every pipeline stage but the last needs --pp-next HOST:PORT, and the "
+              "last takes none", file=sys.stderr)
+        return 2
     asyncio.run(serve_prefill(
         ensure_model(args.model), engine_config(args), args.host, args.port,
         bootstrap_port=args.bootstrap_port, transfer_backend=args.transfer_backend,
-        advertise_host=advertise_host(args),
+        advertise_host=advertise_host(args), pp_size=args.pp_size, pp_rank=args.pp_rank,
+        pp_next=args.pp_next,
     ))
     return 0
 
@@ -122,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_transfer_args(pre)
     pre.add_argument("--bootstrap-port", type=int, default=0,
                      help="port of the KV transfer bootstrap endpoint (0 picks a free one)")
+    pre.add_argument("--pp-size", type=int, default=1,
+                     help="pipeline-parallel prefill: number of stages; stage r owns layers "
+                          "[r*L/S, (r+1)*L/S). Start the last stage first. The router talks "
+                          "to stage 0 only; its load report lists every stage's bootstrap "
+                          "address, and decode nodes push destinations to each stage")
+    pre.add_argument("--pp-rank", type=int, default=0,
+                     help="this process's stage, 0..pp-size-1 (0 serves the router)")
+    pre.add_argument("--pp-next", default=None, metavar="HOST:PORT",
+                     help="gRPC address of stage pp-rank+1 (every stage but the last needs it)")
     pre.set_defaults(func=_cmd_prefill)
 
     from deploy.client_cmd import add_client_args

@@ -113,7 +113,7 @@ class PrefillLoop:
                     return
                 self._open_gates()
                 if not self.engine.scheduler.has_unfinished():
-                    self._wake.wait(IDLE_POLL_S if self._rooms else None)
+                    self._wake.wait(self._idle_wait_s())
                     continue
                 try:
                     self._step()
@@ -121,6 +121,10 @@ class PrefillLoop:
                     log.exception("prefill step failed; failing every room")
                     for room, r in list(self._rooms.items()):
                         self._finish(room, r, "prefill node error")
+
+    def _idle_wait_s(self) -> float | None:
+        """How long the idle thread sleeps (None: until woken): gated rooms are polled."""
+        return IDLE_POLL_S if self._rooms else None
 
     def _open_gates(self) -> None:
         """Admit rooms whose destination arrived; fail rooms the bootstrap failed."""

@@ -21,9 +21,22 @@ SERVICE_NAME = "pdserve.v1.PrefillWorker"
 
 async def serve_prefill(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, bootstrap_port: int,
-    transfer_backend: str, advertise_host: str,
+    transfer_backend: str, advertise_host: str, pp_size: int = 1, pp_rank: int = 0,
+    pp_next: str | None = None,
 ) -> None:
-    """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
+    """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
+
+    With ``pp_size > 1`` this process is stage ``pp_rank`` of a pipeline-parallel prefill
+    (:mod:`prefill_node.pipeline_server`); ``pp_next`` is the next stage's gRPC address.
+    """
+    if pp_size > 1 or pp_next:
+        from prefill_node.pipeline_server import serve_stage
+        from prefill_node.stages import StageSpec
+
+        await serve_stage(model_dir, config, host, port, spec=StageSpec(pp_size, pp_rank),
+                          pp_next=pp_next, bootstrap_port=bootstrap_port,
+                          transfer_backend=transfer_backend, advertise_host=advertise_host)
+        return
     engine = LLMEngine(model_dir, config)
     manager = make_kv_manager(
         transfer_backend, engine.pool.buffer_infos(),

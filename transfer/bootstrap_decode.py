@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from transfer.aux import AuxRow
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
+from transfer.bootstrap_prefill import NO_AUX_SLOT
 from transfer.errors import IncompatiblePeerError, MessageError, PageListError, TransferError
 from transfer.messages import (
     Abort,
@@ -52,6 +53,7 @@ class _Room:
     failed_at: float = 0.0
     quiesced: bool = False  # the prefill will write nothing more into the pages
     released: bool = False  # the scheduler gave the room up
+    expects_aux: bool = True  # False: a pipeline stage that finishes without an aux row
 
 
 class DecodeBootstrapClient:
@@ -126,11 +128,15 @@ class DecodeBootstrapClient:
             if not self._alive:
                 self._fail(self._rooms[room], "prefill peer is dead")
 
-    def send_destination(self, room: int, pages: Sequence[int]) -> None:
+    def send_destination(self, room: int, pages: Sequence[int], *, aux: bool = True) -> None:
         """Hand the room's reserved pages to the client and tell the prefill where to write.
 
         Takes an aux slot. From here the client owns ``pages`` until :meth:`commit` or
         :meth:`release`. Raises if no aux slot is free (the pages stay the caller's).
+
+        ``aux=False`` (a pipeline stage that does not own the aux row): no slot is taken, the
+        prefill is told :data:`NO_AUX_SLOT`, ``Success`` needs no aux row and the room is
+        finished with :meth:`commit_without_aux`.
         """
         page_list = [int(p) for p in pages]
         if not all(0 <= p < self.manager.num_pages for p in page_list):
@@ -139,10 +145,10 @@ class DecodeBootstrapClient:
             r = self._room(room)
             if r.pages is not None or r.status is not KVPoll.Bootstrapping:
                 raise TransferError(f"room {room} is {r.status.name}; cannot send a destination")
-            slot = self._aux.alloc()
+            slot = self._aux.alloc() if aux else NO_AUX_SLOT
             if slot is None:
                 raise TransferError("no free aux slot on the decode")
-            r.pages, r.aux_slot = page_list, slot
+            r.pages, r.aux_slot, r.expects_aux = page_list, (slot if aux else None), aux
             r.sent_at = time.monotonic()
             r.status = advance(r.status, KVPoll.WaitingForInput)
             msg = Destination(room, list(r.pages), slot)
@@ -166,6 +172,15 @@ class DecodeBootstrapClient:
             self._aux.free(r.aux_slot)
             del self._rooms[room]
             return row
+
+    def commit_without_aux(self, room: int) -> None:
+        """Take a ``Success`` room sent with ``aux=False``; its pages now belong to the caller."""
+        with self._lock:
+            r = self._room(room)
+            if r.status is not KVPoll.Success or r.expects_aux:
+                raise TransferError(f"room {room} is {r.status.name} and expects an aux row "
+                                    f"{r.expects_aux}: not a Success room without aux")
+            del self._rooms[room]
 
     def abort(self, room: int, reason: str = "aborted by decode") -> None:
         """Fail ``room`` here and tell the prefill (which answers ``AbortAck``)."""
@@ -258,6 +273,9 @@ class DecodeBootstrapClient:
             self._collect(r, time.monotonic())
 
     def _on_success(self, r: _Room) -> None:
+        if r.status is not KVPoll.Failed and r.pages is not None and not r.expects_aux:
+            r.status = advance(r.status, KVPoll.Success)  # no aux row to check
+            return
         if r.status is KVPoll.Failed or r.aux_slot is None:
             r.quiesced = True  # the prefill has finished writing
             return

@@ -37,6 +37,8 @@ from transfer.messages import (
 from transfer.status import KVPoll, advance
 from transfer.wire import FramedSocket
 
+NO_AUX_SLOT = -1  # Destination.aux_slot of a room this prefill finishes without an aux row
+
 
 @dataclass(eq=False)
 class _Conn:
@@ -125,13 +127,16 @@ class PrefillBootstrapServer:
             return self._room(room).reason
 
     def send_chunk(
-        self, room: int, src_pages: Sequence[int], *, last: AuxRow | None = None
+        self, room: int, src_pages: Sequence[int], *, last: AuxRow | None = None,
+        finish: bool = False,
     ) -> KVPoll:
         """Write the next ``len(src_pages)`` destination pages of ``room`` from ``src_pages``.
 
         Pass the aux row as ``last`` on the last chunk: it is written after the pages and is
-        followed by ``Status(Success)``. Returns the room's status afterwards (``Failed`` when
-        the room failed before or during the write).
+        followed by ``Status(Success)``. A pipeline stage that does not own the aux row (its
+        destination's slot is :data:`NO_AUX_SLOT`) passes ``finish=True`` instead: its last
+        chunk is followed by ``Status(Success)`` with no aux row written. Returns the room's
+        status afterwards (``Failed`` when the room failed before or during the write).
         """
         src = [int(p) for p in src_pages]
         with self._lock:
@@ -143,6 +148,9 @@ class PrefillBootstrapServer:
             if r.cursor + len(src) > len(r.dest.pages):
                 self._fail(r, f"{r.cursor + len(src)} pages sent, destination has "
                               f"{len(r.dest.pages)}", quiesced=True)
+                return self._finish_locked(r)
+            if last is not None and r.dest.aux_slot == NO_AUX_SLOT:
+                self._fail(r, "the decode asked for no aux row from this prefill", quiesced=True)
                 return self._finish_locked(r)
             dst = r.dest.pages[r.cursor : r.cursor + len(src)]
             reg, aux_slot = r.conn.reg, r.dest.aux_slot
@@ -163,7 +171,7 @@ class PrefillBootstrapServer:
             r.inflight -= 1
             if error is not None:
                 self._fail(r, f"transfer failed: {error}", not isinstance(error, EngineCallError))
-            elif last is not None:
+            elif last is not None or finish:
                 r.status = advance(r.status, KVPoll.Success)
             return self._finish_locked(r)
 
@@ -329,7 +337,8 @@ class PrefillBootstrapServer:
             return r
         r.conn, r.dest = conn, d
         bad = [p for p in d.pages if not 0 <= p < conn.reg.num_pages]
-        if bad or not 0 <= d.aux_slot < conn.reg.aux_num_rows:
+        slot_ok = 0 <= d.aux_slot < conn.reg.aux_num_rows or d.aux_slot == NO_AUX_SLOT
+        if bad or not slot_ok:
             self._fail(r, f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot})",
                        quiesced=True)
         else:

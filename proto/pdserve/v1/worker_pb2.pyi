@@ -82,3 +82,85 @@ class LoadReport(_message.Message):
     aux_slots_used: int
     bootstrap: str
     def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., bootstrap: _Optional[str] = ...) -> None: ...
+
+class StageRoom(_message.Message):
+    __slots__ = ("room", "prompt_tokens", "sampling", "mrope_delta")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    prompt_tokens: int
+    sampling: _generate_pb2.SamplingParams
+    mrope_delta: int
+    def __init__(self, room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., mrope_delta: _Optional[int] = ...) -> None: ...
+
+class StageItem(_message.Message):
+    __slots__ = ("room", "start", "num_tokens", "needs_sample")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    start: int
+    num_tokens: int
+    needs_sample: bool
+    def __init__(self, room: _Optional[int] = ..., start: _Optional[int] = ..., num_tokens: _Optional[int] = ..., needs_sample: _Optional[bool] = ...) -> None: ...
+
+class StageAbort(_message.Message):
+    __slots__ = ("room", "reason")
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    room: int
+    reason: str
+    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StageStep(_message.Message):
+    __slots__ = ("new_rooms", "aborted", "items", "hidden", "mrope_positions")
+    NEW_ROOMS_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    MROPE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    new_rooms: _containers.RepeatedCompositeFieldContainer[StageRoom]
+    aborted: _containers.RepeatedCompositeFieldContainer[StageAbort]
+    items: _containers.RepeatedCompositeFieldContainer[StageItem]
+    hidden: bytes
+    mrope_positions: bytes
+    def __init__(self, new_rooms: _Optional[_Iterable[_Union[StageRoom, _Mapping]]] = ..., aborted: _Optional[_Iterable[_Union[StageAbort, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StageItem, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., mrope_positions: _Optional[bytes] = ...) -> None: ...
+
+class StageSample(_message.Message):
+    __slots__ = ("token", "logprob")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token: int
+    logprob: float
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class StageStepReply(_message.Message):
+    __slots__ = ("ready", "failed", "samples")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ready: _containers.RepeatedScalarFieldContainer[int]
+    failed: _containers.RepeatedCompositeFieldContainer[StageAbort]
+    samples: _containers.RepeatedCompositeFieldContainer[StageSample]
+    def __init__(self, ready: _Optional[_Iterable[int]] = ..., failed: _Optional[_Iterable[_Union[StageAbort, _Mapping]]] = ..., samples: _Optional[_Iterable[_Union[StageSample, _Mapping]]] = ...) -> None: ...
+
+class DescribeStageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageInfo(_message.Message):
+    __slots__ = ("pp_rank", "pp_size", "layer_start", "layer_end", "bootstrap")
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
+    pp_rank: int
+    pp_size: int
+    layer_start: int
+    layer_end: int
+    bootstrap: str
+    def __init__(self, pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bootstrap: _Optional[str] = ...) -> None: ...

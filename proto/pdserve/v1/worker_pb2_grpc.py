@@ -350,3 +350,129 @@ class DecodeWorker:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PipelineStageStub:
+    """Pipeline-parallel prefill: stage 0 (the PrefillWorker the router talks to) runs the first
+    layers and hands every engine step to the next stage, which runs its layers and, on the last
+    stage, samples the first token. Each stage pushes its own layers' KV to the decode.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.RunStep = channel.unary_unary(
+                '/pdserve.v1.PipelineStage/RunStep',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StageStep.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.StageStepReply.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/pdserve.v1.PipelineStage/Describe',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DescribeStageRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.StageInfo.FromString,
+                _registered_method=True)
+
+
+class PipelineStageServicer:
+    """Pipeline-parallel prefill: stage 0 (the PrefillWorker the router talks to) runs the first
+    layers and hands every engine step to the next stage, which runs its layers and, on the last
+    stage, samples the first token. Each stage pushes its own layers' KV to the decode.
+    """
+
+    def RunStep(self, request, context):
+        """One engine step of stage 0, run synchronously by the next stage (and forwarded down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """The stage's place in the pipeline and the bootstrap addresses of it and every later stage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PipelineStageServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'RunStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunStep,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StageStep.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.StageStepReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DescribeStageRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.StageInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.PipelineStage', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.PipelineStage', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PipelineStage:
+    """Pipeline-parallel prefill: stage 0 (the PrefillWorker the router talks to) runs the first
+    layers and hands every engine step to the next stage, which runs its layers and, on the last
+    stage, samples the first token. Each stage pushes its own layers' KV to the decode.
+    """
+
+    @staticmethod
+    def RunStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PipelineStage/RunStep',
+            pdserve_dot_v1_dot_worker__pb2.StageStep.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.StageStepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PipelineStage/Describe',
+            pdserve_dot_v1_dot_worker__pb2.DescribeStageRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.StageInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,74 @@
+"""Stage 0's forward: the engine's input building (tokens, images, mrope) over the first
+stage's layers only, returning the residual stream for the next stage instead of logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import AttentionBackend, TorchPagedAttention
+from engine.checkpoint import keep_layers
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.vision import Grid
+from engine.scheduler import SchedulerOutput
+from prefill_node.stages import stage_pool
+
+
+class _FirstStage:
+    """What :class:`ModelRunner` calls as its model: embeddings as usual, but the decoder call
+    runs only ``layers`` and keeps its output (``[T, H]``) and positions (``[3, T]``)."""
+
+    def __init__(self, model: Qwen2VLModel, layers: range) -> None:
+        self.model, self.layers, self.cfg = model, layers, model.cfg
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids)
+
+    def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        return self.model.encode_images(patches, grids)
+
+    def __call__(
+        self, embeds: torch.Tensor, mrope: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        hidden = self.model.forward_layers(embeds, mrope, attn, self.layers, final_norm=False)
+        self.out = (hidden, mrope)
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden  # nothing to sample on this stage
+
+
+class HeadRunner:
+    """Runs scheduled steps through stage 0's layers of ``engine``'s model."""
+
+    def __init__(self, engine: LLMEngine, layers: range) -> None:
+        self._stage = _FirstStage(engine.model, layers)
+        self._runner = ModelRunner(engine.model, engine.runner.attn)
+        self._runner.model = self._stage  # type: ignore[assignment]
+
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states ``[T, H]`` after this stage's layers and mrope positions ``[3, T]``."""
+        self._stage.out = None
+        self._runner.execute(out)
+        assert self._stage.out is not None
+        hidden, mrope = self._stage.out
+        self._stage.out = None
+        return hidden, mrope
+
+
+def make_head_engine(engine: LLMEngine, layers: range) -> HeadRunner:
+    """Turn a loaded engine into stage 0 of a pipeline: drop its later layers, give it a pool
+    of ``layers`` only (same page count as its scheduler) and return the stage's runner.
+
+    The engine was built whole (every layer's weights and a pool for every layer); the unused
+    parts are released here. Building only the stage's share up front is a later improvement.
+    """
+
+    keep_layers(engine.model, layers)
+    engine.pool = stage_pool(engine.config, engine.model_config, layers, engine.pool.num_pages)
+    engine.runner = ModelRunner(engine.model, TorchPagedAttention(engine.pool))
+    return HeadRunner(engine, layers)

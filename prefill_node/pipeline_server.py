@@ -1,0 +1,101 @@
+"""Starting the processes of a pipeline-parallel prefill (``pdserve prefill --pp-size S``).
+
+Start the stages from the last to the first (each waits up to two minutes for its
+``--pp-next``): stage ``r >= 1`` serves ``PipelineStage`` (and a ``PrefillWorker`` face for
+load reports); stage 0 serves ``PrefillWorker`` to the router and reports, as its bootstrap
+address, every stage's address comma-separated in stage order, which a decode node connects to
+one by one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from engine.checkpoint import model_fingerprint
+from engine.llm_engine import EngineConfig, LLMEngine
+from prefill_node.downstream import Downstream
+from prefill_node.follower import StageWorker
+from prefill_node.head_loop import HeadLoop
+from prefill_node.head_runner import make_head_engine
+from prefill_node.service import PrefillService
+from prefill_node.stage_service import StageService, StageWorkerService
+from prefill_node.stages import StageSpec, load_stage
+from proto.pdserve.v1 import worker_pb2 as wpb
+from proto.pdserve.v1 import worker_pb2_grpc
+from proto.server import start_server, wait_for_signal
+from transfer.bootstrap import ModelIdentity
+from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.setup import make_kv_manager
+
+
+def _link(spec: StageSpec, layers: range, pp_next: str | None) -> Downstream | None:
+    """Connect to the next stage and check it continues this one's layers."""
+    if spec.is_last:
+        if pp_next:
+            raise ValueError("the last pipeline stage takes no --pp-next")
+        return None
+    if not pp_next:
+        raise ValueError(f"pipeline stage {spec.rank} of {spec.size} needs --pp-next HOST:PORT")
+    down = Downstream(pp_next)
+    info = down.describe()
+    expected = (spec.rank + 1, spec.size, layers.stop)
+    if (info.pp_rank, info.pp_size, info.layer_start) != expected:
+        down.close()
+        raise ValueError(f"--pp-next {pp_next} is stage {info.pp_rank} of {info.pp_size} "
+                         f"from layer {info.layer_start}; expected stage {expected[0]} of "
+                         f"{expected[1]} from layer {expected[2]}")
+    return down
+
+
+async def serve_stage(
+    model_dir: Path, config: EngineConfig, host: str, port: int, *, spec: StageSpec,
+    pp_next: str | None, bootstrap_port: int, transfer_backend: str, advertise_host: str,
+) -> None:
+    """Run one pipeline stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
+    identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
+    if spec.is_first:
+        engine = LLMEngine(model_dir, config)
+        layers = spec.layers(engine.model_config.text.num_hidden_layers)
+        runner = make_head_engine(engine, layers)
+        pool, hidden_size = engine.pool, engine.model_config.text.hidden_size
+    else:
+        stage = load_stage(model_dir, config, spec)
+        layers, pool, hidden_size = stage.layers, stage.pool, stage.model_config.text.hidden_size
+    down = await asyncio.to_thread(_link, spec, layers, pp_next)
+    manager = make_kv_manager(transfer_backend, pool.buffer_infos(), hidden_size=hidden_size,
+                              aux_rows=4, hostname=advertise_host)
+    bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port)
+    chain = f"{advertise_host}:{bootstrap.address[1]}"
+    if down is not None:
+        chain += "," + (await asyncio.to_thread(down.describe)).bootstrap
+    info = wpb.StageInfo(pp_rank=spec.rank, pp_size=spec.size, layer_start=layers.start,
+                         layer_end=layers.stop, bootstrap=chain)
+    head: HeadLoop | None = None
+    if spec.is_first:
+        assert down is not None
+        service = PrefillService()
+        head = HeadLoop(engine, bootstrap, service.on_done, runner, down)
+        service.bind(head, asyncio.get_running_loop(), chain)
+        head.start()
+        services = [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service,
+                     "pdserve.v1.PrefillWorker")]
+    else:
+        worker = StageWorker(stage, bootstrap, config.page_size, down)
+        services = [
+            (worker_pb2_grpc.add_PipelineStageServicer_to_server, StageService(worker, info),
+             "pdserve.v1.PipelineStage"),
+            (worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+             StageWorkerService(worker, info), "pdserve.v1.PrefillWorker"),
+        ]
+    server, bound, _ = await start_server(services, host, port)
+    print(f"READY {bound}", flush=True)
+    try:
+        await wait_for_signal()
+    finally:
+        await server.stop(grace=5.0)
+        if head is not None:
+            head.stop()
+        bootstrap.close()
+        if down is not None:
+            down.close()
