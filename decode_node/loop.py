@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from decode_node.remote import RemoteQueues, RemoteRoom, RoomOutcome
+from decode_node.spec.eagle_engine import EagleEngine
 from engine.errors import InvalidRequestError
 from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine
@@ -33,6 +34,8 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    drafted: int = 0  # speculative decoding: draft tokens proposed / accepted, on the last event
+    accepted: int = 0
 
 
 Emit = Callable[[list[TokenEvent]], None]
@@ -43,9 +46,11 @@ IDLE_POLL_S = 0.002  # how often transfers are polled while nothing else runs
 class EngineLoop:
     """Owns an :class:`LLMEngine` and steps it on a background thread."""
 
-    def __init__(self, engine: LLMEngine, emit: Emit) -> None:
+    def __init__(self, engine: LLMEngine, emit: Emit, spec: EagleEngine | None = None) -> None:
         self.engine = engine
-        self.remote = RemoteQueues(engine)
+        self.spec = spec
+        self._stepper: LLMEngine | EagleEngine = spec or engine
+        self.remote = RemoteQueues(engine, seed=spec.seed if spec else None)
         self._emit = emit
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -101,6 +106,15 @@ class EngineLoop:
         self._emit([_event(req, 0)])
         return True
 
+    def _event(self, req: Request, new: int) -> TokenEvent:
+        """:func:`_event`, with the speculative counts on a request's last event."""
+        if self.spec is None or req.finish_reason is None:
+            return _event(req, new)
+        stats = self.spec.request_stats.pop(req.request_id, None)
+        if stats is None:
+            return _event(req, new)
+        return _event(req, new, stats.drafted, stats.accepted)
+
     def _emit_outcomes(self, outcomes: list[RoomOutcome]) -> None:
         events = []
         for o in outcomes:
@@ -143,21 +157,21 @@ class EngineLoop:
                 if self.remote.active:
                     self._emit_outcomes(self.remote.tick())
                 try:
-                    result = self.engine.step()
+                    result = self._stepper.step()
                 except Exception:  # a bug must fail the step's requests, not hang them
                     log.exception("engine step failed; aborting every running request")
                     self._emit(self._abort_all())
                     continue
-            events = [_event(r, 1) for r in result.new_tokens]
-            done = {id(r) for r in result.new_tokens}
-            events += [_event(r, 0) for r in result.finished if id(r) not in done]
+            events = [self._event(r, n) for r, n in result.new_tokens]
+            done = {id(r) for r, _ in result.new_tokens}
+            events += [self._event(r, 0) for r in result.finished if id(r) not in done]
             if events:
                 self._emit(events)
 
 
-def _event(req: Request, new: int) -> TokenEvent:
+def _event(req: Request, new: int, drafted: int = 0, accepted: int = 0) -> TokenEvent:
     """The event for ``req``'s last ``new`` output tokens."""
     ids = req.output_token_ids[len(req.output_token_ids) - new :] if new else []
     lps = req.output_logprobs[len(req.output_logprobs) - new :] if new else []
     return TokenEvent(req.request_id, ids, lps, req.finish_reason, req.num_prompt_tokens,
-                      req.num_output_tokens)
+                      req.num_output_tokens, drafted=drafted, accepted=accepted)

@@ -23,7 +23,10 @@ Every method except :meth:`free_later` runs on the engine thread with the loop l
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.inputs import RequestState
 from engine.llm_engine import LLMEngine
@@ -57,9 +60,15 @@ class RoomOutcome:
     finished: bool = False
 
 
+Seed = Callable[[Request, torch.Tensor], None]
+
+
 class RemoteQueues:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, seed: Seed | None = None) -> None:
+        """``seed``: a speculative decoder's hook, given each adopted request and the draft
+        feature of its aux row."""
         self.engine = engine
+        self._seed = seed
         self.prealloc: dict[int, RemoteRoom] = {}
         self.transfer: dict[int, RemoteRoom] = {}
         self._to_free: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
@@ -180,6 +189,8 @@ class RemoteQueues:
             req.page_ids = []
             return RoomOutcome(r, finished=True)
         self.engine.scheduler.add(req)
+        if self._seed is not None:
+            self._seed(req, torch.tensor(row.hidden, dtype=torch.float32))
         return RoomOutcome(r)
 
     def _first_token_finishes(self, req: Request) -> FinishReason | None:

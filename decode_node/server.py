@@ -8,8 +8,10 @@ from pathlib import Path
 from decode_node.clients import BootstrapClients
 from decode_node.loop import EngineLoop
 from decode_node.service import DecodeService
+from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import model_fingerprint
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.models.eagle import load_draft
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import start_server, wait_for_signal
 from transfer.bootstrap import ModelIdentity
@@ -20,18 +22,28 @@ SERVICE_NAME = "pdserve.v1.DecodeWorker"
 
 async def serve_decode(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, transfer_backend: str,
-    advertise_host: str,
+    advertise_host: str, draft: Path | None = None, num_draft_tokens: int = 3,
 ) -> None:
-    """Run a decode worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
+    """Run a decode worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
+
+    With ``draft`` it decodes in EAGLE rounds of ``num_draft_tokens`` and receives the draft's
+    KV next to the target's (``config.lookahead_tokens`` must be at least that many).
+    """
     engine = LLMEngine(model_dir, config)
+    spec = None
+    buffers = engine.pool.buffer_infos()
+    if draft is not None:
+        head = load_draft(draft, engine.model_config.text, engine.model.dtype)
+        spec = EagleEngine(engine, head, num_draft_tokens)
+        buffers = spec.drafter.buffer_infos()
     manager = make_kv_manager(
-        transfer_backend, engine.pool.buffer_infos(),
+        transfer_backend, buffers,
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
     )
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
     service = DecodeService()
-    loop = EngineLoop(engine, service.emit)
+    loop = EngineLoop(engine, service.emit, spec)
     clients = BootstrapClients(manager, identity, loop.remote.free_later)
     service.bind(loop, asyncio.get_running_loop(), clients)
     loop.start()

@@ -135,4 +135,6 @@ def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateRespo
         msg.finish_reason = last.finish_reason.value
         msg.usage.prompt_tokens = last.prompt_tokens
         msg.usage.completion_tokens = last.completion_tokens
+        msg.usage.drafted_tokens = last.drafted
+        msg.usage.accepted_tokens = last.accepted
     return msg

@@ -11,9 +11,11 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from deploy.engine_args import (
+    add_draft_args,
     add_engine_args,
     add_server_args,
     add_transfer_args,
@@ -63,9 +65,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_decode(args: argparse.Namespace) -> int:
     from decode_node.server import serve_decode
 
+    config = engine_config(args)
+    if args.draft:
+        config = replace(config, lookahead_tokens=args.num_draft_tokens)
     asyncio.run(serve_decode(
-        ensure_model(args.model), engine_config(args), args.host, args.port,
+        ensure_model(args.model), config, args.host, args.port,
         transfer_backend=args.transfer_backend, advertise_host=advertise_host(args),
+        draft=Path(args.draft) if args.draft else None, num_draft_tokens=args.num_draft_tokens,
     ))
     return 0
 
@@ -80,11 +86,15 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
         print("error: every pipeline stage but the last needs --pp-next HOST:PORT, and the "
               "last takes none", file=sys.stderr)
         return 2
+    if args.draft and args.pp_size > 1:
+        print("error: --draft is not supported with a pipeline-parallel prefill yet",
+              file=sys.stderr)
+        return 2
     asyncio.run(serve_prefill(
         ensure_model(args.model), engine_config(args), args.host, args.port,
         bootstrap_port=args.bootstrap_port, transfer_backend=args.transfer_backend,
         advertise_host=advertise_host(args), pp_size=args.pp_size, pp_rank=args.pp_rank,
-        pp_next=args.pp_next,
+        pp_next=args.pp_next, draft=Path(args.draft) if args.draft else None,
     ))
     return 0
 
@@ -122,12 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(dec)
     add_server_args(dec, default_port=50061)
     add_transfer_args(dec)
+    add_draft_args(dec, decode=True)
     dec.set_defaults(func=_cmd_decode)
 
     pre = sub.add_parser("prefill", help="run a prefill worker (gRPC PrefillWorker)")
     add_engine_args(pre)
     add_server_args(pre, default_port=50051)
     add_transfer_args(pre)
+    add_draft_args(pre, decode=False)
     pre.add_argument("--bootstrap-port", type=int, default=0,
                      help="port of the KV transfer bootstrap endpoint (0 picks a free one)")
     pre.add_argument("--pp-size", type=int, default=1,

@@ -52,3 +52,12 @@ def advertise_host(args: argparse.Namespace) -> str:
     if args.host not in ("0.0.0.0", "::", ""):
         return str(args.host)
     return socket.gethostbyname(socket.gethostname())
+
+
+def add_draft_args(p: argparse.ArgumentParser, *, decode: bool) -> None:
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="EAGLE draft directory (e.g. MODEL/draft from make-tiny-model "
+                        "--with-draft); prefill and decode nodes of a cluster must agree")
+    if decode:
+        p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                       help="draft tokens per speculative round (with --draft)")

@@ -61,10 +61,10 @@ class Prompt:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step did: requests that got one new token (their last output token), and the
-    requests that finished (a subset of them, or aborted ones)."""
+    """What one step did: the requests that got new tokens (how many: their last output tokens),
+    and the requests that finished (among them, or aborted ones)."""
 
-    new_tokens: list[Request]
+    new_tokens: list[tuple[Request, int]]
     finished: list[Request]
 
 
@@ -169,7 +169,7 @@ class LLMEngine:
         sampled = [it.request for it in out.items if it.needs_sample]
         counts = [r.num_output_tokens for r in sampled]
         finished = self.scheduler.update(out, samples)
-        grown = [r for r, n in zip(sampled, counts, strict=True) if r.num_output_tokens > n]
+        grown = [(r, 1) for r, n in zip(sampled, counts, strict=True) if r.num_output_tokens > n]
         return StepResult(grown, finished)
 
     def forward(self, out: SchedulerOutput) -> list[tuple[int, float]]:

@@ -217,6 +217,8 @@ class Scheduler:
             req = next(iter(self._waiting.values()))
             if not self._try_admit(req):
                 break  # FIFO: nobody overtakes the head of the queue
+            if prefill_only and not req.is_prefill:
+                continue  # admitted with its prompt already computed: the decoder runs it
             budget -= self._schedule_chunk(req, budget, items)
         return SchedulerOutput(items)
 

@@ -21,6 +21,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import torch
+
+from engine.draft_runner import DraftRunner
 from engine.inputs import ImageInput, RequestState
 from engine.llm_engine import LLMEngine
 from engine.request import Request, SamplingParams
@@ -45,9 +48,11 @@ class PrefillLoop:
     """Owns an :class:`LLMEngine` and a bootstrap server; steps them on a background thread."""
 
     def __init__(
-        self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone
+        self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
+        drafter: DraftRunner | None = None,
     ) -> None:
         self.engine = engine
+        self.drafter = drafter
         self.bootstrap = bootstrap
         self._on_done = on_done
         self._rooms: dict[int, _Room] = {}
@@ -142,8 +147,12 @@ class PrefillLoop:
         out = self.engine.scheduler.schedule()
         if not out.items:
             return
-        samples = self.engine.forward(out)
-        failed = self._push(out, samples)
+        if self.drafter is None:
+            samples, seeds = self.engine.forward(out), {}
+        else:  # the draft's KV travels with the target's; its last feature rides in the aux row
+            samples, fwd = self.engine.forward_states(out)
+            seeds = self.drafter.prefill(out, samples, fwd)
+        failed = self._push(out, samples, seeds)
         finished = self.engine.scheduler.update(out, samples)
         for room in failed:
             self._finish(room, self._rooms[room], self.bootstrap.failure_reason(room))
@@ -152,7 +161,8 @@ class PrefillLoop:
             if room in self._rooms:  # its last chunk was delivered: status is Success
                 self._finish(room, self._rooms[room], None)
 
-    def _push(self, out: SchedulerOutput, samples: list[tuple[int, float]]) -> list[int]:
+    def _push(self, out: SchedulerOutput, samples: list[tuple[int, float]],
+              seeds: dict[str, torch.Tensor]) -> list[int]:
         """Send every page this step completed; the aux row with the last chunk. Returns the
         rooms whose transfer failed."""
         failed = []
@@ -168,7 +178,9 @@ class PrefillLoop:
                 token, logprob = next(sample_iter)
                 state = req.payload
                 assert isinstance(state, RequestState)
-                last = AuxRow(room, token, logprob, state.delta, self._hidden)
+                seed = seeds.get(req.request_id)
+                hidden = self._hidden if seed is None else tuple(seed.tolist())
+                last = AuxRow(room, token, logprob, state.delta, hidden)
                 done_pages = -(-end // page_size)
             else:
                 done_pages = end // page_size

@@ -7,7 +7,9 @@ import asyncio
 from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
+from engine.draft_runner import DraftRunner
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.models.eagle import load_draft
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2_grpc
@@ -22,7 +24,7 @@ SERVICE_NAME = "pdserve.v1.PrefillWorker"
 async def serve_prefill(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, bootstrap_port: int,
     transfer_backend: str, advertise_host: str, pp_size: int = 1, pp_rank: int = 0,
-    pp_next: str | None = None,
+    pp_next: str | None = None, draft: Path | None = None,
 ) -> None:
     """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
@@ -38,15 +40,21 @@ async def serve_prefill(
                           transfer_backend=transfer_backend, advertise_host=advertise_host)
         return
     engine = LLMEngine(model_dir, config)
+    drafter = None
+    buffers = engine.pool.buffer_infos()
+    if draft is not None:  # the draft's prompt KV is computed here and travels in its band
+        drafter = DraftRunner(engine, load_draft(draft, engine.model_config.text,
+                                                 engine.model.dtype))
+        buffers = drafter.buffer_infos()
     manager = make_kv_manager(
-        transfer_backend, engine.pool.buffer_infos(),
+        transfer_backend, buffers,
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=4, hostname=advertise_host,
     )
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port)
     service = PrefillService()
-    loop = PrefillLoop(engine, bootstrap, service.on_done)
+    loop = PrefillLoop(engine, bootstrap, service.on_done, drafter)
     service.bind(loop, asyncio.get_running_loop(), f"{advertise_host}:{bootstrap.address[1]}")
     loop.start()
     server, bound, _ = await start_server(

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from decode_node.spec.accept import accept_greedy, accept_sampled
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention import AttentionBatch
+from engine.draft_runner import DraftRunner
 from engine.inputs import RequestState
-from engine.kv_cache import KVPool
-from engine.llm_engine import GenerationResult, LLMEngine, Prompt
+from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle import EagleDraft
 from engine.mrope import mrope_from_1d
 from engine.request import Request, SamplingParams
@@ -66,12 +66,6 @@ class SpecStats:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
 
-@dataclass(frozen=True)
-class SpecStepResult:
-    new_tokens: list[tuple[Request, int]]  # requests and how many tokens they got this step
-    finished: list[Request]
-
-
 class EagleEngine:
     """An :class:`LLMEngine` whose decoding runs in EAGLE rounds of ``k`` draft tokens."""
 
@@ -80,12 +74,8 @@ class EagleEngine:
             raise ValueError(f"num_draft_tokens must be at least 1, got {k}")
         if engine.scheduler.config.lookahead_tokens < k:
             raise ValueError("the engine's lookahead_tokens must be at least num_draft_tokens")
-        draft.cfg.check_target(engine.model_config.text)
-        self.engine, self.draft, self.k = engine, draft, k
-        pool = engine.pool
-        self.draft_pool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
-                                 [draft.cfg.layer_id], pool.dtype)
-        self.draft_attn = TorchPagedAttention(self.draft_pool)
+        self.engine, self.k = engine, k
+        self.drafter = DraftRunner(engine, draft)
         self.states: dict[str, DraftState] = {}
         self.stats = SpecStats()
         self.request_stats: dict[str, SpecStats] = {}
@@ -94,27 +84,32 @@ class EagleEngine:
     # ---- the loop --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> SpecStepResult:
+    def step(self) -> StepResult:
         sched = self.engine.scheduler
-        new: list[tuple[Request, int]] = []
+        new: dict[str, tuple[Request, int]] = {}  # tokens per request over the whole step
         finished: list[Request] = []
         out = sched.schedule(prefill_only=True)
         if out.items:
             samples, fwd = self.engine.forward_states(out)
             self._log("prefill", out, fwd.mrope)
-            self._draft_prefill(out, samples, fwd.hidden, fwd.mrope, fwd.slots)
+            seeds = self.drafter.prefill(out, samples, fwd)
+            self._log("draft_prefill", out, fwd.mrope)
+            reqs = [it.request for it in out.items if it.request.request_id in seeds]
+            for r in reqs:
+                self.seed(r, seeds[r.request_id])
             sampled = [it.request for it in out.items if it.needs_sample]
             done = sched.update(out, samples)
-            new += [(r, 1) for r in sampled if r.num_output_tokens == 1]
+            new.update((r.request_id, (r, 1)) for r in sampled if r.num_output_tokens == 1)
             finished += done
         ready = [r for r in sched.decoding() if r.request_id in self.states]
         if ready:
-            n, done = self._round(ready)
-            new += n
+            grown, done = self._round(ready)
+            for r, n in grown:
+                new[r.request_id] = (r, new.get(r.request_id, (r, 0))[1] + n)
             finished += done
         for r in finished:
             self.states.pop(r.request_id, None)
-        return SpecStepResult(new, finished)
+        return StepResult(list(new.values()), finished)
 
     def generate(
         self, prompts: Sequence[Prompt], sampling: SamplingParams
@@ -127,31 +122,12 @@ class EagleEngine:
             self.step()
         return [self.engine.result(r) for r in reqs]
 
-    # ---- prefill -----------------------------------------------------------------------------
-
-    def _draft_prefill(self, out: SchedulerOutput, samples: list[tuple[int, float]],
-                       hidden: torch.Tensor, mrope: torch.Tensor, slots: torch.Tensor) -> None:
-        """The draft over the chunk rows the target just computed (tokens shifted by one)."""
-        ids: list[int] = []
-        bonus = iter(samples)
-        last_rows: list[tuple[Request, int]] = []
-        for item in out.items:
-            prompt, end = item.request.prompt_token_ids, item.start + item.num_tokens
-            ids += prompt[item.start + 1 : end]
-            ids.append(prompt[end] if end < len(prompt) else next(bonus)[0])
-            if item.needs_sample:
-                last_rows.append((item.request, len(ids) - 1))
-        batch = AttentionBatch([it.num_tokens for it in out.items],
-                               [it.start + it.num_tokens for it in out.items],
-                               [it.request.page_ids for it in out.items], slots)
-        feats = self._draft_forward(torch.tensor(ids), hidden, mrope, batch)
-        self._log("draft_prefill", out, mrope)
-        if last_rows:
-            reqs = [r for r, _ in last_rows]
-            rows = feats[[row for _, row in last_rows]]
-            tokens, qs = self._pick(rows, reqs)
-            for r, tok, q, feat in zip(reqs, tokens, qs, rows, strict=True):
-                self.states[r.request_id] = DraftState(tok, feat, q)
+    def seed(self, req: Request, feature: torch.Tensor) -> None:
+        """Start ``req``'s rounds from the draft feature that predicts its first draft token
+        (the draft prefill's last row, here or on the prefill node)."""
+        feature = feature.to(self.engine.model.dtype)
+        tokens, qs = self._pick(feature.unsqueeze(0), [req])
+        self.states[req.request_id] = DraftState(tokens[0], feature, qs[0])
 
     # ---- one speculative round -------------------------------------------------------------
 
@@ -241,8 +217,7 @@ class EagleEngine:
 
     def _draft_forward(self, ids: torch.Tensor, features: torch.Tensor, mrope: torch.Tensor,
                        batch: AttentionBatch) -> torch.Tensor:
-        self.draft_attn.prepare(batch)
-        return self.draft(self.engine.model.embed(ids), features, mrope, self.draft_attn)
+        return self.drafter.forward(ids, features, mrope, batch)
 
     def _pick(self, feats: torch.Tensor, reqs: list[Request]
               ) -> tuple[list[int], list[torch.Tensor | None]]:
