@@ -22,6 +22,7 @@ import ray
 
 NAMESPACE = "pdserve"
 READY_TIMEOUT_S = 180.0
+HEAD_RESOURCE = "node:__internal_head__"  # a resource only Ray's head node has
 
 
 @ray.remote(num_cpus=0)
@@ -144,8 +145,9 @@ def launch(opts: LaunchOptions) -> Cluster:
     dec = ",".join(addr for (role, _), addr in zip(workers, addresses, strict=True)
                    if role == "decode")
     router_args = [*model, "--prefill", pre, "--decode", dec]
-    router = ServerActor.options(name="router", **lifetime).remote("router", router_args, host,
-                                                                   opts.port)
+    # the router runs on the head node, where users (and `pdserve status`) look for it
+    router = ServerActor.options(name="router", resources={HEAD_RESOURCE: 0.001},
+                                 **lifetime).remote("router", router_args, host, opts.port)
     try:
         router_address = ray.get(router.address.remote())
     except Exception:

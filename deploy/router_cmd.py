@@ -12,10 +12,14 @@ from deploy.engine_args import add_server_args
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (config.json, tokenizer.json, ...)")
-    p.add_argument("--prefill", metavar="HOST:PORT[,...]", help="prefill workers")
-    p.add_argument("--decode", metavar="HOST:PORT[,...]", help="decode workers")
+    p.add_argument("--prefill", metavar="HOST:PORT[,...]",
+                   help="prefill workers; an entry dns:NAME:PORT means every A record of NAME "
+                        "(e.g. a Kubernetes headless service), re-resolved every 5 s")
+    p.add_argument("--decode", metavar="HOST:PORT[,...]",
+                   help="decode workers (HOST:PORT or dns:NAME:PORT entries)")
     p.add_argument("--colocated", metavar="HOST:PORT[,...]",
-                   help="colocated workers (decode workers that prefill locally)")
+                   help="colocated workers (decode workers that prefill locally; HOST:PORT or "
+                        "dns:NAME:PORT entries)")
     p.add_argument("--max-new-tokens-default", type=int, default=128,
                    help="max_new_tokens of requests that leave it 0")
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="T",

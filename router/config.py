@@ -42,15 +42,45 @@ class RouterConfig:
         return MODE_COLOCATED if self.colocated else MODE_DISAGGREGATED
 
 
+DNS_PREFIX = "dns:"
+
+
 def parse_addresses(text: str | None) -> tuple[str, ...]:
-    """``"h1:p1,h2:p2"`` -> ``("h1:p1", "h2:p2")``; raises ValueError on a malformed entry."""
+    """``"h1:p1,dns:name:p2"`` -> ``("h1:p1", "dns:name:p2")``; raises ValueError on a malformed
+    entry.
+
+    An entry is ``HOST:PORT`` (one worker) or ``dns:NAME:PORT`` (every A record of ``NAME``,
+    e.g. a Kubernetes headless service, each at ``PORT``; the router re-resolves it
+    periodically, see :class:`router.workers.WorkerPool`).
+    """
     if not text:
         return ()
     out = []
     for item in text.split(","):
         item = item.strip()
+        if split_dns(item) is not None:  # validates a dns:NAME:PORT entry
+            out.append(item)
+            continue
         host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"worker address must be HOST:PORT, got {item!r}")
+        if not sep or not host or not _valid_port(port):
+            raise ValueError(f"worker address must be HOST:PORT or dns:NAME:PORT, got {item!r}")
         out.append(item)
     return tuple(out)
+
+
+def split_dns(address: str) -> tuple[str, int] | None:
+    """``"dns:NAME:PORT"`` -> ``(NAME, PORT)``; None for a plain ``HOST:PORT`` (``dns:50051``
+    included: a host named ``dns``).
+
+    Raises ValueError when the entry starts with ``dns:`` but is not ``dns:NAME:PORT``.
+    """
+    if not address.startswith(DNS_PREFIX) or ":" not in address[len(DNS_PREFIX):]:
+        return None
+    name, sep, port = address[len(DNS_PREFIX):].rpartition(":")
+    if not sep or not name or ":" in name or not _valid_port(port):
+        raise ValueError(f"DNS worker address must be dns:NAME:PORT, got {address!r}")
+    return name, int(port)
+
+
+def _valid_port(port: str) -> bool:
+    return port.isdigit() and 0 < int(port) < 65536

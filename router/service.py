@@ -84,19 +84,18 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def _admit(self, rid: str, prepared: PreparedRequest,
                      context: grpc.aio.ServicerContext) -> RoomRun:
         """Pick the workers, draw the room id, register and start the room."""
-        room = self._new_room()
         decode = self.pool.pick(self.pool.decode)
         prefill = None
         bootstrap = ""
         short = len(prepared.token_ids) < self.config.local_prefill_threshold
-        local = not self.pool.prefill or short
-        if not local:
+        local = self.config.mode == "colocated" or short
+        if not local:  # disaggregated: no prefill worker found is UNAVAILABLE, never local
             prefill = self.pool.pick(self.pool.prefill)
             bootstrap = await self.pool.bootstrap_of(prefill)
             if not bootstrap:
-                self.rooms.discard(room)
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     f"prefill worker {prefill.address}: no bootstrap address")
+        room = self._new_room()  # reserved only once the request will run
         self.metrics["requests"] += 1
         self.metrics["local_prefill" if local else "remote_prefill"] += 1
         wreq = wpb.WorkerRequest(room=room, request_id=rid, token_ids=prepared.token_ids,

@@ -1,17 +1,27 @@
 """Worker pool: one channel per worker, local load counters refreshed by periodic ``GetLoad``
-calls, and least-loaded selection.
+calls, least-loaded selection, and DNS discovery of workers.
 
 Load of a worker = the larger of what this router has outstanding on it (updated the moment a
 request is assigned or released) and what the worker last reported (which also covers other
 routers' work). Workers whose last ``GetLoad`` failed sort after healthy ones but are still
 picked when nothing else is left, so the caller gets ``UNAVAILABLE`` naming the address.
+
+DNS discovery: an address ``dns:NAME:PORT`` stands for every A record of ``NAME`` (a Kubernetes
+headless service lists the IPs of its ready pods), each at ``PORT``. The pool resolves it at
+:meth:`WorkerPool.start` and every ``dns_refresh_s`` after: new IPs become workers; a worker whose
+IP vanished gets no new requests from then on (it leaves :attr:`WorkerPool.prefill` /
+:attr:`WorkerPool.decode` at once) and its channel is closed only once no request of this router
+runs on it (and at least one refresh period after it vanished, so a request admitted just
+before is not cut). A failed lookup changes nothing (a DNS hiccup must not drop a live cluster);
+an empty answer retires every worker of that name. Plain ``HOST:PORT`` workers never change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import socket
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,6 +29,7 @@ import grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import MAX_MESSAGE_BYTES
+from router.config import split_dns
 
 log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [
@@ -27,6 +38,17 @@ CHANNEL_OPTIONS = [
 ]
 PREFILL = "prefill"
 DECODE = "decode"
+DNS_REFRESH_S = 5.0  # period of DNS re-resolution of dns:NAME:PORT workers
+Resolver = Callable[[str], Sequence[str]]  # host name -> its IPv4 addresses (blocking)
+
+
+def resolve_a_records(name: str) -> list[str]:
+    """Every IPv4 address ``name`` resolves to (all A records of a headless service), sorted.
+
+    Raises OSError (``socket.gaierror``) when the lookup fails.
+    """
+    infos = socket.getaddrinfo(name, None, family=socket.AF_INET, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
 
 
 @dataclass
@@ -41,6 +63,8 @@ class Worker:
     running: int = 0  # this router's requests assigned here and not yet released
     report: wpb.LoadReport = field(default_factory=wpb.LoadReport)
     healthy: bool = True
+    source: str = ""  # the dns:NAME:PORT entry that found it; "" for a plain HOST:PORT
+    retired_ticks: int = 0  # DNS refreshes since it vanished (retiring workers only)
 
     def score(self) -> tuple[int, int, int]:
         """Sort key: unhealthy last, then outstanding prompt tokens, then running requests."""
@@ -63,29 +87,47 @@ class Worker:
 
 class WorkerPool:
     """All workers of one kind-set; call :meth:`start` inside the event loop, :meth:`close`
-    at shutdown."""
+    at shutdown.
+
+    ``prefill`` and ``decode`` entries are ``HOST:PORT`` or ``dns:NAME:PORT`` (see the module
+    docstring); :attr:`prefill` and :attr:`decode` are the workers new requests may go to, and
+    DNS discovery updates them in place.
+    """
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str],
-                 refresh_s: float = 1.0, timeout_s: float = 5.0) -> None:
-        self.prefill = [_make(a, PREFILL) for a in prefill]
-        self.decode = [_make(a, DECODE) for a in decode]
+                 refresh_s: float = 1.0, timeout_s: float = 5.0,
+                 dns_refresh_s: float = DNS_REFRESH_S,
+                 resolver: Resolver = resolve_a_records) -> None:
+        self.prefill = [_make(a, PREFILL) for a in prefill if split_dns(a) is None]
+        self.decode = [_make(a, DECODE) for a in decode if split_dns(a) is None]
+        # (kind, "dns:NAME:PORT", NAME, PORT) for every DNS entry
+        self._dns: list[tuple[str, str, str, int]] = [
+            (kind, a, *dns) for kind, entries in ((PREFILL, prefill), (DECODE, decode))
+            for a in entries if (dns := split_dns(a)) is not None]
+        self.retiring: list[Worker] = []  # vanished from DNS, channel still open
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
-        self._task: asyncio.Task[None] | None = None
+        self.dns_refresh_s = dns_refresh_s
+        self.resolver = resolver
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def all(self) -> list[Worker]:
         return [*self.prefill, *self.decode]
 
     async def start(self) -> None:
-        """Poll every worker once, then keep polling in the background."""
+        """Resolve DNS entries and poll every worker once, then keep both up in the background."""
+        if self._dns:
+            await self.discover()
+            self._tasks.append(asyncio.create_task(
+                self._forever(self.dns_refresh_s, self.discover)))
         await self.refresh()
-        self._task = asyncio.create_task(self._poll_forever())
+        self._tasks.append(asyncio.create_task(self._forever(self.refresh_s, self.refresh)))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        for w in self.all:
+        for task in self._tasks:
+            task.cancel()
+        for w in [*self.all, *self.retiring]:
             await w.channel.close()
 
     async def refresh(self) -> None:
@@ -96,19 +138,75 @@ class WorkerPool:
         try:
             w.report = await w.stub.GetLoad(wpb.GetLoadRequest(), timeout=self.timeout_s)
             w.healthy = True
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             if w.healthy:
-                log.warning("worker %s: GetLoad failed: %s", w.address, exc.code().name)
+                name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.warning("worker %s: GetLoad failed: %s", w.address, name)
             w.healthy = False
 
-    async def _poll_forever(self) -> None:
+    async def _forever(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(self.refresh_s)
-            await self.refresh()
+            await asyncio.sleep(period_s)
+            try:
+                await step()
+            except Exception:  # a background loop must outlive one bad round
+                log.exception("worker pool background step failed")
+
+    async def discover(self) -> None:
+        """Resolve every DNS entry once and apply the answer (see the module docstring)."""
+        await self._close_idle_retired()
+        for kind, source, name, port in self._dns:
+            try:
+                ips = await asyncio.to_thread(self.resolver, name)
+            except OSError as exc:
+                log.warning("cannot resolve %s (keeping its %s workers): %s", name, kind, exc)
+                continue
+            self._apply(kind, source, [f"{ip}:{port}" for ip in ips])
+
+    def _apply(self, kind: str, source: str, addresses: Sequence[str]) -> None:
+        """Make the workers found through ``source`` exactly ``addresses``."""
+        workers = self.prefill if kind == PREFILL else self.decode
+        wanted = dict.fromkeys(addresses)
+        keep = []
+        for w in workers:
+            if w.source != source or w.address in wanted:
+                keep.append(w)
+                wanted.pop(w.address, None)  # also skips one a static entry already names
+            else:
+                log.warning("%s worker %s left %s; retiring it", kind, w.address, source)
+                w.retired_ticks = 0
+                self.retiring.append(w)
+        for address in wanted:
+            back = next((w for w in self.retiring
+                         if w.kind == kind and w.address == address), None)
+            if back is not None:  # the same pod (IP) is back before its channel closed
+                self.retiring.remove(back)
+                keep.append(back)
+            else:
+                log.info("%s worker %s joined via %s", kind, address, source)
+                keep.append(_make(address, kind, source))
+        workers[:] = keep
+
+    async def _close_idle_retired(self) -> None:
+        """Close the channels of retired workers idle for at least one refresh period."""
+        for w in list(self.retiring):
+            w.retired_ticks += 1
+            if w.running == 0 and w.retired_ticks >= 1:
+                self.retiring.remove(w)
+                await w.channel.close(grace=self.timeout_s)
 
     @staticmethod
     def pick(workers: Sequence[Worker]) -> Worker:
-        """The least loaded of ``workers`` (first one on ties)."""
+        """The least loaded of ``workers`` (first one on ties).
+
+        Raises :class:`router.room.WorkerFailure` (``UNAVAILABLE``) when there is none, which
+        only happens while DNS discovery has found no worker yet.
+        """
+        if not workers:
+            from router.room import WorkerFailure  # room imports this module
+
+            raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
+                                "no worker is available yet (DNS discovery found none)")
         return min(workers, key=lambda w: w.score())
 
     async def bootstrap_of(self, w: Worker) -> str:
@@ -118,11 +216,11 @@ class WorkerPool:
         return w.report.bootstrap
 
 
-def _make(address: str, kind: str) -> Worker:
+def _make(address: str, kind: str, source: str = "") -> Worker:
     channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
     if kind == PREFILL:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
     else:
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-    return Worker(address, kind, channel, stub)
+    return Worker(address, kind, channel, stub, source=source)
