@@ -1,0 +1,352 @@
+"""Serving latency and throughput, disaggregated (1 prefill + 1 decode) vs colocated, in one run.
+
+    python bench/serving.py [--model DIR] [--requests 64] [--concurrency 32] [--prompt-len 256]
+                            [--long-prompt-len 2048] [--long-requests 4] [--new 64] [--json]
+
+Starts both clusters as subprocesses on loopback (``pdserve prefill`` + ``pdserve decode`` +
+``pdserve router --prefill --decode``; ``pdserve decode`` + ``pdserve router --colocated``), each
+process with ``OMP_NUM_THREADS=1``, all on the same model (a fresh tiny model unless ``--model``).
+Both routers get the same requests (random token ids, greedy, ``ignore_eos``, exactly ``--new``
+tokens each) through the public gRPC API:
+
+* load phase: ``--requests`` requests of ``--prompt-len`` tokens, ``--concurrency`` streams at a
+  time: TTFT, ITL and end-to-end latency (mean, p50, p90, p99) and output tokens/s;
+* long-prompt phase: ``--long-requests`` requests of ``--long-prompt-len`` tokens, one at a time:
+  TTFT.
+
+ITL is per token: each message's gap since the previous message divided by the tokens it carries
+(one sample per token). Every process started here is stopped on exit, errors included.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # run as a script: bench/serving.py must not shadow the engine package
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import generate_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+ITL_METHOD = "per token: message gap / tokens in the message"
+MODES = ("disaggregated", "colocated")
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """One started ``pdserve`` process; its output is collected by a reader thread."""
+
+    name: str
+    popen: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+    port: int | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def read(self) -> None:
+        """Reader thread: record output; note the ``READY <port>`` line."""
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.log.append(line)
+            if self.port is None and line.startswith("READY "):
+                self.port = int(line.split()[1])
+                self.ready.set()
+        self.ready.set()  # exited: wake the waiter
+
+    def tail(self, lines: int = 30) -> str:
+        return "".join(self.log[-lines:])
+
+
+class Processes:
+    """Every process this run started; :meth:`stop_all` ends them all (SIGTERM, then SIGKILL)."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, args: Sequence[str]) -> Proc:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["OMP_NUM_THREADS"] = "1"
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        )
+        proc = Proc(name, popen)
+        self.procs.append(proc)
+        threading.Thread(target=proc.read, daemon=True).start()
+        return proc
+
+    @staticmethod
+    def wait_ready(procs: Sequence[Proc]) -> None:
+        """Block until each of ``procs`` printed ``READY``; raise with its log if it exited."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for proc in procs:
+            if not proc.ready.wait(max(0.0, deadline - time.monotonic())) or proc.port is None:
+                raise RuntimeError(f"{proc.name} did not become ready:\n{proc.tail()}")
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in reversed(self.procs):
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+
+def start_clusters(procs: Processes, model_dir: Path, args: argparse.Namespace) -> dict[str, str]:
+    """Start both clusters; the router address of each mode."""
+    engine = ["--model", str(model_dir), "--port", "0", "--page-size", str(args.page_size),
+              "--num-pages", str(args.num_pages), "--max-num-seqs", str(max(64, args.concurrency)),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    prefill = procs.start("prefill", ["prefill", *engine])
+    decode = procs.start("decode", ["decode", *engine])
+    colocated = procs.start("colocated decode", ["decode", *engine])
+    procs.wait_ready([prefill, decode, colocated])
+    router = ["router", "--model", str(model_dir), "--port", "0"]
+    disagg_router = procs.start("disaggregated router", [
+        *router, "--prefill", prefill.address, "--decode", decode.address])
+    colo_router = procs.start("colocated router", [*router, "--colocated", colocated.address])
+    procs.wait_ready([disagg_router, colo_router])
+    return {"disaggregated": disagg_router.address, "colocated": colo_router.address}
+
+
+# ---- load --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One request as the client saw it (seconds since its own start)."""
+
+    start: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per message
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return next(t for t, n in self.arrivals if n) - self.start
+
+    @property
+    def e2e(self) -> float:
+        return self.arrivals[-1][0] - self.start
+
+    def itl(self) -> list[float]:
+        """One sample per token after the first message: its message's gap / its tokens."""
+        out: list[float] = []
+        for (prev, _), (now, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
+            out.extend([(now - prev) / n] * n)
+        return out
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``count`` random prompts of exactly ``length`` ordinary token ids."""
+    rng = random.Random(seed)
+    top = min(vocab, 500) - 1  # the tiny model's special tokens sit at the top of the vocab
+    return [[rng.randint(0, top) for _ in range(length)] for _ in range(count)]
+
+
+async def one_request(stub: generate_pb2_grpc.GenerationStub, ids: list[int], new: int) -> Trace:
+    req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids), sampling=gpb.SamplingParams(
+        max_new_tokens=new, ignore_eos=True))
+    trace = Trace(time.perf_counter())
+    async for msg in stub.Generate(req):
+        trace.arrivals.append((time.perf_counter(), len(msg.token_ids)))
+        trace.token_ids.extend(msg.token_ids)
+    if len(trace.token_ids) != new:
+        raise RuntimeError(f"expected {new} tokens, got {len(trace.token_ids)}")
+    return trace
+
+
+async def run_load(address: str, prompts: list[list[int]], new: int,
+                   concurrency: int) -> tuple[list[Trace], float]:
+    """All ``prompts`` with at most ``concurrency`` in flight; traces and wall seconds."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        await one_request(stub, prompts[0][:16], 4)  # warm-up: connections and first-call paths
+        gate = asyncio.Semaphore(concurrency)
+
+        async def limited(ids: list[int]) -> Trace:
+            async with gate:
+                return await one_request(stub, ids, new)
+
+        start = time.perf_counter()
+        traces = await asyncio.gather(*(limited(p) for p in prompts))
+        return list(traces), time.perf_counter() - start
+
+
+async def run_sequential(address: str, prompts: list[list[int]], new: int) -> list[Trace]:
+    """One request at a time."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        return [await one_request(stub, ids, new) for ids in prompts]
+
+
+# ---- statistics --------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated ``q``-th percentile (0..100) of ``values``."""
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary_ms(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90, p99 of seconds, in milliseconds."""
+    mean = sum(values) / len(values) if values else float("nan")
+    out = {"mean": mean}
+    for q in (50, 90, 99):
+        out[f"p{q}"] = percentile(values, q)
+    return {k: round(v * 1000.0, 3) for k, v in out.items()}
+
+
+def measure(address: str, load_prompts: list[list[int]], long_prompts: list[list[int]],
+            args: argparse.Namespace) -> tuple[dict[str, object], list[list[int]]]:
+    """Both phases against one router: the figures and the load phase's output ids."""
+    traces, wall = asyncio.run(run_load(address, load_prompts, args.new, args.concurrency))
+    long_traces = asyncio.run(run_sequential(address, long_prompts, args.long_new))
+    tokens = sum(len(t.token_ids) for t in traces)
+    result: dict[str, object] = {
+        "ttft_ms": summary_ms([t.ttft for t in traces]),
+        "itl_ms": summary_ms([x for t in traces for x in t.itl()]),
+        "e2e_ms": summary_ms([t.e2e for t in traces]),
+        "output_tok_s": round(tokens / wall, 1),
+        "wall_s": round(wall, 3),
+        "long_prompt_ttft_ms": summary_ms([t.ttft for t in long_traces]),
+    }
+    return result, [t.token_ids for t in traces]
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def print_table(report: dict[str, object]) -> None:
+    cfg = report["config"]
+    assert isinstance(cfg, dict)
+    print(f"model {cfg['model']}: {cfg['requests']} requests x {cfg['prompt_len']} prompt tokens "
+          f"-> {cfg['new']} new tokens at concurrency {cfg['concurrency']}; "
+          f"{cfg['long_requests']} sequential {cfg['long_prompt_len']}-token prompts")
+    print(f"ITL: {ITL_METHOD}; times in ms")
+    head = f"{'mode':<14} {'metric':<16} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}"
+    print(head)
+    print("-" * len(head))
+    for mode in MODES:
+        res = report[mode]
+        assert isinstance(res, dict)
+        for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"), ("e2e_ms", "end-to-end"),
+                           ("long_prompt_ttft_ms", f"TTFT {cfg['long_prompt_len']}-tok")):
+            s = res[key]
+            print(f"{mode:<14} {label:<16} {s['mean']:>9.2f} {s['p50']:>9.2f} "
+                  f"{s['p90']:>9.2f} {s['p99']:>9.2f}")
+        print(f"{mode:<14} {'output tok/s':<16} {res['output_tok_s']:>9.1f}")
+    ratios = report["ratios"]
+    assert isinstance(ratios, dict)
+    print(f"disaggregated / colocated: TTFT at {cfg['long_prompt_len']}-token prompts "
+          f"(mean) {ratios['long_prompt_ttft_mean']:.3f}, "
+          f"(p50) {ratios['long_prompt_ttft_p50']:.3f}; "
+          f"output tok/s at {cfg['concurrency']} streams {ratios['output_tok_s']:.3f}")
+    print(f"outputs equal between the clusters: {report['outputs_equal']}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="checkpoint directory (default: a fresh tiny model)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--long-prompt-len", type=int, default=2048)
+    p.add_argument("--long-requests", type=int, default=4,
+                   help="sequential long-prompt requests for the TTFT ratio")
+    p.add_argument("--long-new", type=int, default=4, help="new tokens of each long request")
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    args = p.parse_args(argv)
+    if min(args.requests, args.concurrency, args.prompt_len, args.long_prompt_len,
+           args.new, args.long_new) < 1 or args.long_requests < 0:
+        p.error("counts and lengths must be positive")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    procs = Processes()
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            if args.model:
+                model_dir = Path(args.model)
+            else:
+                from engine.tiny_model import write_tiny_model
+
+                model_dir = write_tiny_model(Path(tmp) / "tiny")
+            config = json.loads((model_dir / "config.json").read_text())
+            vocab = int((config.get("text_config") or config)["vocab_size"])
+            routers = start_clusters(procs, model_dir, args)
+            load_prompts = make_prompts(args.requests, args.prompt_len, vocab, args.seed)
+            long_prompts = make_prompts(args.long_requests, args.long_prompt_len, vocab,
+                                        args.seed + 1)
+            report: dict[str, object] = {"config": {
+                "model": str(args.model or "tiny (fresh)"), "requests": args.requests,
+                "concurrency": args.concurrency, "prompt_len": args.prompt_len,
+                "long_prompt_len": args.long_prompt_len, "long_requests": args.long_requests,
+                "new": args.new, "itl": ITL_METHOD}}
+            outputs = {}
+            for mode in MODES:
+                report[mode], outputs[mode] = measure(routers[mode], load_prompts,
+                                                      long_prompts, args)
+        finally:
+            procs.stop_all()
+    dis, col = report["disaggregated"], report["colocated"]
+    assert isinstance(dis, dict) and isinstance(col, dict)
+    report["ratios"] = {
+        "long_prompt_ttft_mean": round(dis["long_prompt_ttft_ms"]["mean"]
+                                       / col["long_prompt_ttft_ms"]["mean"], 3),
+        "long_prompt_ttft_p50": round(dis["long_prompt_ttft_ms"]["p50"]
+                                      / col["long_prompt_ttft_ms"]["p50"], 3),
+        "output_tok_s": round(dis["output_tok_s"] / col["output_tok_s"], 3),
+    }
+    report["outputs_equal"] = outputs["disaggregated"] == outputs["colocated"]
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
