@@ -94,7 +94,10 @@ class LLMEngine:
             config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
             text.num_key_value_heads, text.head_dim, dtype,
         )
-        self.pool = KVPool(num_pages, config.page_size, text.num_key_value_heads, text.head_dim,
+        # one page more than the allocator hands out: a scratch page that padded rows of a
+        # static-shape forward may write into (see decode_node/spec/graph_runner.py)
+        self.scratch_page = num_pages
+        self.pool = KVPool(num_pages + 1, config.page_size, text.num_key_value_heads, text.head_dim,
                            list(range(text.num_hidden_layers)), dtype, config.device)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from decode_node.spec.accept import accept_greedy, accept_sampled
+from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
 from engine.inputs import RequestState
@@ -76,6 +77,7 @@ class EagleEngine:
             raise ValueError("the engine's lookahead_tokens must be at least num_draft_tokens")
         self.engine, self.k = engine, k
         self.drafter = DraftRunner(engine, draft)
+        self.graph = SpecGraphRunner(engine, self.drafter, k)
         self.states: dict[str, DraftState] = {}
         self.stats = SpecStats()
         self.request_stats: dict[str, SpecStats] = {}
@@ -139,23 +141,20 @@ class EagleEngine:
             sched.grow(r, s + n)
         deltas = torch.tensor([_state(r).delta for r in reqs])
         drafts, qs = self._draft_decode(reqs, starts, deltas)
-        # verify: [b, d_1..d_K] at S..S+K
+        rnd = RoundInputs(reqs, starts, deltas)
+        rows = [r.request_id for r in reqs for _ in range(n)]
+        # verify: [b, d_1..d_K] at S..S+K, through the static buffers
         ids = torch.tensor([[r.output_token_ids[-1], *d] for r, d in zip(reqs, drafts,
                                                                          strict=True)]).flatten()
-        pos = (torch.tensor(starts).unsqueeze(1) + torch.arange(n)).flatten()  # [B*N]
-        mrope = mrope_from_1d(pos, deltas.repeat_interleave(n))
-        batch = self._batch(reqs, [n] * len(reqs), [s + n for s in starts], pos)
-        hidden = self.engine.runner.forward_embeds(self.engine.model.embed(ids), mrope, batch)
-        self._log_rows("verify", [r.request_id for r in reqs for _ in range(n)], mrope, pos)
+        hidden = self.graph.verify(rnd, ids)
+        self._log_rows("verify", rows, *self._graph_positions(len(reqs)))
         logits = self.engine.model.logits(hidden).view(len(reqs), n, -1)
         committed = [self._accept(r, d, q, lg) for r, d, q, lg in zip(reqs, drafts, qs, logits,
                                                                        strict=True)]
-        # draft extend over the verified window, at the verify's own positions
+        # draft extend over the verified window, at the same positions; select_index rows
         ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed]).flatten()
-        feats = self._draft_forward(ext, hidden, mrope, batch)
-        self._log_rows("draft_extend", [r.request_id for r in reqs for _ in range(n)], mrope, pos)
-        select = [i * n + len(c) - 1 for i, c in enumerate(committed)]
-        seeds = feats[select]
+        seeds = self.graph.draft_extend(rnd, ext, hidden, [len(c) - 1 for c in committed])
+        self._log_rows("draft_extend", rows, *self._graph_positions(len(reqs)))
         tokens, seed_qs = self._pick(seeds, reqs)
         return self._commit(reqs, starts, committed, logits, tokens, seed_qs, seeds)
 
@@ -256,6 +255,11 @@ class EagleEngine:
                   pos: torch.Tensor) -> None:
         if self.position_log is not None:
             self.position_log(phase, rows, pos, mrope)
+
+    def _graph_positions(self, raw_bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mrope, 1-D) positions the last static-buffer forward read, for the audit."""
+        pos, mrope = self.graph.positions(raw_bs)
+        return mrope.clone(), pos.clone()
 
 
 def _state(req: Request) -> RequestState:

@@ -210,3 +210,26 @@ def test_sampling_with_eagle_runs_and_frees_everything(model_dir: Path) -> None:
     out = spec.generate(PROMPTS["mixed"], params)
     assert all(len(o.token_ids) == 16 for o in out)
     spec.engine.scheduler.check_no_leaks()
+
+
+def test_padded_static_batch_equals_plain_decoding(model_dir: Path) -> None:
+    """Three requests run in the buffers padded to the captured size 4: the padded row writes only
+    the scratch page, which no request ever owns, and the output is unchanged."""
+    prompts = [*PROMPTS["mixed"][:2], PROMPTS["text"][0]]
+    plain = LLMEngine(model_dir, EngineConfig(num_pages=256, page_size=8)).generate(prompts,
+                                                                                   GREEDY)
+    spec = spec_engine(model_dir, 3)
+    padded = []
+    real_verify = spec.graph.verify
+
+    def verify(rnd, ids):  # noqa: ANN001, ANN202
+        hidden = real_verify(rnd, ids)
+        padded.append((len(rnd.reqs), spec.graph.bs))
+        assert all(spec.engine.scratch_page not in r.page_ids for r in rnd.reqs)
+        return hidden
+
+    spec.graph.verify = verify  # type: ignore[method-assign]
+    got = spec.generate(prompts, GREEDY)
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    assert (3, 4) in padded
+    spec.engine.scheduler.check_no_leaks()

@@ -106,11 +106,12 @@ def want(model_dir: Path) -> list[list[int]]:
     return expected(model_dir)
 
 
-def test_disaggregated_eagle_equals_plain_decoding(model_dir: Path,
-                                                   want: list[list[int]]) -> None:
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_disaggregated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]],
+                                                   k: int) -> None:
     model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
     with running(["prefill", *model, *NODE, *draft],
-                 ["decode", *model, *NODE, *draft, "--num-draft-tokens", "3"]) as [p, d]:
+                 ["decode", *model, *NODE, *draft, "--num-draft-tokens", str(k)]) as [p, d]:
         router_cmd = ["router", *model, "--port", "0", "--prefill", p.address,
                       "--decode", d.address]
         with running(router_cmd) as [r]:
