@@ -443,3 +443,39 @@ def test_first_message_arrives_long_before_the_last(cluster: Cluster) -> None:
     assert rest[-1].finished and len(rest) >= 2
     assert ttft < total / 4, f"first message after {ttft:.3f}s of {total:.3f}s"
     cluster.wait_idle()
+
+
+# ---- pipeline-parallel prefill ------------------------------------------------------------------
+
+
+def test_two_stage_prefill_concurrent_streams_equal_engine(
+    tiny_dir: Path, cases: list[Case], expected: list[GenerationResult]
+) -> None:
+    """The same 32 streams through a prefill split into two pipeline stages (one layer each)."""
+    model = ["--model", str(tiny_dir), "--port", "0", "--page-size", str(PAGE_SIZE)]
+    stage = ["prefill", *model, "--num-pages", str(PREFILL_PAGES),
+             "--max-num-batched-tokens", str(CHUNK), "--pp-size", "2"]
+    [last] = start_all([[*stage, "--pp-rank", "1"]])
+    nodes = [last]
+    try:
+        nodes += start_all([[*stage, "--pp-rank", "0", "--pp-next", last.address],
+                            ["decode", *model, "--num-pages", str(DECODE_PAGES),
+                             "--max-num-batched-tokens", str(4 * CHUNK)]])
+        first, decode = nodes[1], nodes[2]
+        nodes += start_all([["router", "--model", str(tiny_dir), "--port", "0",
+                             "--prefill", first.address, "--decode", decode.address]])
+        channel = grpc.insecure_channel(nodes[3].address)
+        try:
+            streams = run_all(generate_pb2_grpc.GenerationStub(channel), cases)
+        finally:
+            channel.close()
+        for case, msgs, exp in zip(cases, streams, expected, strict=True):
+            assert_same(msgs, exp, case.name)
+        idle = Cluster([first, last], decode, {})
+        try:
+            idle.wait_idle(timeout_s=15.0)
+        finally:
+            for ch in idle.channels:
+                ch.close()
+    finally:
+        stop_all(nodes[::-1])
