@@ -26,15 +26,26 @@ from engine.errors import EngineError
 
 
 def default_model_dir() -> Path:
-    """Where the built-in tiny model is cached (``$PDSERVE_CACHE`` or ``~/.cache/pdserve``)."""
+    """Where a random tiny model is written when the package ships no trained one
+    (``$PDSERVE_CACHE`` or ``~/.cache/pdserve``); also where launch keeps its state."""
     root = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
     return root / "tiny-qwen2-vl"
 
 
+def builtin_model_dir() -> Path:
+    """The trained tiny model shipped in the package (with its EAGLE draft in ``draft/``)."""
+    import engine
+
+    return Path(engine.__file__).parent / "builtin" / "tiny-qwen2-vl"
+
+
 def ensure_model(model: str | None) -> Path:
-    """``model`` if given, else the built-in tiny model (written on first use)."""
+    """``model`` if given, else the shipped trained tiny model, else a random tiny model
+    written on first use."""
     if model:
         return Path(model)
+    if (builtin_model_dir() / "config.json").is_file():
+        return builtin_model_dir()
     from engine.tiny_model import write_tiny_model
 
     path = default_model_dir()

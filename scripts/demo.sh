@@ -21,4 +21,4 @@ for _ in $(seq 1800); do
 done
 [ -n "${address:-}" ] || { echo "the cluster did not start:" >&2; cat "$log" >&2; exit 1; }
 grep -m1 "^router:" "$log"
-"$PD" client --target "$address" "def fibonacci(n):" --max-new-tokens 32
+"$PD" client --target "$address" "import os" --max-new-tokens 48

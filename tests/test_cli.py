@@ -136,11 +136,12 @@ def test_generate_with_png_and_text(
     assert row["token_ids"] == want
 
 
-def test_generate_without_model_uses_pdserve_cache(tmp_path: Path) -> None:
+def test_generate_without_model_uses_the_builtin_model(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    out = ok(pdserve(cache, "generate", "--token-ids", "1,2", "--json", "--max-new-tokens", "2"))
-    assert len(json_lines(out)) == 1
-    assert (cache / "tiny-qwen2-vl" / "config.json").is_file()
+    out = ok(pdserve(cache, "generate", "import os\n", "--json", "--max-new-tokens", "8"))
+    [row] = json_lines(out)
+    assert len(row["token_ids"]) == 8 and row["text"]
+    assert not cache.exists()  # the shipped model is used in place: nothing written
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], word: str) -> None:
