@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import tempfile
@@ -39,10 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
-
-from proto.pdserve.v1 import generate_pb2 as gpb
-from proto.pdserve.v1 import generate_pb2_grpc
+from deploy import loadgen
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120.0
@@ -142,109 +138,37 @@ def start_clusters(procs: Processes, model_dir: Path, args: argparse.Namespace) 
 # ---- load --------------------------------------------------------------------------------------
 
 
-@dataclass
-class Trace:
-    """One request as the client saw it (seconds since its own start)."""
-
-    start: float
-    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per message
-    token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float:
-        return next(t for t, n in self.arrivals if n) - self.start
-
-    @property
-    def e2e(self) -> float:
-        return self.arrivals[-1][0] - self.start
-
-    def itl(self) -> list[float]:
-        """One sample per token after the first message: its message's gap / its tokens."""
-        out: list[float] = []
-        for (prev, _), (now, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
-            out.extend([(now - prev) / n] * n)
-        return out
-
-
-def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(count: int, length: int, vocab: int, seed: int,
+                 new: int) -> list[loadgen.Workload]:
     """``count`` random prompts of exactly ``length`` ordinary token ids."""
-    rng = random.Random(seed)
-    top = min(vocab, 500) - 1  # the tiny model's special tokens sit at the top of the vocab
-    return [[rng.randint(0, top) for _ in range(length)] for _ in range(count)]
+    return loadgen.random_workloads(count, length, new, vocab, seed, spread=0.0)
 
 
-async def one_request(stub: generate_pb2_grpc.GenerationStub, ids: list[int], new: int) -> Trace:
-    req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids), sampling=gpb.SamplingParams(
-        max_new_tokens=new, ignore_eos=True))
-    trace = Trace(time.perf_counter())
-    async for msg in stub.Generate(req):
-        trace.arrivals.append((time.perf_counter(), len(msg.token_ids)))
-        trace.token_ids.extend(msg.token_ids)
-    if len(trace.token_ids) != new:
-        raise RuntimeError(f"expected {new} tokens, got {len(trace.token_ids)}")
-    return trace
+def traces_of(address: str, works: list[loadgen.Workload], concurrency: int
+              ) -> tuple[list[loadgen.Trace], float]:
+    """Send ``works`` (after one warm-up request); raise if any failed."""
+    asyncio.run(loadgen.run(address, works[:1], max_concurrency=1))  # warm-up
+    traces, wall = asyncio.run(loadgen.run(address, works, max_concurrency=concurrency))
+    failed = [t.error for t in traces if not t.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+    return traces, wall
 
 
-async def run_load(address: str, prompts: list[list[int]], new: int,
-                   concurrency: int) -> tuple[list[Trace], float]:
-    """All ``prompts`` with at most ``concurrency`` in flight; traces and wall seconds."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        await one_request(stub, prompts[0][:16], 4)  # warm-up: connections and first-call paths
-        gate = asyncio.Semaphore(concurrency)
-
-        async def limited(ids: list[int]) -> Trace:
-            async with gate:
-                return await one_request(stub, ids, new)
-
-        start = time.perf_counter()
-        traces = await asyncio.gather(*(limited(p) for p in prompts))
-        return list(traces), time.perf_counter() - start
-
-
-async def run_sequential(address: str, prompts: list[list[int]], new: int) -> list[Trace]:
-    """One request at a time."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        return [await one_request(stub, ids, new) for ids in prompts]
-
-
-# ---- statistics --------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated ``q``-th percentile (0..100) of ``values``."""
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summary_ms(values: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p90, p99 of seconds, in milliseconds."""
-    mean = sum(values) / len(values) if values else float("nan")
-    out = {"mean": mean}
-    for q in (50, 90, 99):
-        out[f"p{q}"] = percentile(values, q)
-    return {k: round(v * 1000.0, 3) for k, v in out.items()}
-
-
-def measure(address: str, load_prompts: list[list[int]], long_prompts: list[list[int]],
+def measure(address: str, load_prompts: list[loadgen.Workload],
+            long_prompts: list[loadgen.Workload],
             args: argparse.Namespace) -> tuple[dict[str, object], list[list[int]]]:
     """Both phases against one router: the figures and the load phase's output ids."""
-    traces, wall = asyncio.run(run_load(address, load_prompts, args.new, args.concurrency))
-    long_traces = asyncio.run(run_sequential(address, long_prompts, args.long_new))
+    traces, wall = traces_of(address, load_prompts, args.concurrency)
+    long_traces, _ = traces_of(address, long_prompts, 1)
     tokens = sum(len(t.token_ids) for t in traces)
     result: dict[str, object] = {
-        "ttft_ms": summary_ms([t.ttft for t in traces]),
-        "itl_ms": summary_ms([x for t in traces for x in t.itl()]),
-        "e2e_ms": summary_ms([t.e2e for t in traces]),
+        "ttft_ms": loadgen.summary_ms([t.ttft for t in traces]),
+        "itl_ms": loadgen.summary_ms([x for t in traces for x in t.itl()]),
+        "e2e_ms": loadgen.summary_ms([t.e2e for t in traces]),
         "output_tok_s": round(tokens / wall, 1),
         "wall_s": round(wall, 3),
-        "long_prompt_ttft_ms": summary_ms([t.ttft for t in long_traces]),
+        "long_prompt_ttft_ms": loadgen.summary_ms([t.ttft for t in long_traces]),
     }
     return result, [t.token_ids for t in traces]
 
@@ -317,9 +241,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = json.loads((model_dir / "config.json").read_text())
             vocab = int((config.get("text_config") or config)["vocab_size"])
             routers = start_clusters(procs, model_dir, args)
-            load_prompts = make_prompts(args.requests, args.prompt_len, vocab, args.seed)
+            load_prompts = make_prompts(args.requests, args.prompt_len, vocab, args.seed,
+                                        args.new)
             long_prompts = make_prompts(args.long_requests, args.long_prompt_len, vocab,
-                                        args.seed + 1)
+                                        args.seed + 1, args.long_new)
             report: dict[str, object] = {"config": {
                 "model": str(args.model or "tiny (fresh)"), "requests": args.requests,
                 "concurrency": args.concurrency, "prompt_len": args.prompt_len,
