@@ -28,6 +28,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-resources", default="{}", metavar="JSON")
     p.add_argument("--worker-args", default="", metavar="'FLAGS'",
                    help="engine flags passed to every worker, e.g. '--num-pages 512'")
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="EAGLE draft for every worker ('auto': MODEL/draft, if present)")
+    p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K")
     p.add_argument("--detach", action="store_true",
                    help="start and return; stop later with `pdserve stop`")
 
@@ -41,6 +44,7 @@ def run_launch(args: argparse.Namespace, model_dir: Path, state_dir: Path) -> in
         prefill_resources=_resources(args.prefill_resources),
         decode_resources=_resources(args.decode_resources),
         worker_args=args.worker_args.split(), detached=args.detach,
+        draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
     )
     started_head = False
     if args.detach and not args.address:
@@ -98,6 +102,12 @@ def run_stop(state_dir: Path) -> int:
         subprocess.run([RAY, "stop"], check=False, capture_output=True)
     state_path.unlink(missing_ok=True)
     return 0 if cluster is not None else 1
+
+
+def _draft_dir(draft: str | None, model_dir: Path) -> str | None:
+    if draft != "auto":
+        return draft
+    return str(model_dir / "draft") if (model_dir / "draft" / "config.json").is_file() else None
 
 
 def _resources(text: str) -> dict[str, float]:

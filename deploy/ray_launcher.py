@@ -93,6 +93,8 @@ class LaunchOptions:
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)  # engine flags for both worker roles
+    draft: str | None = None  # EAGLE draft directory for both roles
+    num_draft_tokens: int = 3
     detached: bool = False
 
 
@@ -130,10 +132,10 @@ def launch(opts: LaunchOptions) -> Cluster:
                                     opts.prefill_resources),
                                    ("decode", opts.decode, opts.decode_gpus,
                                     opts.decode_resources)):
+        args = [*model, *opts.worker_args, *draft_args(role, opts)]
         for i in range(count):
             actor = ServerActor.options(name=f"{role}-{i}", num_gpus=gpus, resources=res,
-                                        **lifetime).remote(role, [*model, *opts.worker_args],
-                                                           host)
+                                        **lifetime).remote(role, args, host)
             workers.append((role, actor))
     try:
         addresses = ray.get([a.address.remote() for _, a in workers])
@@ -154,6 +156,15 @@ def launch(opts: LaunchOptions) -> Cluster:
         stop([a for _, a in workers] + [router])
         raise
     return Cluster(router, [a for _, a in workers], router_address)
+
+
+def draft_args(role: str, opts: LaunchOptions) -> list[str]:
+    """The EAGLE flags of a worker role (the decode also gets the draft length)."""
+    if not opts.draft:
+        return []
+    if role == "decode":
+        return ["--draft", opts.draft, "--num-draft-tokens", str(opts.num_draft_tokens)]
+    return ["--draft", opts.draft]
 
 
 def stop(actors: Sequence[Any]) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from engine.request import SamplingParams
-from engine.tiny_model import write_tiny_model
+from engine.tiny_model import write_tiny_draft, write_tiny_model
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 
@@ -40,10 +40,12 @@ def processes_matching(text: str) -> list[str]:
 
 def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
     model = write_tiny_model(tmp_path / "launch-model")
+    write_tiny_draft(model / "draft")
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", "--model", str(model),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             "--port", "0", "--draft", "auto", "--num-draft-tokens", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None
     try:
@@ -68,7 +70,8 @@ def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
         engine = LLMEngine(model, EngineConfig(num_pages=64))
         [expected] = engine.generate([Prompt(token_ids=[1, 2, 3, 4])],
                                      SamplingParams(max_new_tokens=12, ignore_eos=True))
-        assert got == expected.token_ids
+        assert got == expected.token_ids  # EAGLE on (the draft was passed on) changes nothing
+        assert msgs[-1].usage.drafted_tokens > 0
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out
