@@ -132,16 +132,27 @@ class EngineLoop:
         reqs = [sched.abort(rid) for rid in sched.request_ids()]
         return [_event(r, 0) for r in reqs if r is not None]
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         with self._lock:
             sched = self.engine.scheduler
-            return {
+            out: dict[str, float] = {
                 "waiting_requests": sched.num_waiting + self.remote.num_rooms,
                 "running_requests": sched.num_running,
                 "kv_pages_used": sched.allocator.num_used,
                 "kv_pages_total": sched.allocator.num_pages,
                 "rooms_active": self.remote.num_rooms,
             }
+            if self.spec is not None:
+                spec = self.spec.stats
+                out.update(drafted_tokens=spec.drafted, accepted_tokens=spec.accepted,
+                           spec_rounds=spec.rounds, acceptance_length=spec.acceptance_length)
+            return out
+
+    def num_queued(self) -> int:
+        """Requests waiting for admission: remote rooms waiting for pages (prealloc) and local
+        requests waiting to be scheduled (the bound of ``--max-waiting``)."""
+        with self._lock:
+            return self.engine.scheduler.num_waiting + len(self.remote.prealloc)
 
     def _run(self) -> None:
         while True:

@@ -7,14 +7,15 @@ from pathlib import Path
 
 from decode_node.clients import BootstrapClients
 from decode_node.loop import EngineLoop
-from decode_node.service import DecodeService
+from decode_node.service import DEFAULT_MAX_WAITING, DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import model_fingerprint
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.eagle import load_draft
+from proto.auth import ServerSecurity
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import start_server, wait_for_signal
-from transfer.bootstrap import ModelIdentity
+from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.setup import make_kv_manager
 
 SERVICE_NAME = "pdserve.v1.DecodeWorker"
@@ -23,11 +24,15 @@ SERVICE_NAME = "pdserve.v1.DecodeWorker"
 async def serve_decode(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, transfer_backend: str,
     advertise_host: str, draft: Path | None = None, num_draft_tokens: int = 3,
+    max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
+    bootstrap_config: BootstrapConfig | None = None,
 ) -> None:
     """Run a decode worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
     With ``draft`` it decodes in EAGLE rounds of ``num_draft_tokens`` and receives the draft's
     KV next to the target's (``config.lookahead_tokens`` must be at least that many).
+    ``max_waiting`` bounds the admission queue (see :mod:`decode_node.service`);
+    ``bootstrap_config`` sets the handshake timeouts of its connections to prefill nodes.
     """
     engine = LLMEngine(model_dir, config)
     spec = None
@@ -42,13 +47,14 @@ async def serve_decode(
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
     )
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
-    service = DecodeService()
+    service = DecodeService(max_waiting)
     loop = EngineLoop(engine, service.emit, spec)
-    clients = BootstrapClients(manager, identity, loop.remote.free_later)
+    clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config)
     service.bind(loop, asyncio.get_running_loop(), clients)
     loop.start()
     server, bound, _ = await start_server(
-        [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, service, SERVICE_NAME)], host, port
+        [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
+        role="decode", stats=service.stats, security=security,
     )
     print(f"READY {bound}", flush=True)
     try:

@@ -2,11 +2,16 @@
 
 Events from the engine thread reach the asyncio loop with one ``call_soon_threadsafe`` per step;
 each stream sends everything queued for it since its last write as one message.
+
+Admission is bounded: a new room is refused with ``RESOURCE_EXHAUSTED`` (and a retry hint) while
+``max_waiting`` requests already wait (remote rooms waiting for pages + local requests waiting to
+be scheduled), so a flood queues at the router's clients, not in this node's memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,13 +21,16 @@ from decode_node.loop import EngineLoop, TokenEvent
 from engine.errors import EngineError
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
+from proto.admin import load_report
 from proto.convert import ConversionError, patches_array, sampling_kwargs
+from proto.overload import abort_overloaded
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from transfer.errors import IncompatiblePeerError, TransferError
 
 DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_MAX_WAITING = 256
 
 
 def engine_inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:
@@ -35,7 +43,12 @@ def engine_inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     """Serves ``DecodeWorker`` over an :class:`EngineLoop` (colocated: prefill runs here too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        self.max_waiting = max_waiting
+        # every key exists from the start: stats() copies it from another thread
+        self.counters: Counter[str] = Counter(
+            requests_total=0, requests_rejected=0, transfers_failed=0)
+        self._admitting = 0  # Decode calls between the admission check and the loop's queue
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: EngineLoop | None = None
@@ -60,6 +73,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
+            if ev.error is not None:
+                self.counters["transfers_failed"] += 1
             queue = self._streams.get(ev.request_id)
             if queue is not None:
                 queue.put_nowait(ev)
@@ -92,6 +107,20 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 await asyncio.to_thread(self.loop.abort, rid)
 
     async def _submit(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
+        self._admitting += 1
+        try:
+            queued = await asyncio.to_thread(self.loop.num_queued)
+            if queued + self._admitting - 1 >= self.max_waiting:
+                self.counters["requests_rejected"] += 1
+                await abort_overloaded(context, f"decode node: {queued} requests wait for "
+                                                f"pages (--max-waiting {self.max_waiting})")
+            await self._enqueue(request, context)
+            self.counters["requests_total"] += 1
+        finally:
+            self._admitting -= 1
+
+    async def _enqueue(self, request: wpb.DecodeRequest,
+                       context: grpc.aio.ServicerContext) -> None:
         req = request.request
         try:
             ids, images, sampling = engine_inputs(req)
@@ -120,7 +149,20 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return wpb.LoadReport(**self.loop.stats())
+        return load_report(self.loop.stats())
+
+    def stats(self) -> dict[str, float]:
+        """Figures for ``Admin.GetStats`` (blocking). ``rooms_active`` counts every room a
+        bootstrap client still tracks, failed ones waiting for the prefill's last word
+        included: zero means no page or aux slot can still be written by a prefill."""
+        figures: dict[str, float] = {**self.loop.stats(), **self.counters}
+        if self._clients is not None:
+            figures["rooms_active"] = max(figures["rooms_active"], self._clients.num_rooms())
+            aux = self._clients.manager.aux
+            if aux is not None:
+                figures["aux_slots_total"] = aux.num_rows
+                figures["aux_slots_used"] = aux.num_rows - aux.num_free
+        return figures
 
 
 def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateResponse:

@@ -19,8 +19,11 @@ from deploy.engine_args import (
     add_engine_args,
     add_server_args,
     add_transfer_args,
+    add_worker_args,
     advertise_host,
+    bootstrap_config,
     engine_config,
+    worker_security,
 )
 from engine.errors import EngineError
 
@@ -83,6 +86,8 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         ensure_model(args.model), config, args.host, args.port,
         transfer_backend=args.transfer_backend, advertise_host=advertise_host(args),
         draft=Path(args.draft) if args.draft else None, num_draft_tokens=args.num_draft_tokens,
+        max_waiting=args.max_waiting, security=worker_security(args),
+        bootstrap_config=bootstrap_config(args),
     ))
     return 0
 
@@ -106,6 +111,8 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
         bootstrap_port=args.bootstrap_port, transfer_backend=args.transfer_backend,
         advertise_host=advertise_host(args), pp_size=args.pp_size, pp_rank=args.pp_rank,
         pp_next=args.pp_next, draft=Path(args.draft) if args.draft else None,
+        max_waiting=args.max_waiting, security=worker_security(args),
+        bootstrap_config=bootstrap_config(args),
     ))
     return 0
 
@@ -143,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(dec)
     add_server_args(dec, default_port=50061)
     add_transfer_args(dec)
+    add_worker_args(dec)
     add_draft_args(dec, decode=True)
     dec.set_defaults(func=_cmd_decode)
 
@@ -150,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(pre)
     add_server_args(pre, default_port=50051)
     add_transfer_args(pre)
+    add_worker_args(pre)
     add_draft_args(pre, decode=False)
     pre.add_argument("--bootstrap-port", type=int, default=0,
                      help="port of the KV transfer bootstrap endpoint (0 picks a free one)")
@@ -189,6 +198,18 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     stop = sub.add_parser("stop", help="stop the detached cluster started by launch")
     stop.set_defaults(func=_cmd_stop)
 
+    from deploy.bench_cmd import add_bench_args
+
+    bench = sub.add_parser("bench", help="load-test running routers (latency, throughput)")
+    add_bench_args(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from deploy.bench_cmd import run_bench
+
+    return run_bench(args)
+
 
 def _cmd_launch(args: argparse.Namespace) -> int:
     from deploy.launch_cmd import run_launch
@@ -215,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

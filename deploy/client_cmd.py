@@ -33,6 +33,10 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-id", default="")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline in seconds")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="PEM CA certificate (or the router's self-signed one): connect over TLS")
+    p.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help="send 'authorization: Bearer <token>' with the token in FILE")
 
 
 def build_request(args: argparse.Namespace) -> Any:
@@ -65,11 +69,14 @@ def build_request(args: argparse.Namespace) -> Any:
 
 def run_client(args: argparse.Namespace) -> int:
     """Stream one request; returns the exit status."""
+    from proto.auth import bearer_metadata, read_secret
     from proto.pdserve.v1 import generate_pb2_grpc
     from proto.server import MAX_MESSAGE_BYTES
 
     try:
         req = build_request(args)
+        metadata = bearer_metadata(read_secret(args.auth_token_file))
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -78,9 +85,9 @@ def run_client(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"request_id": "", "token_ids": [], "text": "",
                               "finish_reason": "", "usage": {}}
     try:
-        with grpc.insecure_channel(args.target, options=options) as channel:
+        with _channel(args.target, options, ca) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            for msg in stub.Generate(req, timeout=args.timeout):
+            for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
                 _accumulate(result, msg)
                 if not args.json and msg.text:
                     sys.stdout.write(msg.text)
@@ -98,6 +105,13 @@ def run_client(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
     return 0
+
+
+def _channel(target: str, options: list[tuple[str, int]], ca: bytes | None) -> grpc.Channel:
+    if ca is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca),
+                               options=options)
 
 
 def _accumulate(result: dict[str, Any], msg: Any) -> None:

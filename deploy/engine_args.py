@@ -1,4 +1,4 @@
-"""Command-line flags shared by every command that builds an engine."""
+"""Command-line flags shared by every command that builds an engine or serves gRPC."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
+    from proto.auth import ServerSecurity
+    from transfer.bootstrap import BootstrapConfig
+
+WORKER_SERVICES = ("pdserve.v1.PrefillWorker", "pdserve.v1.DecodeWorker", "pdserve.v1.Admin")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +41,51 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 to serve other machines)")
     p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    p.add_argument("--internal-token-file", default=None, metavar="FILE",
+                   help="shared secret of the cluster's internal calls: workers require it "
+                        "(metadata x-pdserve-internal-token) on PrefillWorker, DecodeWorker and "
+                        "Admin calls; the router sends it to every worker")
+
+
+def internal_token(args: argparse.Namespace) -> str | None:
+    """The secret of ``--internal-token-file`` (None without it); ValueError if empty."""
+    from proto.auth import read_secret
+
+    return read_secret(args.internal_token_file)
+
+
+def worker_security(args: argparse.Namespace) -> ServerSecurity:
+    """A worker's server protection: the internal token on its router-facing services."""
+    from proto.auth import ServerSecurity, internal
+
+    secret = internal_token(args)
+    return ServerSecurity(requirements=(internal(secret, WORKER_SERVICES),) if secret else ())
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Admission bound and handshake timeouts of a prefill or decode worker."""
+    p.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="refuse new rooms with RESOURCE_EXHAUSTED (and a retry-after-ms hint) "
+                        "while N already wait here (prefill: gated + queued; decode: waiting "
+                        "for pages + queued)")
+    p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
+                   help="a room whose destination does not arrive in time fails")
+    p.add_argument("--waiting-timeout-s", type=float, default=300.0,
+                   help="decode: a room whose KV does not arrive in time after its "
+                        "destination was sent fails")
+    p.add_argument("--heartbeat-interval-s", type=float, default=5.0,
+                   help="P/D heartbeat period; a peer silent for 2 periods is dead")
+    p.add_argument("--quarantine-s", type=float, default=30.0,
+                   help="decode: hold a failed room's pages this long when its prefill died "
+                        "without saying it stopped writing")
+
+
+def bootstrap_config(args: argparse.Namespace) -> BootstrapConfig:
+    from transfer.bootstrap import BootstrapConfig
+
+    return BootstrapConfig(
+        bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
+        heartbeat_interval_s=args.heartbeat_interval_s, quarantine_s=args.quarantine_s)
 
 
 def add_transfer_args(p: argparse.ArgumentParser) -> None:

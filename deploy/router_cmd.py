@@ -6,8 +6,12 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from deploy.engine_args import add_server_args
+from deploy.engine_args import add_server_args, internal_token
+
+if TYPE_CHECKING:
+    from proto.auth import ServerSecurity
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +28,31 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="max_new_tokens of requests that leave it 0")
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="T",
                    help="prompts shorter than T tokens prefill on the decode worker (0 = off)")
+    p.add_argument("--max-running", type=int, default=1024, metavar="N",
+                   help="live client streams; more are refused with RESOURCE_EXHAUSTED and a "
+                        "retry-after-ms hint")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PEM certificate chain: serve the public API over TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--auth-token-file", default=None, metavar="FILE",
+                   help="require 'authorization: Bearer <token>' metadata (the token is this "
+                        "file's content) on every Generation and Admin call; health and "
+                        "reflection stay open")
     add_server_args(p, default_port=50051)
+
+
+def router_security(args: argparse.Namespace) -> ServerSecurity:
+    """TLS and the bearer-token rule of the public port; ValueError on unusable flags."""
+    from proto.admin import SERVICE_NAME as ADMIN
+    from proto.auth import ServerSecurity, TlsFiles, bearer, read_secret
+    from router.server import SERVICE_NAME as GENERATION
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("give both --tls-cert and --tls-key, or neither")
+    tls = TlsFiles.read(args.tls_cert, args.tls_key) if args.tls_cert else None
+    token = read_secret(args.auth_token_file)
+    rules = (bearer(token, (GENERATION, ADMIN)),) if token else ()
+    return ServerSecurity(tls=tls, requirements=rules)
 
 
 def run_router(args: argparse.Namespace, model_dir: Path) -> int:
@@ -40,9 +68,11 @@ def run_router(args: argparse.Namespace, model_dir: Path) -> int:
             colocated=parse_addresses(args.colocated),
             max_new_tokens_default=args.max_new_tokens_default,
             local_prefill_threshold=args.local_prefill_threshold,
+            max_running=args.max_running, internal_token=internal_token(args),
         )
-    except ValueError as exc:
+        security = router_security(args)
+    except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve_router(config, args.host, args.port))
+    asyncio.run(serve_router(config, args.host, args.port, security))
     return 0

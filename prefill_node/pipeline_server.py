@@ -18,13 +18,15 @@ from prefill_node.downstream import Downstream
 from prefill_node.follower import StageWorker
 from prefill_node.head_loop import HeadLoop
 from prefill_node.head_runner import make_head_engine
-from prefill_node.service import PrefillService
+from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
 from prefill_node.stage_service import StageService, StageWorkerService
 from prefill_node.stages import StageSpec, load_stage
+from proto.admin import StatsSource
+from proto.auth import ServerSecurity
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import start_server, wait_for_signal
-from transfer.bootstrap import ModelIdentity
+from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.setup import make_kv_manager
 
@@ -51,8 +53,14 @@ def _link(spec: StageSpec, layers: range, pp_next: str | None) -> Downstream | N
 async def serve_stage(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, spec: StageSpec,
     pp_next: str | None, bootstrap_port: int, transfer_backend: str, advertise_host: str,
+    max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
+    bootstrap_config: BootstrapConfig | None = None,
 ) -> None:
-    """Run one pipeline stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
+    """Run one pipeline stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
+
+    Every stage serves ``Admin`` (stage 0 as ``prefill``, later ones as ``prefill-stage``);
+    ``security``'s token rules guard the router-facing services, not ``PipelineStage`` (the
+    previous stage's calls carry no token)."""
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
     if spec.is_first:
         engine = LLMEngine(model_dir, config)
@@ -65,16 +73,19 @@ async def serve_stage(
     down = await asyncio.to_thread(_link, spec, layers, pp_next)
     manager = make_kv_manager(transfer_backend, pool.buffer_infos(), hidden_size=hidden_size,
                               aux_rows=4, hostname=advertise_host)
-    bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port)
+    bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
+                                       config=bootstrap_config)
     chain = f"{advertise_host}:{bootstrap.address[1]}"
     if down is not None:
         chain += "," + (await asyncio.to_thread(down.describe)).bootstrap
     info = wpb.StageInfo(pp_rank=spec.rank, pp_size=spec.size, layer_start=layers.start,
                          layer_end=layers.stop, bootstrap=chain)
     head: HeadLoop | None = None
+    stats: StatsSource
     if spec.is_first:
         assert down is not None
-        service = PrefillService()
+        service = PrefillService(max_waiting)
+        stats, role = service.stats, "prefill"
         head = HeadLoop(engine, bootstrap, service.on_done, runner, down)
         service.bind(head, asyncio.get_running_loop(), chain)
         head.start()
@@ -82,13 +93,16 @@ async def serve_stage(
                      "pdserve.v1.PrefillWorker")]
     else:
         worker = StageWorker(stage, bootstrap, config.page_size, down)
+        face = StageWorkerService(worker, info)
+        stats, role = face.stats, "prefill-stage"
         services = [
             (worker_pb2_grpc.add_PipelineStageServicer_to_server, StageService(worker, info),
              "pdserve.v1.PipelineStage"),
             (worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
-             StageWorkerService(worker, info), "pdserve.v1.PrefillWorker"),
+             face, "pdserve.v1.PrefillWorker"),
         ]
-    server, bound, _ = await start_server(services, host, port)
+    server, bound, _ = await start_server(services, host, port, role=role, stats=stats,
+                                          security=security)
     print(f"READY {bound}", flush=True)
     try:
         await wait_for_signal()

@@ -11,10 +11,11 @@ from engine.draft_runner import DraftRunner
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.eagle import load_draft
 from prefill_node.loop import PrefillLoop
-from prefill_node.service import PrefillService
+from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
+from proto.auth import ServerSecurity
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import start_server, wait_for_signal
-from transfer.bootstrap import ModelIdentity
+from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.setup import make_kv_manager
 
@@ -25,11 +26,15 @@ async def serve_prefill(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, bootstrap_port: int,
     transfer_backend: str, advertise_host: str, pp_size: int = 1, pp_rank: int = 0,
     pp_next: str | None = None, draft: Path | None = None,
+    max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
+    bootstrap_config: BootstrapConfig | None = None,
 ) -> None:
     """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
     With ``pp_size > 1`` this process is stage ``pp_rank`` of a pipeline-parallel prefill
     (:mod:`prefill_node.pipeline_server`); ``pp_next`` is the next stage's gRPC address.
+    ``max_waiting`` bounds the rooms waiting here (see :mod:`prefill_node.service`);
+    ``bootstrap_config`` sets the handshake timeouts of its bootstrap endpoint.
     """
     if pp_size > 1 or pp_next:
         from prefill_node.pipeline_server import serve_stage
@@ -37,7 +42,9 @@ async def serve_prefill(
 
         await serve_stage(model_dir, config, host, port, spec=StageSpec(pp_size, pp_rank),
                           pp_next=pp_next, bootstrap_port=bootstrap_port,
-                          transfer_backend=transfer_backend, advertise_host=advertise_host)
+                          transfer_backend=transfer_backend, advertise_host=advertise_host,
+                          max_waiting=max_waiting, security=security,
+                          bootstrap_config=bootstrap_config)
         return
     engine = LLMEngine(model_dir, config)
     drafter = None
@@ -52,13 +59,15 @@ async def serve_prefill(
         aux_rows=4, hostname=advertise_host,
     )
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
-    bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port)
-    service = PrefillService()
+    bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
+                                       config=bootstrap_config)
+    service = PrefillService(max_waiting)
     loop = PrefillLoop(engine, bootstrap, service.on_done, drafter)
     service.bind(loop, asyncio.get_running_loop(), f"{advertise_host}:{bootstrap.address[1]}")
     loop.start()
     server, bound, _ = await start_server(
-        [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service, SERVICE_NAME)], host, port
+        [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
+        role="prefill", stats=service.stats, security=security,
     )
     print(f"READY {bound}", flush=True)
     try:

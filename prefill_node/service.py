@@ -1,8 +1,13 @@
-"""The prefill node's gRPC service: ``Prefill`` returns once a room's KV is delivered."""
+"""The prefill node's gRPC service: ``Prefill`` returns once a room's KV is delivered.
+
+Admission is bounded: a new room is refused with ``RESOURCE_EXHAUSTED`` (and a retry hint) while
+``max_waiting`` rooms already wait here (gated on their destination or waiting for the
+scheduler)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import grpc
 
@@ -10,16 +15,26 @@ from engine.errors import EngineError
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
 from prefill_node.loop import PrefillLoop
+from proto.admin import load_report
 from proto.convert import ConversionError, patches_array, sampling_kwargs
+from proto.overload import abort_overloaded
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
+from transfer.aux import AuxBuffer
 from transfer.errors import TransferError
+
+DEFAULT_MAX_WAITING = 256
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     """Serves ``PrefillWorker`` over a :class:`PrefillLoop`."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
+        self.max_waiting = max_waiting
+        # every key exists from the start: stats() copies it from another thread
+        self.counters: Counter[str] = Counter(
+            requests_total=0, requests_rejected=0, transfers_failed=0)
+        self._admitting = 0  # Prefill calls between the admission check and the loop's gate
         self._pending: dict[int, asyncio.Future[str | None]] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: PrefillLoop | None = None
@@ -55,11 +70,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._pending[room] = fut
         try:
-            try:
-                ids, images, sampling = _inputs(req)
-                await asyncio.to_thread(self.loop.submit, room, ids, images, sampling)
-            except (EngineError, ConversionError, TransferError, ValueError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._admit(room, req, context)
             error = await fut
         except asyncio.CancelledError:
             await asyncio.to_thread(self.loop.abort, room, "prefill call cancelled")
@@ -67,8 +78,28 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         finally:
             del self._pending[room]
         if error is not None:
+            self.counters["transfers_failed"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room} failed: {error}")
         return wpb.PrefillResponse(room=room, prompt_tokens=len(req.token_ids))
+
+    async def _admit(self, room: int, req: wpb.WorkerRequest,
+                     context: grpc.aio.ServicerContext) -> None:
+        """Check the bound, then validate and gate the room (aborts the call on refusal)."""
+        self._admitting += 1
+        try:
+            waiting = (await asyncio.to_thread(self.loop.stats))["waiting_requests"]
+            if waiting + self._admitting - 1 >= self.max_waiting:
+                self.counters["requests_rejected"] += 1
+                await abort_overloaded(context, f"prefill node: {waiting} rooms wait "
+                                                f"(--max-waiting {self.max_waiting})")
+            try:
+                ids, images, sampling = _inputs(req)
+                await asyncio.to_thread(self.loop.submit, room, ids, images, sampling)
+            except (EngineError, ConversionError, TransferError, ValueError) as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.counters["requests_total"] += 1
+        finally:
+            self._admitting -= 1
 
     async def AbortRoom(  # noqa: N802
         self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext
@@ -80,7 +111,20 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return wpb.LoadReport(bootstrap=self.bootstrap_address, **self.loop.stats())
+        return load_report(self.loop.stats(), bootstrap=self.bootstrap_address)
+
+    def stats(self) -> dict[str, int]:
+        """Figures for ``Admin.GetStats`` (blocking)."""
+        figures: dict[str, int] = {**self.loop.stats(), **self.counters}
+        figures.update(aux_figures(self.loop.bootstrap.manager.aux))
+        return figures
+
+
+def aux_figures(aux: AuxBuffer | None) -> dict[str, int]:
+    """``aux_slots_used`` / ``aux_slots_total`` of a transfer manager's aux buffer."""
+    if aux is None:
+        return {}
+    return {"aux_slots_total": aux.num_rows, "aux_slots_used": aux.num_rows - aux.num_free}
 
 
 def _inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:

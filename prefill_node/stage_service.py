@@ -9,6 +9,7 @@ import asyncio
 import grpc
 
 from prefill_node.follower import StageWorker
+from prefill_node.service import aux_figures
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 
@@ -54,3 +55,7 @@ class StageWorkerService(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
         return wpb.LoadReport(bootstrap=self.info.bootstrap, **self.worker.stats())
+
+    def stats(self) -> dict[str, int]:
+        """Figures for ``Admin.GetStats`` (blocking)."""
+        return {**self.worker.stats(), **aux_figures(self.worker.bootstrap.manager.aux)}

@@ -7,6 +7,6 @@ out="${1:-.}"
 PY="${PYTHON:-python3}"
 mkdir -p "$out"
 "$PY" -m grpc_tools.protoc -I . --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
-  pdserve/v1/generate.proto pdserve/v1/worker.proto
+  pdserve/v1/generate.proto pdserve/v1/worker.proto pdserve/v1/admin.proto
 # protoc writes absolute imports ("from pdserve.v1 import ..."); the package lives under proto/.
 sed -i "s/^from pdserve\.v1 import/from proto.pdserve.v1 import/" "$out"/pdserve/v1/*_pb2*.py "$out"/pdserve/v1/*_pb2*.pyi

@@ -1,5 +1,6 @@
-"""Starting a gRPC (asyncio) server the same way on every node: our services, the standard
-health service and server reflection, bound to loopback unless told otherwise."""
+"""Starting a gRPC (asyncio) server the same way on every node: our services, the ``Admin``
+service (``GetStats``), the standard health service and server reflection, bound to loopback
+unless told otherwise, with optional TLS and token checks (:mod:`proto.auth`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from proto.admin import SERVICE_NAME as ADMIN_SERVICE
+from proto.admin import AdminService, StatsSource
+from proto.auth import ServerSecurity, TokenInterceptor
+from proto.pdserve.v1 import admin_pb2_grpc
+
 MAX_MESSAGE_BYTES = 64 << 20
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -23,14 +29,24 @@ Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 
 
 async def start_server(
-    services: Sequence[Registration], host: str = "127.0.0.1", port: int = 0
+    services: Sequence[Registration], host: str = "127.0.0.1", port: int = 0, *,
+    role: str = "", stats: StatsSource | None = None, security: ServerSecurity | None = None,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a server with ``services`` (``(add_X_to_server, servicer, full_service_name)``).
+
+    With ``stats`` it also serves ``pdserve.v1.Admin`` (``GetStats``) for a node of kind
+    ``role``. ``security`` adds TLS (``add_secure_port``) and token requirements, checked by a
+    :class:`proto.auth.TokenInterceptor` before any servicer runs.
 
     Returns the server, the bound port (``port=0`` picks a free one) and its health servicer,
     already ``SERVING`` for every service.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    security = security or ServerSecurity()
+    interceptors = [TokenInterceptor(security.requirements)] if security.requirements else []
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    if stats is not None:
+        services = [*services, (admin_pb2_grpc.add_AdminServicer_to_server,
+                                AdminService(role, stats), ADMIN_SERVICE)]
     names = []
     for add, servicer, name in services:
         add(servicer, server)
@@ -40,7 +56,11 @@ async def start_server(
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if security.tls is not None:
+        bound = server.add_secure_port(address, security.tls.credentials())
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()

@@ -26,6 +26,8 @@ class RouterConfig:
     max_images: int = 16
     load_refresh_s: float = 1.0  # period of GetLoad polls on every worker
     worker_timeout_s: float = 5.0  # deadline of the router's unary calls to workers
+    max_running: int = 1024  # live client streams; more are refused with RESOURCE_EXHAUSTED
+    internal_token: str | None = None  # sent to every worker (their --internal-token-file)
 
     def __post_init__(self) -> None:
         if self.colocated and (self.prefill or self.decode):
@@ -36,6 +38,8 @@ class RouterConfig:
             raise ValueError("--max-new-tokens-default must be at least 1")
         if self.local_prefill_threshold < 0:
             raise ValueError("--local-prefill-threshold must be >= 0")
+        if self.max_running < 1:
+            raise ValueError("--max-running must be at least 1")
 
     @property
     def mode(self) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from proto.overload import retry_after_ms, retry_metadata
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.workers import Worker
@@ -26,16 +27,21 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 
 class WorkerFailure(Exception):
-    """A worker call failed: the status to give the client."""
+    """A worker call failed: the status to give the client (with the worker's retry hint,
+    ``trailing``, when it refused the room as overloaded)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str,
+                 trailing: tuple[tuple[str, str], ...] = ()) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.trailing = trailing
 
     @classmethod
     def from_rpc(cls, exc: grpc.aio.AioRpcError, role: str, address: str) -> WorkerFailure:
-        return cls(exc.code(), f"{role} worker {address}: {exc.details()}")
+        hint = retry_after_ms(exc.trailing_metadata())
+        trailing = retry_metadata(hint) if hint is not None else ()
+        return cls(exc.code(), f"{role} worker {address}: {exc.details()}", trailing)
 
 
 QueueItem = gpb.GenerateResponse | WorkerFailure | object
@@ -74,7 +80,8 @@ class RoomRun:
         self.decode.acquire(self._prompt_tokens)
         req = wpb.DecodeRequest(request=self.request, prefill_bootstrap=self.bootstrap,
                                 local_prefill=self.prefill is None)
-        self._call = self.decode.stub.Decode(req, timeout=self._deadline_s)
+        self._call = self.decode.stub.Decode(req, timeout=self._deadline_s,
+                                             metadata=self.decode.metadata)
         self._tasks.append(asyncio.create_task(self._read_decode(self._call)))
         if self.prefill is not None:
             self.prefill.acquire(self._prompt_tokens)
@@ -94,7 +101,7 @@ class RoomRun:
     async def _run_prefill(self, worker: Worker) -> None:
         try:
             await worker.stub.Prefill(wpb.PrefillRequest(request=self.request),
-                                      timeout=self._deadline_s)
+                                      timeout=self._deadline_s, metadata=worker.metadata)
         except grpc.aio.AioRpcError as exc:
             if not self._closed:
                 self.queue.put_nowait(WorkerFailure.from_rpc(exc, "prefill", worker.address))
@@ -139,7 +146,7 @@ class RoomRun:
         try:
             resp = await worker.stub.AbortRoom(
                 wpb.AbortRoomRequest(room=self.room, reason="router abort"),
-                timeout=self._timeout_s)
+                timeout=self._timeout_s, metadata=worker.metadata)
             return bool(resp.found)
         except grpc.aio.AioRpcError as exc:
             log.warning("AbortRoom(%d) on %s failed: %s", self.room, worker.address,

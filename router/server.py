@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 
+from proto.auth import ServerSecurity, internal_metadata
 from proto.pdserve.v1 import generate_pb2_grpc
 from proto.server import start_server
 from router.config import RouterConfig
@@ -16,8 +17,11 @@ from router.workers import WorkerPool
 SERVICE_NAME = "pdserve.v1.Generation"
 
 
-async def serve_router(config: RouterConfig, host: str, port: int) -> None:
+async def serve_router(config: RouterConfig, host: str, port: int,
+                       security: ServerSecurity | None = None) -> None:
     """Run a router until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
+
+    ``security``: TLS and the bearer-token rule of the public port (see :mod:`proto.auth`).
 
     Workers need not be up yet: unreachable ones are marked unhealthy and retried by the
     background ``GetLoad`` poll.
@@ -25,11 +29,13 @@ async def serve_router(config: RouterConfig, host: str, port: int) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     assets = ModelAssets.from_dir(config.model_dir)
     pool = WorkerPool(config.prefill, config.decode or config.colocated,
-                      refresh_s=config.load_refresh_s, timeout_s=config.worker_timeout_s)
+                      refresh_s=config.load_refresh_s, timeout_s=config.worker_timeout_s,
+                      metadata=internal_metadata(config.internal_token))
     await pool.start()
     service = GenerationService(config, assets, pool)
     server, bound, _ = await start_server(
-        [(generate_pb2_grpc.add_GenerationServicer_to_server, service, SERVICE_NAME)], host, port
+        [(generate_pb2_grpc.add_GenerationServicer_to_server, service, SERVICE_NAME)], host, port,
+        role="router", stats=service.stats, security=security,
     )
     print(f"READY {bound}", flush=True)
     stop = asyncio.Event()

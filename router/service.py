@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from engine.errors import InvalidRequestError
+from proto.overload import abort_overloaded
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
@@ -55,6 +56,11 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gpb.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
+        if len(self.ids) >= self.config.max_running:
+            self.metrics["rejected"] += 1
+            await abort_overloaded(
+                context, f"the router runs {len(self.ids)} streams (--max-running "
+                         f"{self.config.max_running})")
         if rid in self.ids:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is running")
         self.ids.add(rid)  # reserved synchronously: no await between the check and this line
@@ -73,7 +79,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 yield msg
         except WorkerFailure as exc:
             self.metrics["failed"] += 1
-            await context.abort(exc.code, exc.details)
+            await context.abort(exc.code, exc.details, trailing_metadata=exc.trailing)
         finally:
             self.ids.discard(rid)
             self.running.pop(rid, None)
@@ -113,6 +119,13 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             if room and room not in self.rooms:
                 self.rooms.add(room)
                 return room
+
+    def stats(self) -> dict[str, int]:
+        """The router's figures for ``Admin.GetStats`` (it holds no pages or aux slots)."""
+        return {"requests_running": len(self.ids), "rooms_active": len(self.rooms),
+                "requests_total": self.metrics["requests"],
+                "requests_rejected": self.metrics["rejected"],
+                "transfers_failed": self.metrics["failed"]}
 
     async def GetModelInfo(  # noqa: N802
         self, request: gpb.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from proto.auth import Metadata
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import MAX_MESSAGE_BYTES
@@ -65,6 +66,7 @@ class Worker:
     healthy: bool = True
     source: str = ""  # the dns:NAME:PORT entry that found it; "" for a plain HOST:PORT
     retired_ticks: int = 0  # DNS refreshes since it vanished (retiring workers only)
+    metadata: Metadata = ()  # sent on every call (the internal token, when configured)
 
     def score(self) -> tuple[int, int, int]:
         """Sort key: unhealthy last, then outstanding prompt tokens, then running requests."""
@@ -97,9 +99,12 @@ class WorkerPool:
     def __init__(self, prefill: Sequence[str], decode: Sequence[str],
                  refresh_s: float = 1.0, timeout_s: float = 5.0,
                  dns_refresh_s: float = DNS_REFRESH_S,
-                 resolver: Resolver = resolve_a_records) -> None:
-        self.prefill = [_make(a, PREFILL) for a in prefill if split_dns(a) is None]
-        self.decode = [_make(a, DECODE) for a in decode if split_dns(a) is None]
+                 resolver: Resolver = resolve_a_records, metadata: Metadata = ()) -> None:
+        self.metadata = metadata
+        self.prefill = [_make(a, PREFILL, metadata=metadata)
+                        for a in prefill if split_dns(a) is None]
+        self.decode = [_make(a, DECODE, metadata=metadata)
+                       for a in decode if split_dns(a) is None]
         # (kind, "dns:NAME:PORT", NAME, PORT) for every DNS entry
         self._dns: list[tuple[str, str, str, int]] = [
             (kind, a, *dns) for kind, entries in ((PREFILL, prefill), (DECODE, decode))
@@ -136,7 +141,8 @@ class WorkerPool:
 
     async def _refresh_one(self, w: Worker) -> None:
         try:
-            w.report = await w.stub.GetLoad(wpb.GetLoadRequest(), timeout=self.timeout_s)
+            w.report = await w.stub.GetLoad(wpb.GetLoadRequest(), timeout=self.timeout_s,
+                                            metadata=w.metadata)
             w.healthy = True
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             if w.healthy:
@@ -184,7 +190,7 @@ class WorkerPool:
                 keep.append(back)
             else:
                 log.info("%s worker %s joined via %s", kind, address, source)
-                keep.append(_make(address, kind, source))
+                keep.append(_make(address, kind, source, self.metadata))
         workers[:] = keep
 
     async def _close_idle_retired(self) -> None:
@@ -216,11 +222,11 @@ class WorkerPool:
         return w.report.bootstrap
 
 
-def _make(address: str, kind: str, source: str = "") -> Worker:
+def _make(address: str, kind: str, source: str = "", metadata: Metadata = ()) -> Worker:
     channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
     if kind == PREFILL:
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
     else:
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-    return Worker(address, kind, channel, stub, source=source)
+    return Worker(address, kind, channel, stub, source=source, metadata=metadata)

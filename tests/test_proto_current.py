@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ["generate_pb2.py", "generate_pb2.pyi", "generate_pb2_grpc.py",
-             "worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py"]
+             "worker_pb2.py", "worker_pb2.pyi", "worker_pb2_grpc.py",
+             "admin_pb2.py", "admin_pb2.pyi", "admin_pb2_grpc.py"]
 
 
 def test_generated_modules_are_current(tmp_path: Path) -> None:

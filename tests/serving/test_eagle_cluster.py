@@ -22,6 +22,7 @@ from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from tests.serving.harness import Node, running
+from tests.serving.stats import get_stats
 
 pytestmark = pytest.mark.slow
 SPECIAL = tiny_config_dict()
@@ -127,5 +128,9 @@ def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[
                                           "--colocated", d.address]) as [r]:
         check(generate_all(r), want)
         idle([(d, worker_pb2_grpc.DecodeWorkerStub)])
+        stats = get_stats(d.address)
+        assert stats.drafted_tokens > 0 and stats.spec_rounds > 0
+        assert stats.accepted_tokens <= stats.drafted_tokens
+        assert 1.0 <= stats.acceptance_length <= 6.0
 
 

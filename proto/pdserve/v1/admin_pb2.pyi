@@ -1,0 +1,45 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("role", "kv_pages_used", "kv_pages_total", "aux_slots_used", "aux_slots_total", "rooms_active", "requests_running", "requests_waiting", "waiting_tokens", "requests_total", "requests_rejected", "transfers_failed", "drafted_tokens", "accepted_tokens", "spec_rounds", "acceptance_length")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    AUX_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    AUX_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROOMS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    kv_pages_used: int
+    kv_pages_total: int
+    aux_slots_used: int
+    aux_slots_total: int
+    rooms_active: int
+    requests_running: int
+    requests_waiting: int
+    waiting_tokens: int
+    requests_total: int
+    requests_rejected: int
+    transfers_failed: int
+    drafted_tokens: int
+    accepted_tokens: int
+    spec_rounds: int
+    acceptance_length: float
+    def __init__(self, role: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., aux_slots_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., spec_rounds: _Optional[int] = ..., acceptance_length: _Optional[float] = ...) -> None: ...
