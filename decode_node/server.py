@@ -25,7 +25,7 @@ async def serve_decode(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, transfer_backend: str,
     advertise_host: str, draft: Path | None = None, num_draft_tokens: int = 3,
     max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
-    bootstrap_config: BootstrapConfig | None = None,
+    bootstrap_config: BootstrapConfig | None = None, metrics_port: int | None = None,
 ) -> None:
     """Run a decode worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
@@ -55,6 +55,7 @@ async def serve_decode(
     server, bound, _ = await start_server(
         [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
         role="decode", stats=service.stats, security=security,
+        metrics_port=metrics_port,
     )
     print(f"READY {bound}", flush=True)
     try:

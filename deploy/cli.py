@@ -87,7 +87,7 @@ def _cmd_decode(args: argparse.Namespace) -> int:
         transfer_backend=args.transfer_backend, advertise_host=advertise_host(args),
         draft=Path(args.draft) if args.draft else None, num_draft_tokens=args.num_draft_tokens,
         max_waiting=args.max_waiting, security=worker_security(args),
-        bootstrap_config=bootstrap_config(args),
+        bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
     ))
     return 0
 
@@ -112,7 +112,7 @@ def _cmd_prefill(args: argparse.Namespace) -> int:
         advertise_host=advertise_host(args), pp_size=args.pp_size, pp_rank=args.pp_rank,
         pp_next=args.pp_next, draft=Path(args.draft) if args.draft else None,
         max_waiting=args.max_waiting, security=worker_security(args),
-        bootstrap_config=bootstrap_config(args),
+        bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
     ))
     return 0
 

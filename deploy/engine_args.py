@@ -41,6 +41,9 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 to serve other machines)")
     p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus /metrics over HTTP on this port of --host (0 picks a "
+                        "free one; printed as METRICS <port>); default: off")
     p.add_argument("--internal-token-file", default=None, metavar="FILE",
                    help="shared secret of the cluster's internal calls: workers require it "
                         "(metadata x-pdserve-internal-token) on PrefillWorker, DecodeWorker and "

@@ -74,5 +74,6 @@ def run_router(args: argparse.Namespace, model_dir: Path) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve_router(config, args.host, args.port, security))
+    asyncio.run(serve_router(config, args.host, args.port, security,
+                             metrics_port=args.metrics_port))
     return 0

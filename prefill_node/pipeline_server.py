@@ -54,7 +54,7 @@ async def serve_stage(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, spec: StageSpec,
     pp_next: str | None, bootstrap_port: int, transfer_backend: str, advertise_host: str,
     max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
-    bootstrap_config: BootstrapConfig | None = None,
+    bootstrap_config: BootstrapConfig | None = None, metrics_port: int | None = None,
 ) -> None:
     """Run one pipeline stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
@@ -102,7 +102,7 @@ async def serve_stage(
              face, "pdserve.v1.PrefillWorker"),
         ]
     server, bound, _ = await start_server(services, host, port, role=role, stats=stats,
-                                          security=security)
+                                          security=security, metrics_port=metrics_port)
     print(f"READY {bound}", flush=True)
     try:
         await wait_for_signal()

@@ -27,7 +27,7 @@ async def serve_prefill(
     transfer_backend: str, advertise_host: str, pp_size: int = 1, pp_rank: int = 0,
     pp_next: str | None = None, draft: Path | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
-    bootstrap_config: BootstrapConfig | None = None,
+    bootstrap_config: BootstrapConfig | None = None, metrics_port: int | None = None,
 ) -> None:
     """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
@@ -44,7 +44,7 @@ async def serve_prefill(
                           pp_next=pp_next, bootstrap_port=bootstrap_port,
                           transfer_backend=transfer_backend, advertise_host=advertise_host,
                           max_waiting=max_waiting, security=security,
-                          bootstrap_config=bootstrap_config)
+                          bootstrap_config=bootstrap_config, metrics_port=metrics_port)
         return
     engine = LLMEngine(model_dir, config)
     drafter = None
@@ -68,6 +68,7 @@ async def serve_prefill(
     server, bound, _ = await start_server(
         [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
         role="prefill", stats=service.stats, security=security,
+        metrics_port=metrics_port,
     )
     print(f"READY {bound}", flush=True)
     try:

@@ -12,10 +12,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client.registry import Collector
 
 from proto.admin import SERVICE_NAME as ADMIN_SERVICE
 from proto.admin import AdminService, StatsSource
 from proto.auth import ServerSecurity, TokenInterceptor
+from proto.metrics import serve_metrics
 from proto.pdserve.v1 import admin_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -31,6 +33,7 @@ Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 async def start_server(
     services: Sequence[Registration], host: str = "127.0.0.1", port: int = 0, *,
     role: str = "", stats: StatsSource | None = None, security: ServerSecurity | None = None,
+    metrics_port: int | None = None, metrics_collectors: Sequence[Collector] = (),
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a server with ``services`` (``(add_X_to_server, servicer, full_service_name)``).
 
@@ -40,6 +43,9 @@ async def start_server(
 
     Returns the server, the bound port (``port=0`` picks a free one) and its health servicer,
     already ``SERVING`` for every service.
+
+    With ``metrics_port`` (and ``stats``) it also serves Prometheus ``/metrics`` on ``host``
+    (:mod:`proto.metrics`, with ``metrics_collectors`` added) and prints ``METRICS <port>``.
     """
     security = security or ServerSecurity()
     interceptors = [TokenInterceptor(security.requirements)] if security.requirements else []
@@ -64,6 +70,8 @@ async def start_server(
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
+    if metrics_port is not None and stats is not None:
+        serve_metrics(host, metrics_port, role, stats, metrics_collectors)
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer

@@ -18,7 +18,8 @@ SERVICE_NAME = "pdserve.v1.Generation"
 
 
 async def serve_router(config: RouterConfig, host: str, port: int,
-                       security: ServerSecurity | None = None) -> None:
+                       security: ServerSecurity | None = None, *,
+                       metrics_port: int | None = None) -> None:
     """Run a router until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
     ``security``: TLS and the bearer-token rule of the public port (see :mod:`proto.auth`).
@@ -36,6 +37,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     server, bound, _ = await start_server(
         [(generate_pb2_grpc.add_GenerationServicer_to_server, service, SERVICE_NAME)], host, port,
         role="router", stats=service.stats, security=security,
+        metrics_port=metrics_port, metrics_collectors=service.latency.collectors(),
     )
     print(f"READY {bound}", flush=True)
     stop = asyncio.Event()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
@@ -18,6 +19,7 @@ from typing import Any
 import grpc
 
 from engine.errors import InvalidRequestError
+from proto.metrics import RouterMetrics
 from proto.overload import abort_overloaded
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
@@ -44,6 +46,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.running: dict[str, RoomRun] = {}  # the ones whose workers are already called
         self.rooms: set[int] = set()
         self.metrics: Counter[str] = Counter()  # requests, local_prefill, remote_prefill, ...
+        self.latency = RouterMetrics(self.metrics)  # TTFT / ITL histograms for /metrics
         self._background: set[asyncio.Task[Any]] = set()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -55,6 +58,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gpb.GenerateResponse]:
+        timer = self.latency.stream(time.monotonic())
         rid = request.request_id or uuid.uuid4().hex
         if len(self.ids) >= self.config.max_running:
             self.metrics["rejected"] += 1
@@ -73,6 +77,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             run = await self._admit(rid, prepared, context)
             detok = self.assets.tokenizer.detokenizer() if self.assets.tokenizer else None
             async for msg in relay(run, rid, detok, prepared.sampling.logprobs):
+                timer.tokens(len(msg.token_ids))
                 if msg.finished:
                     run.finished = True
                     self.metrics[f"finish_{msg.finish_reason}"] += 1
