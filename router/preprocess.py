@@ -23,6 +23,7 @@ from engine.image_processor import (
     process_image,
     validate_patches,
 )
+from engine.mrope import rope_index
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 from proto.convert import ConversionError, patches_array, patches_message, sampling_kwargs
@@ -88,6 +89,7 @@ class Preprocessor:
             ids = self._check_ids(list(req.token_ids.ids), counts)
         else:
             raise InvalidRequestError("the request has no input: give text or token_ids")
+        rope_index(ids, grids, self.assets.config.image_token_id, merge)  # one run per image
         total = len(ids) + sampling.max_new_tokens
         if total > self.assets.max_model_len:
             raise InvalidRequestError(

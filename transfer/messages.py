@@ -159,14 +159,14 @@ def decode(data: bytes) -> Message:
     if not (isinstance(obj, list) and len(obj) == 3):
         raise MessageError("message is not a [version, type, fields] triple")
     version, name, fields = obj
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:  # True and 1.0 are not version 1
         raise MessageError(f"message version {version!r} is not {VERSION}")
     msg_type = _TYPES.get(name) if isinstance(name, str) else None
     if msg_type is None:
         raise MessageError(f"unknown message type {name!r}")
     schema = _Schema.of(msg_type)
     if not isinstance(fields, dict) or set(fields) != set(schema):
-        got = sorted(fields) if isinstance(fields, dict) else type(fields).__name__
+        got = sorted(map(repr, fields)) if isinstance(fields, dict) else type(fields).__name__
         raise MessageError(f"{name} fields {got} are not {sorted(schema)}")
     for key, hint in schema.items():
         if not _type_ok(fields[key], hint):
