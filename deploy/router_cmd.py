@@ -38,6 +38,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="require 'authorization: Bearer <token>' metadata (the token is this "
                         "file's content) on every Generation and Admin call; health and "
                         "reflection stay open")
+    p.add_argument("--http-port", type=int, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health) on --host:N (0 = a free "
+                        "port; prints 'HTTP <port>' before 'READY'); off by default; not yet "
+                        "combinable with --tls-cert or --auth-token-file")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id of the HTTP API (default: the --model directory's name)")
     add_server_args(p, default_port=50051)
 
 
@@ -69,8 +76,12 @@ def run_router(args: argparse.Namespace, model_dir: Path) -> int:
             max_new_tokens_default=args.max_new_tokens_default,
             local_prefill_threshold=args.local_prefill_threshold,
             max_running=args.max_running, internal_token=internal_token(args),
+            http_port=args.http_port, served_model_name=args.served_model_name,
         )
         security = router_security(args)
+        if args.http_port is not None and (args.tls_cert or args.auth_token_file):
+            raise ValueError("--http-port has no TLS or bearer-token check yet: it cannot be "
+                             "combined with --tls-cert or --auth-token-file")
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -28,6 +28,8 @@ class RouterConfig:
     worker_timeout_s: float = 5.0  # deadline of the router's unary calls to workers
     max_running: int = 1024  # live client streams; more are refused with RESOURCE_EXHAUSTED
     internal_token: str | None = None  # sent to every worker (their --internal-token-file)
+    http_port: int | None = None  # OpenAI-compatible HTTP door (router.http_door); None = off
+    served_model_name: str | None = None  # the model id of the HTTP door; default: dir name
 
     def __post_init__(self) -> None:
         if self.colocated and (self.prefill or self.decode):
@@ -40,6 +42,12 @@ class RouterConfig:
             raise ValueError("--local-prefill-threshold must be >= 0")
         if self.max_running < 1:
             raise ValueError("--max-running must be at least 1")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError("--http-port must be in [0, 65535]")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_dir.name
 
     @property
     def mode(self) -> str:

@@ -22,6 +22,9 @@ async def serve_router(config: RouterConfig, host: str, port: int,
                        metrics_port: int | None = None) -> None:
     """Run a router until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
+    With ``config.http_port`` set, the OpenAI-compatible HTTP door (:mod:`router.http_door`)
+    also serves on ``host``, and ``HTTP <port>`` is printed before ``READY``.
+
     ``security``: TLS and the bearer-token rule of the public port (see :mod:`proto.auth`).
 
     Workers need not be up yet: unreachable ones are marked unhealthy and retried by the
@@ -39,6 +42,18 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         role="router", stats=service.stats, security=security,
         metrics_port=metrics_port, metrics_collectors=service.latency.collectors(),
     )
+    door = None
+    if config.http_port is not None:
+        from router.http_door import HttpDoor
+
+        door = HttpDoor(service, config.model_name)
+        try:
+            http_bound = await door.start(host, config.http_port)
+        except BaseException:
+            await server.stop(grace=None)
+            await pool.close()
+            raise
+        print(f"HTTP {http_bound}", flush=True)
     print(f"READY {bound}", flush=True)
     stop = asyncio.Event()
     aio = asyncio.get_running_loop()
@@ -47,5 +62,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     try:
         await stop.wait()
     finally:
+        if door is not None:
+            await door.close()
         await server.stop(grace=5.0)
         await pool.close()

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -32,6 +32,33 @@ from router.workers import WorkerPool
 
 log = logging.getLogger(__name__)
 ROOM_BITS = 63
+
+
+class DoorError(Exception):
+    """A call ended with a gRPC status on a door that is not gRPC (see :class:`LocalContext`)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str,
+                 trailing: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.trailing = trailing
+
+
+class LocalContext:
+    """What :meth:`GenerationService.Generate` uses of a ``grpc.aio.ServicerContext``, for the
+    other doors (HTTP): ``abort`` raises :class:`DoorError` instead of ending an RPC."""
+
+    def __init__(self, deadline_s: float | None = None) -> None:
+        self._deadline = None if deadline_s is None else time.monotonic() + deadline_s
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Any = ()) -> None:
+        trailing = tuple((str(k), str(v)) for k, v in (trailing_metadata or ()))
+        raise DoorError(code, details, trailing)
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
@@ -91,6 +118,14 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             if run is not None:
                 run.close()
                 self.rooms.discard(run.room)
+
+    def generate(self, request: gpb.GenerateRequest,
+                 deadline_s: float | None = None) -> AsyncIterator[gpb.GenerateResponse]:
+        """``Generate`` for the other doors: the same admission, validation and relay; every
+        error is raised as :class:`DoorError` carrying the status the gRPC door would send.
+        Close the returned generator (``aclose``) to cancel the request."""
+        context = cast(grpc.aio.ServicerContext, LocalContext(deadline_s))
+        return self.Generate(request, context)  # type: ignore[no-any-return]
 
     async def _admit(self, rid: str, prepared: PreparedRequest,
                      context: grpc.aio.ServicerContext) -> RoomRun:
