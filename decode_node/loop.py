@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -178,6 +179,7 @@ class EngineLoop:
             events += [self._event(r, 0) for r in result.finished if id(r) not in done]
             if events:
                 self._emit(events)
+            time.sleep(0)  # let submit/abort/stats threads take the lock between steps
 
 
 def _event(req: Request, new: int, drafted: int = 0, accepted: int = 0) -> TokenEvent:

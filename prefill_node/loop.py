@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -126,6 +127,9 @@ class PrefillLoop:
                     log.exception("prefill step failed; failing every room")
                     for room, r in list(self._rooms.items()):
                         self._finish(room, r, "prefill node error")
+            # Let threads blocked on the lock (submit, abort, stats) in between steps: a lock
+            # released and at once retaken by the same thread would starve them.
+            time.sleep(0)
 
     def _idle_wait_s(self) -> float | None:
         """How long the idle thread sleeps (None: until woken): gated rooms are polled."""

@@ -19,10 +19,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
-from proto.pdserve.v1 import generate_pb2_grpc
 from tests.serving.harness import Node
-from tests.serving.stats import assert_all_idle, get_stats
+from tests.serving.stats import assert_all_idle
 from tests.serving.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
@@ -49,6 +49,10 @@ class Cluster:
     @property
     def addresses(self) -> list[str]:
         return [n.address for n in self.nodes.values()]
+
+    def admin(self, name: str) -> admin_pb2_grpc.AdminStub:
+        """An Admin stub on a channel that stays open (reconnecting after a restart)."""
+        return admin_pb2_grpc.AdminStub(grpc.insecure_channel(self.address(name)))
 
     def kill(self, name: str) -> None:
         node = self.nodes[name]
@@ -104,6 +108,12 @@ class Stream:
             self.error = exc
         self.ended_at = time.monotonic()
 
+    def started_on(self, prefill: admin_pb2_grpc.AdminStub) -> bool:
+        """True once the prefill holds pages for the room; fails at once if the stream ended
+        first (with why: a refused request must not read as a slow prefill)."""
+        assert self.ended_at == 0.0, f"the stream ended before the prefill started: {self.error}"
+        return prefill.GetStats(admin_pb2.GetStatsRequest(), timeout=5).kv_pages_used > 0
+
     def join(self, timeout_s: float) -> Stream:
         self._thread.join(timeout_s)
         assert not self._thread.is_alive(), "the stream did not end"
@@ -133,9 +143,10 @@ def _serves_again(stub: generate_pb2_grpc.GenerationStub, timeout_s: float = 60.
 def test_prefill_killed_mid_transfer(cluster: Cluster) -> None:
     with grpc.insecure_channel(cluster.address("router")) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
+        admin = cluster.admin("prefill")  # one channel: polls must be quicker than the prefill
+        admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)  # connected before the stream
         stream = Stream(stub, _req(LONG, 8))
-        _wait_for(lambda: get_stats(cluster.address("prefill")).kv_pages_used > 0,
-                  "the prefill never started the room")
+        _wait_for(lambda: stream.started_on(admin), "the prefill never started the room")
         cluster.kill("prefill")
         killed_at = time.monotonic()
         stream.join(FAIL_WITHIN_S)
@@ -167,9 +178,10 @@ def test_decode_killed_mid_stream(cluster: Cluster) -> None:
 def test_decode_killed_mid_transfer_frees_the_prefill_room(cluster: Cluster) -> None:
     with grpc.insecure_channel(cluster.address("router")) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
+        admin = cluster.admin("prefill")  # one channel: polls must be quicker than the prefill
+        admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)  # connected before the stream
         stream = Stream(stub, _req(LONG, 8))
-        _wait_for(lambda: get_stats(cluster.address("prefill")).kv_pages_used > 0,
-                  "the prefill never started the room")
+        _wait_for(lambda: stream.started_on(admin), "the prefill never started the room")
         cluster.kill("decode")
         stream.join(FAIL_WITHIN_S)
         assert stream.error is not None and stream.msgs == []

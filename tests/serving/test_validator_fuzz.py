@@ -95,7 +95,7 @@ def patch_images(draw: st.DrawFn) -> gpb.Image:
     if draw(st.booleans()):
         grid = grid[: draw(st.integers(0, 2))] + draw(st.lists(UINT32, max_size=2))
     grid_cells = grid[0] * grid[1] * grid[2] if len(grid) == 3 else 0
-    n = draw(st.one_of(st.just(grid_cells), st.integers(0, 80)))
+    n = draw(st.one_of(st.just(min(grid_cells, 2**32 - 1)), st.integers(0, 80)))
     d = draw(st.one_of(st.just(PATCH_DIM), st.integers(0, 8)))
     shape = draw(st.one_of(st.just([n, d]), st.lists(st.integers(0, 80), max_size=3)))
     if draw(st.booleans()) and n * d <= 80 * PATCH_DIM:
