@@ -14,7 +14,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.models.eagle import load_draft
 from proto.auth import ServerSecurity
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.server import start_server, wait_for_signal
+from proto.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.setup import make_kv_manager
 
@@ -57,11 +57,5 @@ async def serve_decode(
         role="decode", stats=service.stats, security=security,
         metrics_port=metrics_port,
     )
-    print(f"READY {bound}", flush=True)
-    try:
-        await wait_for_signal()
-    finally:
-        await server.stop(grace=5.0)
-        loop.stop()
-        clients.close()
+    await serve_until_signal(server, bound, loop.stop, clients.close)
 

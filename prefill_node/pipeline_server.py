@@ -25,7 +25,7 @@ from proto.admin import StatsSource
 from proto.auth import ServerSecurity
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.server import start_server, wait_for_signal
+from proto.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.setup import make_kv_manager
@@ -103,13 +103,8 @@ async def serve_stage(
         ]
     server, bound, _ = await start_server(services, host, port, role=role, stats=stats,
                                           security=security, metrics_port=metrics_port)
-    print(f"READY {bound}", flush=True)
-    try:
-        await wait_for_signal()
-    finally:
-        await server.stop(grace=5.0)
-        if head is not None:
-            head.stop()
-        bootstrap.close()
-        if down is not None:
-            down.close()
+    cleanups = [head.stop] if head is not None else []
+    cleanups.append(bootstrap.close)
+    if down is not None:
+        cleanups.append(down.close)
+    await serve_until_signal(server, bound, *cleanups)

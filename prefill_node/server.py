@@ -14,7 +14,7 @@ from prefill_node.loop import PrefillLoop
 from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
 from proto.auth import ServerSecurity
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.server import start_server, wait_for_signal
+from proto.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.setup import make_kv_manager
@@ -70,10 +70,4 @@ async def serve_prefill(
         role="prefill", stats=service.stats, security=security,
         metrics_port=metrics_port,
     )
-    print(f"READY {bound}", flush=True)
-    try:
-        await wait_for_signal()
-    finally:
-        await server.stop(grace=5.0)
-        loop.stop()
-        bootstrap.close()
+    await serve_until_signal(server, bound, loop.stop, bootstrap.close)

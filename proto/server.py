@@ -5,6 +5,7 @@ unless told otherwise, with optional TLS and token checks (:mod:`proto.auth`).""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from proto.metrics import serve_metrics
 from proto.pdserve.v1 import admin_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
+SHUTDOWN_GRACE_S = 5.0  # how long in-flight calls may finish after SIGTERM
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -84,3 +86,19 @@ async def wait_for_signal() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         aio.add_signal_handler(sig, stop.set)
     await stop.wait()
+
+
+async def serve_until_signal(
+    server: grpc.aio.Server, bound: int, *cleanups: Callable[[], object]
+) -> None:
+    """Print ``READY <bound>``, serve until SIGINT/SIGTERM, then let in-flight calls drain
+    (``SHUTDOWN_GRACE_S``) and run ``cleanups`` in order (awaiting any that return awaitables)."""
+    print(f"READY {bound}", flush=True)
+    try:
+        await wait_for_signal()
+    finally:
+        await server.stop(grace=SHUTDOWN_GRACE_S)
+        for cleanup in cleanups:
+            result = cleanup()
+            if inspect.isawaitable(result):
+                await result

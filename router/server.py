@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 
 from proto.auth import ServerSecurity, internal_metadata
 from proto.pdserve.v1 import generate_pb2_grpc
-from proto.server import start_server
+from proto.server import SHUTDOWN_GRACE_S, start_server, wait_for_signal
 from router.config import RouterConfig
 from router.preprocess import ModelAssets
 from router.service import GenerationService
@@ -55,14 +53,10 @@ async def serve_router(config: RouterConfig, host: str, port: int,
             raise
         print(f"HTTP {http_bound}", flush=True)
     print(f"READY {bound}", flush=True)
-    stop = asyncio.Event()
-    aio = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        aio.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        await wait_for_signal()
     finally:
         if door is not None:
             await door.close()
-        await server.stop(grace=5.0)
+        await server.stop(grace=SHUTDOWN_GRACE_S)
         await pool.close()
