@@ -200,7 +200,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
 
     from deploy.bench_cmd import add_bench_args
 
-    bench = sub.add_parser("bench", help="load-test running routers (latency, throughput)")
+    bench = sub.add_parser("bench", help="load-test routers, or --compare setups it starts")
     add_bench_args(bench)
     bench.set_defaults(func=_cmd_bench)
 
@@ -208,7 +208,11 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from deploy.bench_cmd import run_bench
 
-    return run_bench(args)
+    try:
+        return run_bench(args)
+    except RuntimeError as exc:  # a cluster that did not start, a missing baseline library
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -230,8 +234,8 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
+    try:  # building the parser reads PDSERVE_FAULT_* defaults, which may be malformed
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from engine.llm_engine import EngineConfig
     from proto.auth import ServerSecurity
     from transfer.bootstrap import BootstrapConfig
+    from transfer.faults import FaultConfig
 
 WORKER_SERVICES = ("pdserve.v1.PrefillWorker", "pdserve.v1.DecodeWorker", "pdserve.v1.Admin")
 
@@ -47,7 +48,8 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--internal-token-file", default=None, metavar="FILE",
                    help="shared secret of the cluster's internal calls: workers require it "
                         "(metadata x-pdserve-internal-token) on PrefillWorker, DecodeWorker and "
-                        "Admin calls; the router sends it to every worker")
+                        "Admin calls, and a prefill's KV bootstrap endpoint requires it in a "
+                        "decode's registration; the router sends it to every worker")
 
 
 def internal_token(args: argparse.Namespace) -> str | None:
@@ -81,6 +83,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quarantine-s", type=float, default=30.0,
                    help="decode: hold a failed room's pages this long when its prefill died "
                         "without saying it stopped writing")
+    add_fault_args(p)
 
 
 def bootstrap_config(args: argparse.Namespace) -> BootstrapConfig:
@@ -88,7 +91,44 @@ def bootstrap_config(args: argparse.Namespace) -> BootstrapConfig:
 
     return BootstrapConfig(
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
-        heartbeat_interval_s=args.heartbeat_interval_s, quarantine_s=args.quarantine_s)
+        heartbeat_interval_s=args.heartbeat_interval_s, quarantine_s=args.quarantine_s,
+        secret=internal_token(args), faults=fault_config(args))
+
+
+# ---- fault injection (tests and drills; off by default) ------------------------------------
+
+
+def add_fault_args(p: argparse.ArgumentParser) -> None:
+    """``--fault-*`` flags of a prefill or decode worker; each defaults to its ``PDSERVE_FAULT_*``
+    environment variable (see :mod:`transfer.faults`)."""
+    from transfer.faults import FaultConfig
+
+    env = FaultConfig.from_env()
+    g = p.add_argument_group("fault injection (tests only; env PDSERVE_FAULT_<NAME>)")
+    g.add_argument("--fault-transfer-fail-p", type=float, default=env.transfer_fail_p,
+                   metavar="P", help="fail each KV engine write with probability P, as an "
+                                     "engine network error would")
+    g.add_argument("--fault-status-delay-s", type=float, default=env.status_delay_s,
+                   metavar="S", help="prefill: hold every transfer Status S seconds")
+    g.add_argument("--fault-drop-handshake-p", type=float, default=env.drop_handshake_p,
+                   metavar="P", help="drop each per-room handshake message this node sends "
+                                     "(Destination, Status, Abort, AbortAck) with probability P")
+    g.add_argument("--fault-slow-peer-s", type=float, default=env.slow_peer_s, metavar="S",
+                   help="sleep S seconds before every KV engine write")
+    g.add_argument("--fault-seed", type=int, default=env.seed, metavar="N",
+                   help="seed of the fault draws (default: random)")
+
+
+def fault_config(args: argparse.Namespace) -> FaultConfig:
+    from transfer.faults import FaultConfig
+
+    return FaultConfig(
+        transfer_fail_p=args.fault_transfer_fail_p, status_delay_s=args.fault_status_delay_s,
+        drop_handshake_p=args.fault_drop_handshake_p, slow_peer_s=args.fault_slow_peer_s,
+        seed=args.fault_seed)
+
+
+# ---- end of fault injection -----------------------------------------------------------------
 
 
 def add_transfer_args(p: argparse.ArgumentParser) -> None:

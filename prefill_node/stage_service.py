@@ -12,6 +12,7 @@ from prefill_node.follower import StageWorker
 from prefill_node.service import aux_figures
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
+from transfer.faults import fault_figures
 
 
 class StageService(worker_pb2_grpc.PipelineStageServicer):
@@ -58,4 +59,5 @@ class StageWorkerService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def stats(self) -> dict[str, int]:
         """Figures for ``Admin.GetStats`` (blocking)."""
-        return {**self.worker.stats(), **aux_figures(self.worker.bootstrap.manager.aux)}
+        manager = self.worker.bootstrap.manager
+        return {**self.worker.stats(), **aux_figures(manager.aux), **fault_figures(manager.faults)}

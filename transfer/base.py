@@ -12,14 +12,16 @@ moves; a failure after that raises :class:`~transfer.errors.EngineCallError`.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from transfer.aux import AuxBuffer
 from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
 from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
+from transfer.faults import FaultInjector
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.messages import Registration
 
@@ -49,6 +51,9 @@ class KVManager(ABC):
         self.num_pages = 0
         self.aux: AuxBuffer | None = None
         self._registered = False
+        self.faults: FaultInjector | None = None  # fault injection (tests): None when off
+        # called after every send with (bytes, seconds, ok): the node's transfer metrics
+        self.on_send: Callable[[int, float, bool], None] | None = None
 
     @property
     @abstractmethod
@@ -85,8 +90,10 @@ class KVManager(ABC):
         self._register_ranges(ranges)
         self._registered = True
 
-    def registration(self, *, page_size: int, dtype: str, model_fingerprint: str) -> Registration:
-        """The message a decode node publishes once per connection."""
+    def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,
+                     auth_token: str = "") -> Registration:
+        """The message a decode node publishes once per connection (``auth_token``: the
+        cluster's internal shared secret, "" without one)."""
         aux = self._require_aux()
         return Registration(
             session_id=self.session_id,
@@ -100,6 +107,7 @@ class KVManager(ABC):
             page_size=page_size,
             dtype=dtype,
             model_fingerprint=model_fingerprint,
+            auth_token=auth_token,
         )
 
     def send_kvcache(
@@ -154,16 +162,23 @@ class KVManager(ABC):
     def _write_blocks(
         self, session: str, srcs: list[int], dsts: list[int], lens: list[int]
     ) -> SendResult:
-        calls = 0
+        calls, start, nbytes = 0, time.perf_counter(), sum(lens)
         for part in batches(len(srcs), self.batch_limit):
-            ret = self._write(session, srcs[part], dsts[part], lens[part])
+            if self.faults is None:
+                ret = self._write(session, srcs[part], dsts[part], lens[part])
+            else:  # injected failures take the path of the engine's own errors
+                ret = self.faults.write(self._write, session, srcs[part], dsts[part], lens[part])
             calls += 1
             if ret != 0:
+                if self.on_send is not None:
+                    self.on_send(0, time.perf_counter() - start, False)
                 raise EngineCallError(
                     f"engine write to {session} failed with code {ret} "
                     f"(batch {calls}, {part.stop - part.start} blocks)"
                 )
-        return SendResult(blocks=len(srcs), batches=calls, nbytes=sum(lens))
+        if self.on_send is not None:
+            self.on_send(nbytes, time.perf_counter() - start, True)
+        return SendResult(blocks=len(srcs), batches=calls, nbytes=nbytes)
 
     def _require_aux(self) -> AuxBuffer:
         if self.aux is None:

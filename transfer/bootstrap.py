@@ -4,7 +4,8 @@ Protocol (one TCP connection per decode node and prefill node, frames of :mod:`t
 
 1. The decode connects to the prefill's bootstrap endpoint and sends its
    :class:`~transfer.messages.Registration` once; the prefill answers
-   :class:`~transfer.messages.RegisterReply` (a mismatched pair is refused with the reason).
+   :class:`~transfer.messages.RegisterReply` (a mismatched pair, or a registration without the
+   shared secret when the prefill has one, is refused with the reason).
 2. Per room the decode sends a :class:`~transfer.messages.Destination` (its page ids and aux
    slot). The prefill gates compute on the room until it has arrived.
 3. The prefill pushes each chunk's pages through its KV manager, writes the aux row on the last
@@ -22,17 +23,23 @@ Implementations: :mod:`transfer.bootstrap_prefill` and :mod:`transfer.bootstrap_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hmac
+from dataclasses import dataclass, field
 
 from transfer.base import KVManager
-from transfer.errors import IncompatiblePeerError, LayerPairingError
+from transfer.errors import IncompatiblePeerError, LayerPairingError, PeerAuthError
+from transfer.faults import FaultConfig
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.messages import Registration
 
 
 @dataclass(frozen=True)
 class BootstrapConfig:
-    """Timeouts of the handshake, in seconds."""
+    """Timeouts of the handshake, in seconds, and the cluster's internal shared secret.
+
+    With ``secret`` set, a decode sends it in its registration and a prefill refuses any
+    registration that does not carry it (``--internal-token-file``, as on the gRPC worker APIs).
+    """
 
     bootstrap_timeout_s: float = 300.0  # a room without a destination fails after this
     waiting_timeout_s: float = 300.0  # decode: destination sent, no final status after this
@@ -41,6 +48,8 @@ class BootstrapConfig:
     quarantine_s: float = 30.0  # decode: hold a failed room's pages this long without an ack
     connect_timeout_s: float = 5.0
     tick_s: float = 0.05  # period of the timeout sweeper
+    secret: str | None = field(default=None, repr=False)
+    faults: FaultConfig = FaultConfig()  # fault injection (tests, drills); off by default
 
     @property
     def peer_timeout_s(self) -> float:
@@ -54,6 +63,14 @@ class ModelIdentity:
     model_fingerprint: str
     page_size: int
     dtype: str
+
+
+def check_token(secret: str | None, reg: Registration) -> None:
+    """Raise :class:`PeerAuthError` unless ``reg`` carries ``secret`` (any token when None).
+
+    Constant-time compare; the error names neither token."""
+    if secret is not None and not hmac.compare_digest(reg.auth_token.encode(), secret.encode()):
+        raise PeerAuthError("registration refused: missing or wrong internal token")
 
 
 def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registration) -> None:

@@ -25,6 +25,7 @@ from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import NO_AUX_SLOT
 from transfer.errors import IncompatiblePeerError, MessageError, PageListError, TransferError
+from transfer.faults import make_injector
 from transfer.messages import (
     Abort,
     AbortAck,
@@ -71,6 +72,8 @@ class DecodeBootstrapClient:
         """Connect and register; raises :class:`IncompatiblePeerError` if refused."""
         self.manager = manager
         self.config = config or BootstrapConfig()
+        if manager.faults is None:  # one injector per manager, shared by its clients
+            manager.faults = make_injector(self.config.faults)
         self._free_pages = free_pages
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
@@ -86,7 +89,7 @@ class DecodeBootstrapClient:
         self._sock = FramedSocket(sock)
         reg = manager.registration(
             page_size=identity.page_size, dtype=identity.dtype,
-            model_fingerprint=identity.model_fingerprint,
+            model_fingerprint=identity.model_fingerprint, auth_token=self.config.secret or "",
         )
         try:
             self._sock.send(reg)
@@ -238,6 +241,8 @@ class DecodeBootstrapClient:
             self._free_pages(r.pages)
 
     def _send(self, msg: Message) -> None:
+        if self.manager.faults is not None and not self.manager.faults.outgoing([msg]):
+            return  # fault injection: dropped
         try:
             self._sock.send(msg)
         except OSError:

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from transfer.aux import AuxRow
 from transfer.base import KVManager
-from transfer.bootstrap import BootstrapConfig, ModelIdentity, check_compatible
+from transfer.bootstrap import BootstrapConfig, ModelIdentity, check_compatible, check_token
 from transfer.errors import EngineCallError, MessageError, TransferError
+from transfer.faults import make_injector
 from transfer.messages import (
     Abort,
     AbortAck,
@@ -85,6 +86,8 @@ class PrefillBootstrapServer:
         self.manager = manager
         self.identity = identity
         self.config = config or BootstrapConfig()
+        if manager.faults is None:  # the manager's writes and this endpoint's sends share it
+            manager.faults = make_injector(self.config.faults)
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
         self._conns: list[_Conn] = []
@@ -238,6 +241,8 @@ class PrefillBootstrapServer:
 
     def _send_all(self, conn: _Conn, msgs: list[Message]) -> None:
         """Send outside the lock; a dead socket is the reader's and sweeper's business."""
+        if self.manager.faults is not None:  # fault injection: delayed or dropped messages
+            msgs = self.manager.faults.outgoing(msgs)
         try:
             for m in msgs:
                 conn.sock.send(m)
@@ -276,6 +281,7 @@ class PrefillBootstrapServer:
             reg = fs.recv()
             if not isinstance(reg, Registration):
                 raise MessageError(f"expected Registration, got {type(reg).__name__}")
+            check_token(self.config.secret, reg)
             check_compatible(self.identity, self.manager, reg)
             fs.send(RegisterReply(True, ""))
             sock.settimeout(None)

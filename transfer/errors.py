@@ -30,3 +30,7 @@ class MessageError(TransferError):
 
 class IncompatiblePeerError(TransferError):
     """The prefill and decode nodes cannot be paired (model, page size, dtype or layers differ)."""
+
+
+class PeerAuthError(TransferError):
+    """A bootstrap registration without the cluster's internal shared secret (or a wrong one)."""

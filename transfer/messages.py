@@ -28,6 +28,9 @@ class Registration:
 
     ``kv_ptrs``, ``kv_bytes_per_page`` and ``kv_layer_ids`` are parallel, one item per buffer
     entry (``[K_0..K_{L-1}, V_0..V_{L-1}]``); ``kv_layer_ids`` holds global layer ids.
+    ``auth_token`` is the cluster's internal shared secret ("" without one): a prefill that has
+    one refuses a registration without it (:func:`transfer.bootstrap.check_token`). It is
+    kept out of ``repr`` so that it never reaches a log.
     """
 
     session_id: str  # transfer engine address of the decode, "host:rpc_port"
@@ -41,6 +44,7 @@ class Registration:
     page_size: int
     dtype: str
     model_fingerprint: str
+    auth_token: str = dataclasses.field(default="", repr=False)
 
 
 @dataclass(frozen=True)

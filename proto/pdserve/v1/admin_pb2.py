@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\x11\n\x0fGetStatsRequest\"\x85\x03\n\x05Stats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rkv_pages_used\x18\x02 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x03 \x01(\r\x12\x16\n\x0e\x61ux_slots_used\x18\x04 \x01(\r\x12\x17\n\x0f\x61ux_slots_total\x18\x05 \x01(\r\x12\x14\n\x0crooms_active\x18\x06 \x01(\r\x12\x18\n\x10requests_running\x18\x07 \x01(\r\x12\x18\n\x10requests_waiting\x18\x08 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\t \x01(\r\x12\x16\n\x0erequests_total\x18\n \x01(\x04\x12\x19\n\x11requests_rejected\x18\x0b \x01(\x04\x12\x18\n\x10transfers_failed\x18\x0c \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\r \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0e \x01(\x04\x12\x13\n\x0bspec_rounds\x18\x0f \x01(\x04\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x10 \x01(\x02\x32\x43\n\x05\x41\x64min\x12:\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x11.pdserve.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pdserve/v1/admin.proto\x12\npdserve.v1\"\x11\n\x0fGetStatsRequest\"\x9e\x03\n\x05Stats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rkv_pages_used\x18\x02 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x03 \x01(\r\x12\x16\n\x0e\x61ux_slots_used\x18\x04 \x01(\r\x12\x17\n\x0f\x61ux_slots_total\x18\x05 \x01(\r\x12\x14\n\x0crooms_active\x18\x06 \x01(\r\x12\x18\n\x10requests_running\x18\x07 \x01(\r\x12\x18\n\x10requests_waiting\x18\x08 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\t \x01(\r\x12\x16\n\x0erequests_total\x18\n \x01(\x04\x12\x19\n\x11requests_rejected\x18\x0b \x01(\x04\x12\x18\n\x10transfers_failed\x18\x0c \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\r \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x0e \x01(\x04\x12\x13\n\x0bspec_rounds\x18\x0f \x01(\x04\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x10 \x01(\x02\x12\x17\n\x0f\x66\x61ults_injected\x18\x11 \x01(\x04\x32\x43\n\x05\x41\x64min\x12:\n\x08GetStats\x12\x1b.pdserve.v1.GetStatsRequest\x1a\x11.pdserve.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,7 +34,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=38
   _globals['_GETSTATSREQUEST']._serialized_end=55
   _globals['_STATS']._serialized_start=58
-  _globals['_STATS']._serialized_end=447
-  _globals['_ADMIN']._serialized_start=449
-  _globals['_ADMIN']._serialized_end=516
+  _globals['_STATS']._serialized_end=472
+  _globals['_ADMIN']._serialized_start=474
+  _globals['_ADMIN']._serialized_end=541
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("role", "kv_pages_used", "kv_pages_total", "aux_slots_used", "aux_slots_total", "rooms_active", "requests_running", "requests_waiting", "waiting_tokens", "requests_total", "requests_rejected", "transfers_failed", "drafted_tokens", "accepted_tokens", "spec_rounds", "acceptance_length")
+    __slots__ = ("role", "kv_pages_used", "kv_pages_total", "aux_slots_used", "aux_slots_total", "rooms_active", "requests_running", "requests_waiting", "waiting_tokens", "requests_total", "requests_rejected", "transfers_failed", "drafted_tokens", "accepted_tokens", "spec_rounds", "acceptance_length", "faults_injected")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class Stats(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_INJECTED_FIELD_NUMBER: _ClassVar[int]
     role: str
     kv_pages_used: int
     kv_pages_total: int
@@ -42,4 +43,5 @@ class Stats(_message.Message):
     accepted_tokens: int
     spec_rounds: int
     acceptance_length: float
-    def __init__(self, role: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., aux_slots_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., spec_rounds: _Optional[int] = ..., acceptance_length: _Optional[float] = ...) -> None: ...
+    faults_injected: int
+    def __init__(self, role: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., aux_slots_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., spec_rounds: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., faults_injected: _Optional[int] = ...) -> None: ...
