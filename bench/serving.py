@@ -4,8 +4,9 @@
                             [--long-prompt-len 2048] [--long-requests 4] [--new 64] [--json]
 
 Starts both clusters as subprocesses on loopback (``pdserve prefill`` + ``pdserve decode`` +
-``pdserve router --prefill --decode``; ``pdserve decode`` + ``pdserve router --colocated``), each
-process with ``OMP_NUM_THREADS=1``, all on the same model (a fresh tiny model unless ``--model``).
+``pdserve router --prefill --decode``; ``pdserve decode`` + ``pdserve router --colocated``, by
+:mod:`deploy.compare_clusters`), each process with ``OMP_NUM_THREADS=1``, all on the same
+model (a fresh tiny model unless ``--model``).
 Both routers get the same requests (random token ids, greedy, ``ignore_eos``, exactly ``--new``
 tokens each) through the public gRPC API:
 
@@ -29,110 +30,28 @@ if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from deploy import loadgen
+from deploy.compare_clusters import (
+    Processes,
+    engine_flags,
+    start_colocated,
+    start_disaggregated,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 15.0
 ITL_METHOD = "per token: message gap / tokens in the message"
 MODES = ("disaggregated", "colocated")
 
 
-# ---- processes -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    """One started ``pdserve`` process; its output is collected by a reader thread."""
-
-    name: str
-    popen: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-    port: int | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def read(self) -> None:
-        """Reader thread: record output; note the ``READY <port>`` line."""
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.log.append(line)
-            if self.port is None and line.startswith("READY "):
-                self.port = int(line.split()[1])
-                self.ready.set()
-        self.ready.set()  # exited: wake the waiter
-
-    def tail(self, lines: int = 30) -> str:
-        return "".join(self.log[-lines:])
-
-
-class Processes:
-    """Every process this run started; :meth:`stop_all` ends them all (SIGTERM, then SIGKILL)."""
-
-    def __init__(self) -> None:
-        self.procs: list[Proc] = []
-
-    def start(self, name: str, args: Sequence[str]) -> Proc:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env["OMP_NUM_THREADS"] = "1"
-        popen = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-        )
-        proc = Proc(name, popen)
-        self.procs.append(proc)
-        threading.Thread(target=proc.read, daemon=True).start()
-        return proc
-
-    @staticmethod
-    def wait_ready(procs: Sequence[Proc]) -> None:
-        """Block until each of ``procs`` printed ``READY``; raise with its log if it exited."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        for proc in procs:
-            if not proc.ready.wait(max(0.0, deadline - time.monotonic())) or proc.port is None:
-                raise RuntimeError(f"{proc.name} did not become ready:\n{proc.tail()}")
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.popen.poll() is None:
-                proc.popen.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in reversed(self.procs):
-            try:
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
-
-
 def start_clusters(procs: Processes, model_dir: Path, args: argparse.Namespace) -> dict[str, str]:
     """Start both clusters; the router address of each mode."""
-    engine = ["--model", str(model_dir), "--port", "0", "--page-size", str(args.page_size),
-              "--num-pages", str(args.num_pages), "--max-num-seqs", str(max(64, args.concurrency)),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    prefill = procs.start("prefill", ["prefill", *engine])
-    decode = procs.start("decode", ["decode", *engine])
-    colocated = procs.start("colocated decode", ["decode", *engine])
-    procs.wait_ready([prefill, decode, colocated])
-    router = ["router", "--model", str(model_dir), "--port", "0"]
-    disagg_router = procs.start("disaggregated router", [
-        *router, "--prefill", prefill.address, "--decode", decode.address])
-    colo_router = procs.start("colocated router", [*router, "--colocated", colocated.address])
-    procs.wait_ready([disagg_router, colo_router])
-    return {"disaggregated": disagg_router.address, "colocated": colo_router.address}
+    engine = engine_flags(model_dir, page_size=args.page_size, num_pages=args.num_pages,
+                          max_num_seqs=max(64, args.concurrency),
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    return {"disaggregated": start_disaggregated(procs, model_dir, engine),
+            "colocated": start_colocated(procs, model_dir, engine)}
 
 
 # ---- load --------------------------------------------------------------------------------------

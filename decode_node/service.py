@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -22,12 +23,15 @@ from engine.errors import EngineError
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
 from proto.admin import load_report
+from proto.blocking import to_thread_atomic
 from proto.convert import ConversionError, patches_array, sampling_kwargs
 from proto.overload import abort_overloaded
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
+from proto.request_log import request_line
 from transfer.errors import IncompatiblePeerError, TransferError
+from transfer.faults import fault_figures
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_MAX_WAITING = 256
@@ -83,6 +87,17 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gpb.GenerateResponse]:
         req = request.request
+        local = request.local_prefill or not request.prefill_bootstrap
+        with request_line("decode", req.request_id, context, room=req.room,
+                          prompt_tokens=len(req.token_ids), local_prefill=local) as line:
+            async with aclosing(self._decode(request, context)) as stream:
+                async for msg in stream:
+                    line.tokens(len(msg.token_ids))
+                    yield msg
+
+    async def _decode(self, request: wpb.DecodeRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[gpb.GenerateResponse]:
+        req = request.request
         rid = str(req.room)
         if rid in self._streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {req.room} is running")
@@ -125,13 +140,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             ids, images, sampling = engine_inputs(req)
             if request.local_prefill or not request.prefill_bootstrap:
-                await asyncio.to_thread(self.loop.submit, str(req.room), ids, images, sampling)
+                await to_thread_atomic(self.loop.submit, str(req.room), ids, images, sampling)
                 return
             assert self._clients is not None
             # a pipeline-parallel prefill lists every stage's address, in stage order
             clients = [await asyncio.to_thread(self._clients.get, address.strip())
                        for address in request.prefill_bootstrap.split(",")]
-            await asyncio.to_thread(self.loop.submit_remote, req.room, ids, sampling, clients)
+            await to_thread_atomic(self.loop.submit_remote, req.room, ids, sampling, clients)
         except (EngineError, ConversionError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except IncompatiblePeerError as exc:
@@ -162,6 +177,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             if aux is not None:
                 figures["aux_slots_total"] = aux.num_rows
                 figures["aux_slots_used"] = aux.num_rows - aux.num_free
+            figures.update(fault_figures(self._clients.manager.faults))
         return figures
 
 

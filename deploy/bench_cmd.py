@@ -1,9 +1,12 @@
-"""``pdserve bench``: drive running routers with a workload and report latency and throughput.
+"""``pdserve bench``: drive routers with a workload and report latency and throughput.
 
     pdserve bench --target HOST:PORT [--target HOST:PORT ...] --num-requests N [--json FILE]
+    pdserve bench --compare [--model DIR] [--request-rate R ...] [--plot FILE.png]
 
-With several targets the same requests go to each in turn and the report adds ratios against
-the first target.
+With one target at one rate the JSON is that run's report. With several targets or rates the
+same requests go to each in turn and the JSON has one row per run, with ratios against the
+baseline (the first target; with ``--compare`` see :mod:`deploy.compare`), also printed as a
+Markdown table.
 """
 
 from __future__ import annotations
@@ -15,12 +18,23 @@ import math
 import sys
 from pathlib import Path
 
-from deploy import loadgen
+from deploy import compare, hf_baseline, loadgen
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", action="append", required=True, metavar="HOST:PORT",
+    p.add_argument("--target", action="append", metavar="HOST:PORT",
                    help="router address (repeat to compare targets on the same requests)")
+    p.add_argument("--compare", action="store_true",
+                   help="start each of --compare-targets on loopback in turn and compare them")
+    p.add_argument("--compare-targets", default=",".join(compare.TARGETS),
+                   help=f"comma-separated, from {','.join(compare.TARGETS)}")
+    p.add_argument("--baseline", default=None,
+                   help="the row ratios are taken against (default: transformers with "
+                        "--compare if run, else the first target)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint for --compare (default: the built-in model)")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="draw latency against request rate per target (matplotlib)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--dataset", default="random",
                    choices=["random", "shared-prefix", "images", "jsonl"])
@@ -28,11 +42,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="mean new tokens")
     p.add_argument("--vocab", type=int, default=512, help="token ids are drawn below this")
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="Poisson arrivals per second (default: all at once)")
+    p.add_argument("--request-rate", type=float, action="append", metavar="R",
+                   help="Poisson arrivals per second; repeat for several runs "
+                        "(default: all at once, 'inf')")
     p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--num-draft-tokens", type=int, default=0,
-                   help="the servers' K, to turn accepted/drafted counts into acceptance length")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="the servers' K, to turn accepted/drafted counts into acceptance "
+                        f"length (--compare: the EAGLE cluster's K, default {compare.DEFAULT_K})")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -56,39 +72,84 @@ def workloads(args: argparse.Namespace) -> list[loadgen.Workload]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if bool(args.compare) == bool(args.target):
+        raise ValueError("give --target HOST:PORT (repeatable) or --compare, not both")
     works = workloads(args)
-    results: dict[str, dict[str, object]] = {}
-    for target in args.target:
-        progress = _Progress(target, len(works), enabled=not args.no_progress)
-        traces, wall = asyncio.run(loadgen.run(
-            target, works, max_concurrency=args.max_concurrency, request_rate=args.request_rate,
-            seed=args.seed, on_done=progress.tick))
-        progress.close()
-        results[target] = loadgen.report(traces, wall, args.num_draft_tokens, args.slo_ttft_ms,
-                                         args.slo_tpot_ms)
-    out: dict[str, object] = dict(next(iter(results.values())))
-    if len(results) > 1:
-        base = next(iter(results.values()))
-        out = {"targets": results, "ratios_vs_first": {
-            t: _ratios(r, base) for t, r in list(results.items())[1:]}}
+    rates = args.request_rate or [math.inf]
+    if args.compare:
+        rows, outputs, baseline = _compare_rows(args, works, rates)
+    else:
+        baseline = args.baseline or args.target[0]
+        if baseline not in args.target:
+            raise ValueError(f"--baseline {baseline} is not one of the --target addresses")
+        rows, outputs = _target_rows(args, works, rates)
+    if len(rows) == 1:
+        out: dict[str, object] = {k: v for k, v in rows[0].items()
+                                  if k not in ("target", "request_rate")}
+    else:
+        compare.add_ratios(rows, outputs, baseline)
+        out = {"config": _config(args, rates), "baseline": baseline, "rows": rows}
+        print(compare.table(rows, baseline), file=sys.stderr)
     text = json.dumps(out, indent=2)
     if args.json is not None:
         args.json.write_text(text + "\n")
     print(text)
-    return 0 if all(r["failed"] == 0 for r in results.values()) else 1
+    if args.plot is not None:
+        from deploy.compare_plot import plot
+
+        plot(rows, args.plot, title=f"{args.num_requests} requests, {args.input_len} prompt "
+                                    f"tokens, {args.output_len} new")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
-def _ratios(r: dict[str, object], base: dict[str, object]) -> dict[str, float]:
-    def ratio(key: str, sub: str | None = None) -> float:
-        a, b = r[key], base[key]
-        if sub is not None:
-            assert isinstance(a, dict) and isinstance(b, dict)
-            a, b = a[sub], b[sub]
-        assert isinstance(a, (int, float)) and isinstance(b, (int, float))
-        return round(a / b, 3) if b else float("nan")
+def _target_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates: list[float]
+                 ) -> tuple[list[compare.Row], list[list[list[int]]]]:
+    rows: list[compare.Row] = []
+    outputs: list[list[list[int]]] = []
+    for target in args.target:
+        for rate in rates:
+            progress = _Progress(target, len(works), enabled=not args.no_progress)
+            traces, wall = asyncio.run(loadgen.run(
+                target, works, max_concurrency=args.max_concurrency, request_rate=rate,
+                seed=args.seed, on_done=progress.tick))
+            progress.close()
+            rows.append({"target": target, "request_rate": compare.rate_key(rate),
+                         **loadgen.report(traces, wall, args.num_draft_tokens or 0,
+                                          args.slo_ttft_ms, args.slo_tpot_ms)})
+            outputs.append([t.token_ids for t in traces])
+    return rows, outputs
 
-    return {"output_tokens_per_s": ratio("output_tokens_per_s"),
-            "ttft_p50": ratio("ttft_ms", "p50"), "tpot_p50": ratio("tpot_ms", "p50")}
+
+def _compare_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates: list[float]
+                  ) -> tuple[list[compare.Row], list[list[list[int]]], str]:
+    from deploy.cli import builtin_model_dir
+
+    targets = [t.strip() for t in args.compare_targets.split(",") if t.strip()]
+    unknown = sorted(set(targets) - set(compare.TARGETS))
+    if unknown or not targets:
+        raise ValueError(f"unknown --compare-targets {unknown}; choose from {compare.TARGETS}")
+    baseline = args.baseline or ("transformers" if "transformers" in targets else targets[0])
+    if baseline not in targets:
+        raise ValueError(f"--baseline {baseline} is not one of --compare-targets")
+    if "transformers" in targets:
+        hf_baseline.require_transformers()  # fail before any cluster starts
+    model = args.model or builtin_model_dir()
+    rows, outputs = compare.run_compare(
+        model, targets, works, rates, max_concurrency=args.max_concurrency,
+        num_draft_tokens=args.num_draft_tokens or compare.DEFAULT_K, seed=args.seed,
+        log=(lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)))
+    return rows, outputs, baseline
+
+
+def _config(args: argparse.Namespace, rates: list[float]) -> dict[str, object]:
+    return {"dataset": args.dataset, "num_requests": args.num_requests,
+            "input_len": args.input_len, "output_len": args.output_len,
+            "max_concurrency": args.max_concurrency,
+            "request_rates": [compare.rate_key(r) for r in rates],
+            "model": str(args.model) if args.model else "built-in",
+            "num_draft_tokens": args.num_draft_tokens or (compare.DEFAULT_K if args.compare
+                                                           else 0),
+            "seed": args.seed}
 
 
 class _Progress:

@@ -157,12 +157,25 @@ async def one_request(stub: generate_pb2_grpc.GenerationStub, work: Workload,
     return trace
 
 
+def arrival_offsets(count: int, request_rate: float, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each of ``count`` requests arrives: Poisson arrivals
+    at ``request_rate`` per second (``inf``: all at once). The same seed gives every target
+    (and the transformers baseline) the same schedule."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(count):
+        out.append(t)
+        if math.isfinite(request_rate):
+            t += rng.expovariate(request_rate)
+    return out
+
+
 async def run(address: str, works: Sequence[Workload], *, max_concurrency: int,
               request_rate: float = math.inf, seed: int = 0,
               on_done: Callable[[Trace], None] | None = None) -> tuple[list[Trace], float]:
     """Send ``works`` with Poisson arrivals at ``request_rate`` per second (``inf``: all at
     once) and at most ``max_concurrency`` in flight; returns the traces and the wall time."""
-    rng = random.Random(seed)
+    offsets = arrival_offsets(len(works), request_rate, seed)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         gate = asyncio.Semaphore(max_concurrency)
@@ -176,10 +189,9 @@ async def run(address: str, works: Sequence[Workload], *, max_concurrency: int,
 
         start = time.perf_counter()
         tasks = []
-        for work in works:
+        for work, offset in zip(works, offsets, strict=True):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
             tasks.append(asyncio.create_task(send(work)))
-            if math.isfinite(request_rate):
-                await asyncio.sleep(rng.expovariate(request_rate))
         traces = await asyncio.gather(*tasks)
         return list(traces), time.perf_counter() - start
 

@@ -23,6 +23,7 @@ from prefill_node.stage_service import StageService, StageWorkerService
 from prefill_node.stages import StageSpec, load_stage
 from proto.admin import StatsSource
 from proto.auth import ServerSecurity
+from proto.metrics import TransferMetrics
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import serve_until_signal, start_server
@@ -101,8 +102,9 @@ async def serve_stage(
             (worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
              face, "pdserve.v1.PrefillWorker"),
         ]
-    server, bound, _ = await start_server(services, host, port, role=role, stats=stats,
-                                          security=security, metrics_port=metrics_port)
+    server, bound, _ = await start_server(
+        services, host, port, role=role, stats=stats, security=security,
+        metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager))
     cleanups = [head.stop] if head is not None else []
     cleanups.append(bootstrap.close)
     if down is not None:

@@ -13,6 +13,7 @@ from engine.models.eagle import load_draft
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
 from proto.auth import ServerSecurity
+from proto.metrics import TransferMetrics
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
@@ -68,6 +69,6 @@ async def serve_prefill(
     server, bound, _ = await start_server(
         [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
         role="prefill", stats=service.stats, security=security,
-        metrics_port=metrics_port,
+        metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager),
     )
     await serve_until_signal(server, bound, loop.stop, bootstrap.close)

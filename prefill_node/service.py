@@ -16,12 +16,15 @@ from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
 from prefill_node.loop import PrefillLoop
 from proto.admin import load_report
+from proto.blocking import to_thread_atomic
 from proto.convert import ConversionError, patches_array, sampling_kwargs
 from proto.overload import abort_overloaded
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
+from proto.request_log import request_line
 from transfer.aux import AuxBuffer
 from transfer.errors import TransferError
+from transfer.faults import fault_figures
 
 DEFAULT_MAX_WAITING = 256
 
@@ -64,6 +67,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> wpb.PrefillResponse:
         req = request.request
+        with request_line("prefill", req.request_id, context, room=req.room,
+                          prompt_tokens=len(req.token_ids)):
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: wpb.PrefillRequest,
+                       context: grpc.aio.ServicerContext) -> wpb.PrefillResponse:
+        req = request.request
         room = req.room
         if room in self._pending:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {room} is running")
@@ -94,7 +104,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                                                 f"(--max-waiting {self.max_waiting})")
             try:
                 ids, images, sampling = _inputs(req)
-                await asyncio.to_thread(self.loop.submit, room, ids, images, sampling)
+                await to_thread_atomic(self.loop.submit, room, ids, images, sampling)
             except (EngineError, ConversionError, TransferError, ValueError) as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self.counters["requests_total"] += 1
@@ -117,6 +127,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         """Figures for ``Admin.GetStats`` (blocking)."""
         figures: dict[str, int] = {**self.loop.stats(), **self.counters}
         figures.update(aux_figures(self.loop.bootstrap.manager.aux))
+        figures.update(fault_figures(self.loop.bootstrap.manager.faults))
         return figures
 
 

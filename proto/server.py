@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from proto.admin import SERVICE_NAME as ADMIN_SERVICE
 from proto.admin import AdminService, StatsSource
 from proto.auth import ServerSecurity, TokenInterceptor
-from proto.metrics import serve_metrics
+from proto.metrics import metrics_registry, serve_metrics
 from proto.pdserve.v1 import admin_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -73,7 +73,7 @@ async def start_server(
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
     if metrics_port is not None and stats is not None:
-        serve_metrics(host, metrics_port, role, stats, metrics_collectors)
+        serve_metrics(host, metrics_port, metrics_registry(role, stats, metrics_collectors))
     for name in ["", *names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer

@@ -1,5 +1,6 @@
 """The router's OpenAI-compatible HTTP door: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` and ``/health``, served by aiohttp on the router's event loop.
+``/v1/models``, ``/health`` and Prometheus ``/metrics``, served by aiohttp on the router's event
+loop.
 
 Requests are converted into a ``GenerateRequest`` and run by :meth:`GenerationService.generate`,
 the very code behind the gRPC ``Generate`` (same admission, validation, workers and relay); its
@@ -27,6 +28,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proto.overload import RETRY_AFTER_KEY
 from proto.pdserve.v1 import generate_pb2 as gpb
@@ -228,15 +230,19 @@ def error_response(exc: Exception) -> web.Response:
 class HttpDoor:
     """The aiohttp application over one :class:`GenerationService`."""
 
-    def __init__(self, service: GenerationService, model_name: str) -> None:
+    def __init__(self, service: GenerationService, model_name: str,
+                 metrics: CollectorRegistry | None = None) -> None:
         self.service = service
         self.model_name = model_name
+        self.metrics = metrics
         self.created = int(time.time())
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        if metrics is not None:
+            self.app.router.add_get("/metrics", self.prometheus)
         self._runner: web.AppRunner | None = None
 
     async def start(self, host: str, port: int) -> int:
@@ -257,6 +263,12 @@ class HttpDoor:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        """The router's Prometheus metrics, the same as on ``--metrics-port``."""
+        assert self.metrics is not None
+        body = generate_latest(self.metrics)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         info = {"id": self.model_name, "object": "model", "created": self.created,

@@ -1,8 +1,9 @@
 """The ``pdserve.v1.Generation`` servicer: validate, pick workers, run the room, relay.
 
 Invariants: a request id and a room id are live from admission until the stream ends (however
-it ends); every :class:`RoomRun` is closed exactly once, in ``Generate``'s ``finally``, which
-also runs when the client cancels, its deadline passes or the generator is closed.
+it ends); every :class:`RoomRun` is closed exactly once, in ``_generate``'s ``finally``, which
+also runs when the client cancels, its deadline passes or the generator is closed. Every call
+of ``Generate`` writes one log line (:mod:`proto.request_log`) when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Coroutine
+from contextlib import aclosing
 from typing import Any, cast
 
 import grpc
@@ -24,6 +26,7 @@ from proto.overload import abort_overloaded
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
+from proto.request_log import RequestLine, request_id_from, request_line
 from router.config import RouterConfig
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
 from router.relay import relay
@@ -60,6 +63,9 @@ class LocalContext:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()  # the HTTP door puts its X-Request-Id header into the request itself
+
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
     """Serves the public API over a :class:`WorkerPool`."""
@@ -85,8 +91,16 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gpb.GenerateResponse]:
-        timer = self.latency.stream(time.monotonic())
-        rid = request.request_id or uuid.uuid4().hex
+        rid = (request.request_id or request_id_from(context.invocation_metadata())
+               or uuid.uuid4().hex)
+        with request_line("router", rid, context) as line:
+            async with aclosing(self._generate(request, context, rid, line)) as stream:
+                async for msg in stream:
+                    yield msg
+
+    async def _generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext,
+                        rid: str, line: RequestLine) -> AsyncIterator[gpb.GenerateResponse]:
+        timer = self.latency.stream(line.start)
         if len(self.ids) >= self.config.max_running:
             self.metrics["rejected"] += 1
             await abort_overloaded(
@@ -102,12 +116,17 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             run = await self._admit(rid, prepared, context)
+            line.fields.update(room=run.room, prompt_tokens=len(prepared.token_ids),
+                               prefill=run.prefill.address if run.prefill else None,
+                               decode=run.decode.address)
             detok = self.assets.tokenizer.detokenizer() if self.assets.tokenizer else None
             async for msg in relay(run, rid, detok, prepared.sampling.logprobs):
                 timer.tokens(len(msg.token_ids))
+                line.tokens(len(msg.token_ids))
                 if msg.finished:
                     run.finished = True
                     self.metrics[f"finish_{msg.finish_reason}"] += 1
+                    line.fields["finish_reason"] = msg.finish_reason
                 yield msg
         except WorkerFailure as exc:
             self.metrics["failed"] += 1

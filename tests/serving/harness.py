@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,7 +35,8 @@ def _env() -> dict[str, str]:
 
 
 def start_node(args: Sequence[str], timeout_s: float = 60.0) -> Node:
-    """Run ``pdserve ARGS`` (which must print ``READY <port>``) and wait until it is serving."""
+    """Run ``pdserve ARGS`` (which must print ``READY <port>``) and wait until it is serving.
+    Its output (stdout and stderr) keeps landing in ``Node.log`` after that."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", *args], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
@@ -48,9 +50,17 @@ def start_node(args: Sequence[str], timeout_s: float = 60.0) -> Node:
             break
         log.append(line)
         if line.startswith("READY "):
+            # keep reading: a node's request log lines must never fill the pipe and block it
+            threading.Thread(target=_drain, args=(proc, log), daemon=True).start()
             return Node(proc, int(line.split()[1]), log)
     proc.kill()
     raise RuntimeError(f"pdserve {' '.join(args)} did not become ready:\n{''.join(log)}")
+
+
+def _drain(proc: subprocess.Popen[str], log: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.append(line)
 
 
 def stop_node(node: Node, timeout_s: float = 15.0) -> int:
