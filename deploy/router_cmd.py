@@ -40,9 +40,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "reflection stay open")
     p.add_argument("--http-port", type=int, default=None, metavar="N",
                    help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
-                        "/v1/chat/completions, /v1/models, /health) on --host:N (0 = a free "
-                        "port; prints 'HTTP <port>' before 'READY'); off by default; not yet "
-                        "combinable with --tls-cert or --auth-token-file")
+                        "/v1/chat/completions, /v1/models, /health, /metrics) on --host:N (0 = "
+                        "a free port; prints 'HTTP <port>' before 'READY'); off by default; "
+                        "HTTPS with --tls-cert, and /v1/* requires the --auth-token-file token")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id of the HTTP API (default: the --model directory's name)")
     add_server_args(p, default_port=50051)
@@ -79,9 +79,6 @@ def run_router(args: argparse.Namespace, model_dir: Path) -> int:
             http_port=args.http_port, served_model_name=args.served_model_name,
         )
         security = router_security(args)
-        if args.http_port is not None and (args.tls_cert or args.auth_token_file):
-            raise ValueError("--http-port has no TLS or bearer-token check yet: it cannot be "
-                             "combined with --tls-cert or --auth-token-file")
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

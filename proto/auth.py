@@ -15,6 +15,8 @@ in constant time; a missing or wrong token is ``UNAUTHENTICATED`` before the ser
 from __future__ import annotations
 
 import hmac
+import ssl
+import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +58,14 @@ def internal(secret: str, services: Iterable[str]) -> Requirement:
     return Requirement(frozenset(services), INTERNAL_TOKEN, secret, "internal token")
 
 
+def bearer_token(security: ServerSecurity) -> str | None:
+    """The public bearer token among ``security``'s requirements (None without one)."""
+    for req in security.requirements:
+        if req.key == AUTHORIZATION and req.value.startswith("Bearer "):
+            return req.value.removeprefix("Bearer ")
+    return None
+
+
 def bearer_metadata(token: str | None) -> Metadata:
     return ((AUTHORIZATION, f"Bearer {token}"),) if token else ()
 
@@ -90,6 +100,17 @@ class TlsFiles:
 
     def credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)])
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A server-side TLS context over the same certificate and key (the HTTP door's)."""
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        with tempfile.TemporaryDirectory() as tmp:  # ssl loads a key only from a file
+            cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+            cert.write_bytes(self.cert)
+            key.touch(mode=0o600)
+            key.write_bytes(self.key)
+            ctx.load_cert_chain(cert, key)
+        return ctx
 
 
 @dataclass(frozen=True)

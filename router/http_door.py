@@ -7,6 +7,11 @@ the very code behind the gRPC ``Generate`` (same admission, validation, workers 
 gRPC status is mapped to an HTTP status and an OpenAI-style error body. Only the conversion itself
 (JSON types, the chat template, data URLs) is checked here.
 
+With the router's ``--tls-cert/--tls-key`` the door serves HTTPS with the same certificate, and
+with ``--auth-token-file`` every ``/v1/*`` call must carry ``Authorization: Bearer <token>``
+(compared in constant time; 401 otherwise), as on the gRPC door; ``/health`` and ``/metrics``
+stay open, like gRPC health and the metrics port.
+
 Streams use server-sent events (``data: {...}`` chunks, then ``data: [DONE]``). The first message
 is awaited before the response starts, so refusals (400, 429, ...) keep their HTTP status; a
 failure later in a stream is sent as a ``data: {"error": ...}`` event. A client that goes away
@@ -17,11 +22,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hmac
 import json
 import logging
+import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +42,7 @@ from proto.pdserve.v1 import generate_pb2 as gpb
 from router.service import DoorError, GenerationService
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg")
@@ -48,7 +56,8 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-ERROR_TYPE = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              409: "conflict_error",
               429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 
 
@@ -231,12 +240,17 @@ class HttpDoor:
     """The aiohttp application over one :class:`GenerationService`."""
 
     def __init__(self, service: GenerationService, model_name: str,
-                 metrics: CollectorRegistry | None = None) -> None:
+                 metrics: CollectorRegistry | None = None, *,
+                 ssl_context: ssl.SSLContext | None = None, bearer_token: str | None = None
+                 ) -> None:
         self.service = service
         self.model_name = model_name
         self.metrics = metrics
         self.created = int(time.time())
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.ssl_context = ssl_context
+        self._expected_auth = f"Bearer {bearer_token}".encode() if bearer_token else None
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES,
+                                   middlewares=[self._require_token])
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
@@ -249,7 +263,7 @@ class HttpDoor:
         """Serve on ``host:port`` (0 = a free port); returns the bound port."""
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.ssl_context)
         await site.start()
         server = site._server  # noqa: SLF001 - the only way to learn a port-0 bind
         assert server is not None
@@ -258,6 +272,17 @@ class HttpDoor:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _require_token(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Refuse ``/v1/*`` calls without the bearer token (when the router has one)."""
+        if self._expected_auth is not None and request.path.startswith("/v1/"):
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, self._expected_auth):
+                body = error_body(401, "missing or wrong bearer token", "unauthenticated")
+                return web.json_response(body, status=401,
+                                         headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     # ---- handlers ----------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from proto.auth import ServerSecurity, internal_metadata
+from proto.auth import ServerSecurity, bearer_token, internal_metadata
 from proto.metrics import metrics_registry
 from proto.pdserve.v1 import generate_pb2_grpc
 from proto.server import SHUTDOWN_GRACE_S, start_server, wait_for_signal
@@ -45,8 +45,11 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     if config.http_port is not None:
         from router.http_door import HttpDoor
 
+        sec = security or ServerSecurity()
         door = HttpDoor(service, config.model_name,
-                        metrics_registry("router", service.stats, service.latency.collectors()))
+                        metrics_registry("router", service.stats, service.latency.collectors()),
+                        ssl_context=sec.tls.ssl_context() if sec.tls else None,
+                        bearer_token=bearer_token(sec))
         try:
             http_bound = await door.start(host, config.http_port)
         except BaseException:

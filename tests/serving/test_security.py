@@ -12,9 +12,13 @@ import asyncio
 import datetime
 import inspect
 import ipaddress
+import json
 import socket
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -219,7 +223,7 @@ def secured(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         router = start_node(["router", "--model", str(tiny_dir), "--port", "0",
                              "--colocated", decode.address, "--tls-cert", str(cert),
                              "--tls-key", str(key), "--auth-token-file", str(token),
-                             "--internal-token-file", str(secret)])
+                             "--internal-token-file", str(secret), "--http-port", "0"])
         try:
             yield router, decode, cert, token
         finally:
@@ -277,3 +281,37 @@ def test_client_command_with_tls_and_token(secured: tuple[Node, Node, Path, Path
     run = subprocess.run(base, cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120, check=False)
     assert run.returncode == 2 and "UNAUTHENTICATED" in run.stderr, run.stderr
+
+
+@pytest.mark.slow
+def test_http_door_serves_https_and_requires_the_bearer_token(
+        secured: tuple[Node, Node, Path, Path]) -> None:
+    router, decode, cert, _ = secured
+    [port] = [int(line.split()[1]) for line in router.log if line.startswith("HTTP ")]
+    base = f"https://127.0.0.1:{port}"
+    ctx = ssl.create_default_context(cafile=str(cert))
+    body = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+
+    def post(headers: dict[str, str]) -> tuple[int, dict[str, object]]:
+        req = urllib.request.Request(f"{base}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        status, answer = post(headers)
+        assert status == 401, (headers, answer)
+        assert answer["error"]["type"] == "authentication_error"  # type: ignore[index]
+    status, answer = post({"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 3  # type: ignore[index]
+    with urllib.request.urlopen(f"{base}/health", context=ctx, timeout=10) as resp:
+        assert resp.status == 200  # open, like gRPC health
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plaintext HTTP
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+    both = (*bearer_metadata(TOKEN), *internal_metadata(SECRET))
+    assert_all_idle([router.address], metadata=both, root_cert=cert.read_bytes())
+    assert_all_idle([decode.address], metadata=both)
