@@ -15,6 +15,8 @@ from typing import Any
 
 import grpc
 
+from engine.chat import chat_prompt
+
 EXIT_ERROR = 2
 
 
@@ -24,6 +26,8 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="PNG/JPEG image (repeatable, prompt order)")
     p.add_argument("--token-ids", metavar="1,2,3", help="the prompt as token ids (instead of text)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message in the chat format (engine/chat.py)")
     p.add_argument("--max-new-tokens", type=int, default=0, help="0 = the router's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=0.0, help="0 means off (1.0)")
@@ -52,6 +56,8 @@ def build_request(args: argparse.Namespace) -> Any:
     if args.token_ids is not None:
         if args.prompt is not None:
             raise ValueError("give a prompt text or --token-ids, not both")
+        if args.chat:
+            raise ValueError("--chat formats a prompt text; it does not apply to --token-ids")
         try:
             ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
         except ValueError:
@@ -59,7 +65,7 @@ def build_request(args: argparse.Namespace) -> Any:
                              f"{args.token_ids!r}") from None
         req.token_ids.ids.extend(ids)
     elif args.prompt is not None:
-        req.text = args.prompt
+        req.text = chat_prompt(args.prompt) if args.chat else args.prompt
     else:
         raise ValueError("give a prompt text or --token-ids")
     for path in args.image:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from deploy.engine_args import add_engine_args, engine_config
+from engine.chat import chat_prompt
 from engine.errors import InvalidRequestError
 from engine.inputs import ImageInput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
@@ -27,7 +28,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="precomputed float32 patches [t*h*w, C*T*P*P] (repeatable, prompt order)")
     p.add_argument("--image-grid", action="append", default=[], metavar="T,H,W",
                    help="grid of the matching --image-patches")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--chat", action="store_true",
+                   help="each prompt text is a user message in the chat format (engine/chat.py)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="upper bound; generation also stops at the model's end-of-sequence ids")
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -64,7 +68,8 @@ def _images(args: argparse.Namespace) -> list[bytes | ImageInput]:
 
 def run_generate(args: argparse.Namespace, model_dir: Path) -> int:
     images = _images(args)
-    prompts = [Prompt(text=t, images=images) for t in args.prompts]
+    texts = [chat_prompt(t) for t in args.prompts] if args.chat else args.prompts
+    prompts = [Prompt(text=t, images=images) for t in texts]
     prompts += [Prompt(token_ids=_parse_ids(t, "--token-ids"), images=images)
                 for t in args.token_ids]
     if not prompts:

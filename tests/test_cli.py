@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.chat import chat_prompt
 from engine.inputs import ImageInput
 from engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from engine.request import SamplingParams
@@ -144,6 +145,21 @@ def test_generate_without_model_uses_the_builtin_model(tmp_path: Path) -> None:
     assert not cache.exists()  # the shipped model is used in place: nothing written
 
 
+def test_generate_chat_wraps_the_prompt_in_the_chat_format(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    out = ok(pdserve(cache, "generate", "--chat", "Write a function.", "--json",
+                     "--max-new-tokens", "4"))
+    [row] = json_lines(out)
+    builtin = REPO / "engine" / "builtin" / "tiny-qwen2-vl"
+    engine = LLMEngine(builtin, EngineConfig(num_pages=64, page_size=16))
+    want_ids, _ = engine.prepare_prompt(Prompt(text=chat_prompt("Write a function.")))
+    assert row["prompt_token_ids"] == want_ids
+    start, end = (engine.tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert want_ids.count(start) == 2 and want_ids.count(end) == 1  # single special ids
+    [got] = in_process(engine, [Prompt(text=chat_prompt("Write a function."))], 4)
+    assert row["token_ids"] == got
+
+
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], word: str) -> None:
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert "Traceback" not in proc.stderr
@@ -151,6 +167,18 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], word: str) -> 
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("error:"), lines[0]
     assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("env", "flags", "word"), [
+    ({"PDSERVE_FAULT_TRANSFER_FAIL_P": "abc"}, [], "PDSERVE_FAULT_TRANSFER_FAIL_P"),
+    ({}, ["--fault-drop-handshake-p", "2"], "drop_handshake_p"),
+])
+def test_bad_fault_settings_are_a_one_line_error(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  env: dict[str, str], flags: list[str],
+                                                  word: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert_one_line_error(pdserve(cache_dir, "decode", "--port", "0", *flags), word)
 
 
 def test_empty_token_ids_is_a_one_line_error(model_dir: Path, cache_dir: Path) -> None:
