@@ -67,7 +67,7 @@ class TorchPagedAttention(AttentionBackend):
         max_q = max(batch.q_lens)
         max_pages = -(-max(batch.kv_lens) // ps)
         span = max_pages * ps
-        self.bsz = bsz
+        self.bsz, self.max_q = bsz, max_q
         self.pages = torch.tensor([(pt + [0] * max_pages)[:max_pages] for pt in batch.page_tables])
         self.pages = self.pages.flatten()  # [B * max_pages]
         self.slot_mapping = batch.slot_mapping
@@ -82,6 +82,9 @@ class TorchPagedAttention(AttentionBackend):
         rows = torch.arange(max_q).view(1, max_q, 1)
         # mask: [B, 1, max_q, S] causal inside each sequence; padded rows see key 0 only
         self.mask = ((keys <= kv_len - q_len + rows) & (keys < kv_len)).unsqueeze(1)
+        if all(q == max_q for q in batch.q_lens):  # verify, draft extend, one prefill chunk
+            self.q_index = self.out_index = None  # the rows are already [B, max_q] in order
+            return
         starts = torch.tensor(batch.q_lens).cumsum(0) - q_len.view(-1)
         r = rows.view(1, max_q)
         self.q_index = starts.view(bsz, 1) + torch.minimum(r, q_len.view(bsz, 1) - 1)
@@ -99,12 +102,15 @@ class TorchPagedAttention(AttentionBackend):
         keys = self.pool.k[layer].index_select(0, self.pages).view(shape).transpose(1, 2)
         vals = self.pool.v[layer].index_select(0, self.pages).view(shape).transpose(1, 2)
         # keys, vals: [B, kv_heads, S, D]
-        if self.q_index is None:
+        if self.max_q == 1:
             # decode: a kv head's query heads play the role of query rows, so no GQA expansion
             qq = q.view(bsz, kv_heads, -1, dim)  # [B, kv_heads, heads / kv_heads, D]
             out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask)
             return out.reshape(bsz, heads, dim)
-        qq = q[self.q_index].transpose(1, 2)  # [B, heads, max_q, D]
+        if self.q_index is None:  # every sequence has max_q rows: a view, no gather
+            qq = q.view(bsz, self.max_q, heads, dim).transpose(1, 2)
+        else:
+            qq = q[self.q_index].transpose(1, 2)  # [B, heads, max_q, D]
         out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * max_q, heads, D]
         return out if self.out_index is None else out[self.out_index]
