@@ -1,6 +1,7 @@
 """Starting a gRPC (asyncio) server the same way on every node: our services, the ``Admin``
 service (``GetStats``), the standard health service and server reflection, bound to loopback
-unless told otherwise, with optional TLS and token checks (:mod:`proto.auth`)."""
+unless told otherwise, with optional TLS and token checks (:mod:`proto.auth`) and malformed
+requests refused as ``INVALID_ARGUMENT`` (:mod:`proto.parsing`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from proto.admin import SERVICE_NAME as ADMIN_SERVICE
 from proto.admin import AdminService, StatsSource
 from proto.auth import ServerSecurity, TokenInterceptor
 from proto.metrics import metrics_registry, serve_metrics
+from proto.parsing import ParseInterceptor
 from proto.pdserve.v1 import admin_pb2_grpc
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -50,7 +52,9 @@ async def start_server(
     (:mod:`proto.metrics`, with ``metrics_collectors`` added) and prints ``METRICS <port>``.
     """
     security = security or ServerSecurity()
-    interceptors = [TokenInterceptor(security.requirements)] if security.requirements else []
+    interceptors: list[grpc.aio.ServerInterceptor] = (
+        [TokenInterceptor(security.requirements)] if security.requirements else [])
+    interceptors.append(ParseInterceptor())  # inside the token check: callers are known first
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     if stats is not None:
         services = [*services, (admin_pb2_grpc.add_AdminServicer_to_server,

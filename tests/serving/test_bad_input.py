@@ -103,17 +103,16 @@ NOT_PROTOBUF = [b"\xff\xff\xff\xff", b"\x0a\xff\x01", b"\x12\x05abc", b"\x08" + 
 
 
 def test_bytes_that_are_not_a_protobuf(cluster: Cluster) -> None:
-    """Refused before any servicer runs, on the router and on both kinds of worker, with
-    grpc's status for an unparsable request (UNKNOWN, "Error parsing message ...")."""
+    """Refused before any servicer runs, on the router and on both kinds of worker, as the
+    caller's error (INVALID_ARGUMENT naming the method and the parser's reason)."""
     targets = [(cluster.router, "/pdserve.v1.Generation/Generate", True),
                (cluster.prefill, "/pdserve.v1.PrefillWorker/Prefill", False),
                (cluster.decode, "/pdserve.v1.DecodeWorker/Decode", True)]
     for node, method, streaming in targets:
         for body in NOT_PROTOBUF:
             err = raw_call(node.address, method, body, streaming=streaming)
-            # grpc's own answer to a request it cannot parse (the servicer never runs)
-            assert err.code() == grpc.StatusCode.UNKNOWN, (method, body, err)
-            assert "Error parsing message" in (err.details() or ""), (method, err.details())
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, body, err)
+            assert f"{method}: malformed request" in (err.details() or ""), err.details()
     cluster.assert_idle_and_serving()
 
 
