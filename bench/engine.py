@@ -48,7 +48,7 @@ def run_transformers(model_dir: Path, ids: list[list[int]], new: int) -> float:
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir).eval()
     batch = torch.tensor(ids)
-    kwargs = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+    kwargs = {"max_new_tokens": new, "eos_token_id": None, "do_sample": False,
               "pad_token_id": 0, "attention_mask": torch.ones_like(batch)}
     with torch.inference_mode():
         model.generate(input_ids=batch[:1], **{**kwargs, "attention_mask": batch[:1] * 0 + 1})

@@ -1,9 +1,12 @@
 """EAGLE on vs off: decode tokens per second on the same prompts, in one run.
 
-    python bench/spec.py [--model DIR (with DIR/draft)] [--k 3] [--batch 1,8] [--new 64] [--json]
+    python bench/spec.py [--model DIR (with DIR/draft)] [--k 3] [--batch 1,8] [--new 64]
+        [--prompts random|heldout] [--json]
 
 Prints tokens/s of plain decoding and of EAGLE rounds, their ratio, and the acceptance length
-(tokens committed per verify round). Greedy, so both produce the same tokens (checked).
+(tokens committed per verify round). Greedy, so both produce the same tokens (checked). Prompts
+are random token ids, or (``heldout``, for the built-in model) text from the standard-library
+files that ``bench/train_tiny.py`` holds out of training.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from decode_node.spec.eagle_engine import EagleEngine
 from engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.request import SamplingParams
+from engine.stdlib_corpus import heldout_prompts
 from engine.tiny_model import write_tiny_draft, write_tiny_model
+from engine.tokenizer import Tokenizer
 
 
 def run(model_dir: Path, prompts: list[Prompt], params: SamplingParams, k: int | None
@@ -46,6 +51,14 @@ def run(model_dir: Path, prompts: list[Prompt], params: SamplingParams, k: int |
     return tokens / elapsed, [r.token_ids for r in results], accept
 
 
+def heldout_ids(model_dir: Path, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens from the stdlib files the training held out."""
+    tok = Tokenizer.from_dir(model_dir)
+    if tok is None:
+        raise SystemExit(f"--prompts heldout needs {model_dir}/tokenizer.json")
+    return heldout_prompts(tok.encode, n, length)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory with an EAGLE draft in DIR/draft")
@@ -53,6 +66,7 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--prompts", choices=["random", "heldout"], default="random")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
@@ -62,8 +76,11 @@ def main() -> None:
             write_tiny_draft(model_dir / "draft")
         params = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
         gen = torch.Generator().manual_seed(0)
-        for bs in (int(b) for b in args.batch.split(",")):
-            ids = torch.randint(0, 400, (bs, args.prompt_len), generator=gen).tolist()
+        batches = [int(b) for b in args.batch.split(",")]
+        held = heldout_ids(model_dir, max(batches), args.prompt_len) if args.prompts == "heldout" \
+            else []
+        for bs in batches:
+            ids = held[:bs] or torch.randint(0, 400, (bs, args.prompt_len), generator=gen).tolist()
             prompts = [Prompt(token_ids=p) for p in ids]
             off, plain, _ = run(model_dir, prompts, params, None)
             on, spec, accept = run(model_dir, prompts, params, args.k)

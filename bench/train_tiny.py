@@ -5,9 +5,9 @@
 
 The corpus is the running interpreter's own standard library: the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]`` in sorted order (source and docstrings). Every
-:data:`HOLDOUT_EVERY`-th file is held out for evaluation. A byte-level BPE tokenizer is trained on
-the training files with the ``tokenizers`` library, the special tokens of
-:mod:`engine.tiny_tokenizer` taking the last ids.
+:data:`engine.stdlib_corpus.HOLDOUT_EVERY`-th file is held out for evaluation. A byte-level BPE
+tokenizer is trained on the training files with the ``tokenizers`` library, the special tokens
+of :mod:`engine.tiny_tokenizer` taking the last ids.
 
 The target is the engine's own :class:`Qwen2VLModel` (the tiny vision tower included, so images
 still work); training runs a functional causal forward over its modules (q/k/v/o and gate/up/down
@@ -29,10 +29,12 @@ if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # run as a script: bench/ must not shadow the packages
 
 import argparse
+import ast
 import json
 import math
 import platform
 import sysconfig
+import textwrap
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -42,16 +44,18 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.chat import chat_prompt, chat_turn
 from engine.config import ModelConfig
 from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict
 from engine.models.layers import RotaryTables
 from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
+from engine.stdlib_corpus import heldout_prompts, read_text, split_files, stdlib_files
 from engine.tiny_model import TINY_PREPROCESSOR, init_weights, tiny_config_dict
 from engine.tiny_tokenizer import SPECIAL_TOKENS, special_token_ids
 
-HOLDOUT_EVERY = 8  # file i of the sorted list is held out when i % HOLDOUT_EVERY == HOLDOUT_AT
-HOLDOUT_AT = 3
-SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):")
+SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):",
+                  chat_prompt("Write a Python function fibonacci(n). Return the n-th Fibonacci "
+                              "number."))
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -61,45 +65,52 @@ class Settings:
 
     seed: int = 0
     vocab_size: int = 2048
-    hidden_size: int = 256
-    num_layers: int = 4
+    hidden_size: int = 192
+    num_layers: int = 8
     num_heads: int = 4
     num_kv_heads: int = 2
-    intermediate_size: int = 704
+    intermediate_size: int = 512
     seq_len: int = 128
     batch_size: int = 16
-    steps: int = 400
+    steps: int = 1000
     lr: float = 3e-3
     warmup: int = 30
-    draft_prompts: int = 256  # greedy continuations generated for the draft's data
+    draft_prompts: int = 1024  # greedy continuations generated for the draft's data
     draft_prompt_len: int = 32
     draft_new_tokens: int = 96
-    draft_steps: int = 200
+    draft_steps: int = 800
     draft_batch: int = 16
     draft_lr: float = 3e-3
     feature_weight: float = 0.5  # smooth-L1 regression of draft features onto target features
     unroll_weight: float = 0.5  # loss of the second pass that sees the draft's own features
-    threads: int = 2
+    threads: int = 1  # the same count reproduces the same weights
     bf16_autocast: bool = False  # CPU bf16 matmuls; measured slower than float32 here
 
 
 # ---- corpus and tokenizer --------------------------------------------------------------------
 
 
-def stdlib_files() -> list[Path]:
-    """Top-level ``*.py`` files of the running interpreter's standard library, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.glob("*.py") if p.is_file())
-
-
-def split_files(files: list[Path]) -> tuple[list[Path], list[Path]]:
-    """(training files, held-out files)."""
-    held = [f for i, f in enumerate(files) if i % HOLDOUT_EVERY == HOLDOUT_AT]
-    return [f for f in files if f not in held], held
-
-
-def read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8", errors="replace")
+def chat_examples(texts: list[str]) -> list[str]:
+    """Chat turns made from the functions of ``texts`` that have a docstring: the user asks for
+    the function by its signature and the docstring's first paragraph, the assistant answers
+    with its (dedented) source. The order is the files' order, then the source order."""
+    out: list[str] = []
+    for text in texts:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            doc, source = ast.get_docstring(node), ast.get_source_segment(text, node)
+            if not doc or not source or node.name.startswith("__"):
+                continue
+            summary = " ".join(doc.split("\n\n")[0].split())
+            request = f"Write a Python function {node.name}({ast.unparse(node.args)}). {summary}"
+            out.append(chat_turn("user", request)
+                       + chat_turn("assistant", textwrap.dedent(" " * node.col_offset + source)))
+    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
@@ -344,17 +355,6 @@ def write_checkpoint(out: Path, model: Qwen2VLModel, draft: EagleDraft, tok: Tok
     (out / "draft" / "config.json").write_text(json.dumps(draft_raw, indent=2) + "\n")
 
 
-def heldout_prompts(tok: Tokenizer, held: list[Path], n: int = 16, length: int = 48
-                    ) -> list[list[int]]:
-    """``n`` prompts of ``length`` tokens from the held-out files (fixed offsets)."""
-    prompts: list[list[int]] = []
-    for i in range(n):
-        ids = tok.encode(read_text(held[i % len(held)])).ids
-        start = (len(ids) // 3) * (1 + (i // len(held)) % 2)
-        prompts.append(ids[start : start + length])
-    return prompts
-
-
 def evaluate(out: Path, tok: Tokenizer, held: list[Path], k: int = 4,
              new_tokens: int = 64) -> dict[str, Any]:
     """Engine samples, the transformers cross-check and EAGLE acceptance on held-out prompts."""
@@ -371,7 +371,8 @@ def evaluate(out: Path, tok: Tokenizer, held: list[Path], k: int = 4,
     [ours] = engine.generate([Prompt(token_ids=check_ids)],
                              SamplingParams(max_new_tokens=16, ignore_eos=True))
     reference = transformers_greedy(out, check_ids, 16)
-    prompts = [Prompt(token_ids=p) for p in heldout_prompts(tok, held)]
+    prompts = [Prompt(token_ids=p)
+               for p in heldout_prompts(lambda text: tok.encode(text).ids, held=held)]
     plain = engine.generate(prompts, greedy)
     spec_engine = LLMEngine(out, EngineConfig(num_pages=1024, page_size=16, lookahead_tokens=k))
     draft = load_draft(out / "draft", spec_engine.model_config.text, torch.float32)
@@ -394,7 +395,7 @@ def transformers_greedy(model_dir: Path, ids: list[int], new: int) -> list[int]:
     ids_t = torch.tensor([ids])
     with torch.no_grad():
         res = hf.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
-                          max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                          max_new_tokens=new, eos_token_id=None, do_sample=False,
                           pad_token_id=0)
     return res[0, len(ids):].tolist()
 
@@ -424,11 +425,18 @@ def parse_args() -> tuple[Path, Settings, bool]:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--draft-steps", type=int, default=d.draft_steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--draft-batch", type=int, default=d.draft_batch)
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the matmuls")
     p.add_argument("--no-eval", action="store_true", help="skip the checks after training")
     a = p.parse_args()
     s = Settings(seed=a.seed, steps=a.steps, draft_steps=a.draft_steps, batch_size=a.batch_size,
+                 hidden_size=a.hidden_size, num_layers=a.num_layers,
+                 intermediate_size=a.intermediate_size, lr=a.lr, draft_batch=a.draft_batch,
                  threads=a.threads, bf16_autocast=a.bf16)
     return a.out, s, not a.no_eval
 
@@ -443,8 +451,10 @@ def main() -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     tok = train_tokenizer(texts, s.vocab_size)
     sep = special_token_ids(s.vocab_size)["<|endoftext|>"]
-    stream = token_stream(tok, texts, sep)
-    print(f"{len(train_files)} training files, {len(held)} held out, {len(stream)} tokens, "
+    chats = chat_examples(texts)
+    stream = token_stream(tok, texts + chats, sep)
+    print(f"{len(train_files)} training files, {len(chats)} chat examples, {len(held)} held out, "
+          f"{len(stream)} tokens, "
           f"tokenizer {time.perf_counter() - t0:.1f}s", flush=True)
     raw = config_dict(s)
     model = Qwen2VLModel(ModelConfig.from_dict(raw))
@@ -465,7 +475,7 @@ def main() -> None:
         "python": platform.python_version(), "torch": torch.__version__,
         "stdlib": sysconfig.get_paths()["stdlib"],
         "train_files": len(train_files), "heldout_files": [f.name for f in held],
-        "train_tokens": len(stream),
+        "chat_examples": len(chats), "train_tokens": len(stream),
         "seconds": {"target": round(t2 - t1, 1), "draft_data": round(t3 - t2, 1),
                     "draft": round(t4 - t3, 1), "total": round(t4 - t0, 1)},
         "cpu_seconds_total": round(time.process_time() - c0, 1),

@@ -32,12 +32,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="the row ratios are taken against (default: transformers with "
                         "--compare if run, else the first target)")
     p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint for --compare (default: the built-in model)")
+                   help="checkpoint for --compare, and the tokenizer of --dataset code "
+                        "(default: the built-in model)")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw latency against request rate per target (matplotlib)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--dataset", default="random",
-                   choices=["random", "shared-prefix", "images", "jsonl"])
+                   choices=["random", "code", "shared-prefix", "images", "jsonl"],
+                   help="random token ids; code: text cut from the standard-library files "
+                        "the built-in model held out of training; a shared prefix; PNG "
+                        "images; prompts from --jsonl")
     p.add_argument("--jsonl", type=Path, help="prompts file for --dataset jsonl")
     p.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="mean new tokens")
@@ -66,6 +70,15 @@ def workloads(args: argparse.Namespace) -> list[loadgen.Workload]:
         half = max(1, args.input_len // 2)
         return loadgen.shared_prefix_workloads(n, half, args.input_len - half, args.output_len,
                                                args.vocab, args.seed)
+    if args.dataset == "code":
+        from deploy.cli import builtin_model_dir
+        from engine.tokenizer import Tokenizer
+
+        model = args.model or builtin_model_dir()
+        tok = Tokenizer.from_dir(model)
+        if tok is None:
+            raise ValueError(f"--dataset code needs a tokenizer: {model} has no tokenizer.json")
+        return loadgen.code_workloads(n, args.input_len, args.output_len, tok.encode, args.seed)
     if args.dataset == "images":
         return loadgen.image_workloads(n, args.output_len, args.seed)
     return loadgen.random_workloads(n, args.input_len, args.output_len, args.vocab, args.seed)

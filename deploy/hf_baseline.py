@@ -86,9 +86,11 @@ def _generator(model: Any, torch: Any, transformers: Any) -> Any:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
         clock = StepClock()
         begin = time.perf_counter()
+        # eos_token_id=None is ``ignore_eos``: EOS may be generated and decoding goes on
+        # (min_new_tokens would forbid EOS instead, and greedy paths would part ways)
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=PAD_ID,
+                                 eos_token_id=None, do_sample=False, pad_token_id=PAD_ID,
                                  logits_processor=transformers.LogitsProcessorList([clock]))
         traces = []
         for row, work in zip(out[:, width:].tolist(), batch, strict=True):

@@ -93,6 +93,20 @@ def random_workloads(count: int, input_mean: int, output_mean: int, vocab: int,
             for _ in range(count)]
 
 
+def code_workloads(count: int, input_len: int, output_mean: int,
+                   encode: Callable[[str], list[int]], seed: int = 0,
+                   spread: float = 0.5) -> list[Workload]:
+    """Real-text prompts of up to ``input_len`` token ids cut from the standard-library files the
+    built-in model held out of training (:mod:`engine.stdlib_corpus`); new-token counts uniform
+    in ``output_mean * (1 +- spread)``."""
+    from engine.stdlib_corpus import heldout_prompts
+
+    rng = random.Random(seed)
+    return [Workload(max(1, round(rng.uniform(output_mean * (1 - spread),
+                                              output_mean * (1 + spread)))), ids)
+            for ids in heldout_prompts(encode, count, input_len)]
+
+
 def shared_prefix_workloads(count: int, prefix_len: int, suffix_len: int, output: int,
                             vocab: int, seed: int = 0) -> list[Workload]:
     """Prompts that share one random prefix and differ in a random suffix."""

@@ -1,5 +1,5 @@
-"""``pdserve bench`` against a live local cluster (colocated, EAGLE on): every field of its JSON
-is there and the numbers are sane."""
+"""``pdserve bench`` against a live local cluster (colocated, EAGLE on, held-out code prompts):
+every field of its JSON is there and the numbers are sane."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def test_bench_json_has_every_field_and_sane_numbers(tmp_path: Path) -> None:
         out = tmp_path / "bench.json"
         proc = subprocess.run(
             [sys.executable, "-m", "deploy.cli", "bench", "--target", r.address,
-             "--num-requests", "12", "--input-len", "24", "--output-len", "10",
+             "--num-requests", "12", "--dataset", "code", "--input-len", "24",
+             "--output-len", "10",
              "--max-concurrency", "4", "--num-draft-tokens", "3", "--slo-ttft-ms", "60000",
              "--json", str(out), "--no-progress"],
             capture_output=True, text=True, timeout=300, cwd=ROOT,
