@@ -21,4 +21,5 @@ for _ in $(seq 1800); do
 done
 [ -n "${address:-}" ] || { echo "the cluster did not start:" >&2; cat "$log" >&2; exit 1; }
 grep -m1 "^router:" "$log"
-"$PD" client --target "$address" "import os" --max-new-tokens 48
+"$PD" client --target "$address" --chat \
+  "Write a Python function fibonacci(n). Return the n-th Fibonacci number." --max-new-tokens 64
