@@ -13,9 +13,8 @@ that were not cancelled end with the same tokens as a reference run; every node 
 from __future__ import annotations
 
 import random
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
 from tests.serving.harness import Node
 from tests.serving.stats import assert_all_idle
+from tests.serving.streams import Stream, wait_for
 from tests.serving.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
@@ -85,51 +85,6 @@ class Stats:
 
     def close(self) -> None:
         self._channel.close()
-
-
-class Stream:
-    """One ``Generate`` call read on a thread: its tokens, and the error that ended it."""
-
-    def __init__(self, stub: generate_pb2_grpc.GenerationStub, req: gpb.GenerateRequest) -> None:
-        self.tokens: list[int] = []
-        self.finished = False
-        self.error: grpc.RpcError | None = None
-        self.call = stub.Generate(req, timeout=TIMEOUT_S)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for msg in self.call:
-                self.tokens.extend(msg.token_ids)
-                self.finished = self.finished or msg.finished
-        except grpc.RpcError as exc:
-            self.error = exc
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def cancel(self) -> Stream:
-        """Cancel, wait for the end, and check the call ended CANCELLED."""
-        assert self.running, f"the stream ended before it was cancelled: {self.error}"
-        self.call.cancel()
-        self.join()
-        assert self.error is not None and self.error.code() == grpc.StatusCode.CANCELLED, \
-            self.error
-        return self
-
-    def join(self, timeout_s: float = TIMEOUT_S) -> Stream:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the stream did not end"
-        return self
-
-
-def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
 
 
 def reference(stub: generate_pb2_grpc.GenerationStub,

@@ -12,7 +12,6 @@ requests see both failures and successes on the same nodes.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from tests.serving.harness import Node
 from tests.serving.stats import assert_all_idle, get_stats
+from tests.serving.streams import Stream
 from tests.serving.test_cluster import start_all, stop_all
 from transfer.faults import INJECTED_ERROR_CODE
 
@@ -156,28 +156,6 @@ def test_slow_peer_and_late_status_still_complete(cluster: Cluster,
     assert_all_idle([cluster.address(n) for n in ("r_slow", "p_slow", "d")])
 
 
-class Stream:
-    """One long request read on a thread."""
-
-    def __init__(self, stub: generate_pb2_grpc.GenerationStub, req: gpb.GenerateRequest) -> None:
-        self.tokens = 0
-        self.error: grpc.RpcError | None = None
-        self._call = stub.Generate(req, timeout=120)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for msg in self._call:
-                self.tokens += len(msg.token_ids)
-        except grpc.RpcError as exc:
-            self.error = exc
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the stream did not end"
-
-
 def test_router_killed_mid_stream(cluster: Cluster, expected: list[list[int]]) -> None:
     """``kill -9`` of a router with streams decoding and one room still in transfer: the
     clients get UNAVAILABLE, the prefill and the decode free every room and page, and serve on
@@ -196,7 +174,7 @@ def test_router_killed_mid_stream(cluster: Cluster, expected: list[list[int]]) -
             while get_stats(workers[0]).kv_pages_used == 0:  # the long prompt is in transfer
                 assert time.monotonic() < deadline and streams[-1].error is None
                 time.sleep(0.005)
-            assert all(s.error is None and s.tokens < 1000 for s in streams)
+            assert all(s.error is None and len(s.tokens) < 1000 for s in streams)
             router.proc.kill()
             router.proc.wait()
             for s in streams:

@@ -10,9 +10,8 @@ prompt is long with a small prefill chunk, so the prefill is still pushing KV wh
 from __future__ import annotations
 
 import socket
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
 from tests.serving.harness import Node
 from tests.serving.stats import assert_all_idle
+from tests.serving.streams import Stream, wait_for
 from tests.serving.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
@@ -89,42 +89,11 @@ def _req(ids: Sequence[int], new: int) -> gpb.GenerateRequest:
                                sampling=gpb.SamplingParams(max_new_tokens=new, ignore_eos=True))
 
 
-class Stream:
-    """One request read on a thread: its messages and the error that ended it."""
-
-    def __init__(self, stub: generate_pb2_grpc.GenerationStub, req: gpb.GenerateRequest) -> None:
-        self.msgs: list[gpb.GenerateResponse] = []
-        self.error: grpc.RpcError | None = None
-        self.ended_at = 0.0
-        self._call = stub.Generate(req, timeout=120)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for msg in self._call:
-                self.msgs.append(msg)
-        except grpc.RpcError as exc:
-            self.error = exc
-        self.ended_at = time.monotonic()
-
-    def started_on(self, prefill: admin_pb2_grpc.AdminStub) -> bool:
-        """True once the prefill holds pages for the room; fails at once if the stream ended
-        first (with why: a refused request must not read as a slow prefill)."""
-        assert self.ended_at == 0.0, f"the stream ended before the prefill started: {self.error}"
-        return prefill.GetStats(admin_pb2.GetStatsRequest(), timeout=5).kv_pages_used > 0
-
-    def join(self, timeout_s: float) -> Stream:
-        self._thread.join(timeout_s)
-        assert not self._thread.is_alive(), "the stream did not end"
-        return self
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.005)
+def _started_on(stream: Stream, prefill: admin_pb2_grpc.AdminStub) -> bool:
+    """True once the prefill holds pages for the room; fails at once if the stream ended first
+    (with why: a refused request must not read as a slow prefill)."""
+    assert stream.ended_at == 0.0, f"the stream ended before the prefill started: {stream.error}"
+    return prefill.GetStats(admin_pb2.GetStatsRequest(), timeout=5).kv_pages_used > 0
 
 
 def _serves_again(stub: generate_pb2_grpc.GenerationStub, timeout_s: float = 60.0) -> None:
@@ -146,11 +115,11 @@ def test_prefill_killed_mid_transfer(cluster: Cluster) -> None:
         admin = cluster.admin("prefill")  # one channel: polls must be quicker than the prefill
         admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)  # connected before the stream
         stream = Stream(stub, _req(LONG, 8))
-        _wait_for(lambda: stream.started_on(admin), "the prefill never started the room")
+        wait_for(lambda: _started_on(stream, admin), "the prefill never started the room")
         cluster.kill("prefill")
         killed_at = time.monotonic()
         stream.join(FAIL_WITHIN_S)
-        assert stream.error is not None and stream.msgs == []
+        assert stream.error is not None and stream.tokens == []
         assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
         assert stream.ended_at - killed_at < FAIL_WITHIN_S
         # the decode frees the room's pages (after the quarantine: its prefill said nothing)
@@ -164,7 +133,7 @@ def test_decode_killed_mid_stream(cluster: Cluster) -> None:
     with grpc.insecure_channel(cluster.address("router")) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         stream = Stream(stub, _req([3, 1, 4, 1, 5], 2000))
-        _wait_for(lambda: bool(stream.msgs), "no token arrived")
+        wait_for(lambda: bool(stream.tokens), "no token arrived")
         cluster.kill("decode")
         stream.join(FAIL_WITHIN_S)
         assert stream.error is not None
@@ -181,10 +150,10 @@ def test_decode_killed_mid_transfer_frees_the_prefill_room(cluster: Cluster) -> 
         admin = cluster.admin("prefill")  # one channel: polls must be quicker than the prefill
         admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)  # connected before the stream
         stream = Stream(stub, _req(LONG, 8))
-        _wait_for(lambda: stream.started_on(admin), "the prefill never started the room")
+        wait_for(lambda: _started_on(stream, admin), "the prefill never started the room")
         cluster.kill("decode")
         stream.join(FAIL_WITHIN_S)
-        assert stream.error is not None and stream.msgs == []
+        assert stream.error is not None and stream.tokens == []
         assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
         assert_all_idle([cluster.address("prefill"), cluster.address("router")], 15.0)
         cluster.restart("decode")
