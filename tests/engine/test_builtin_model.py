@@ -12,6 +12,7 @@ import torch
 
 import engine
 from decode_node.spec.eagle_engine import EagleEngine
+from engine.chat import chat_prompt
 from engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.request import SamplingParams
@@ -49,7 +50,7 @@ def test_shipped_files_are_complete_and_small() -> None:
 
 def test_greedy_continuation_is_deterministic_and_not_degenerate(engine_: LLMEngine) -> None:
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    # "def fibonacci(n):" is not used: this small model drifts into "the the the" there
+    # "def fibonacci(n):" is not used: this small model drifts into "_get_get_get" there
     prompts = [Prompt(text="import os\n"), Prompt(text="    def __init__(self")]
     first = engine_.generate(prompts, params)
     again = engine_.generate(prompts, params)
@@ -58,6 +59,18 @@ def test_greedy_continuation_is_deterministic_and_not_degenerate(engine_: LLMEng
         assert len(result.token_ids) == 32
         assert len(set(result.token_ids)) >= 8, result.text  # not one token repeated
         assert result.text and any(c.isalpha() for c in result.text)
+
+
+def test_chat_requests_for_a_function_get_a_def_back(engine_: LLMEngine) -> None:
+    """The chat turns in the training corpus taught the format: a request for a function is
+    answered with Python that starts with ``def``."""
+    asks = ["Write a Python function fibonacci(n). Return the n-th Fibonacci number.",
+            "Write a Python function read_lines(path). Return the lines of the file at path."]
+    results = engine_.generate([Prompt(text=chat_prompt(a)) for a in asks],
+                               SamplingParams(max_new_tokens=24))
+    for result in results:
+        assert result.text.startswith("def "), result.text
+        assert "(" in result.text.splitlines()[0] and result.text.splitlines()[0].endswith(":")
 
 
 def test_eagle_on_the_shipped_pair_equals_plain_and_accepts_drafts(engine_: LLMEngine) -> None:
@@ -70,5 +83,5 @@ def test_eagle_on_the_shipped_pair_equals_plain_and_accepts_drafts(engine_: LLME
     spec = EagleEngine(spec_engine, draft, K)
     [got] = spec.generate(prompt, params)
     assert got.token_ids == plain.token_ids
-    assert spec.stats.acceptance_length > 1.5, spec.stats
+    assert spec.stats.acceptance_length >= 2.5, spec.stats  # the issue's bar at K = 4
     spec_engine.scheduler.check_no_leaks()
