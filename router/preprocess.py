@@ -9,6 +9,7 @@ off the event loop.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,10 @@ class Preprocessor:
                 return patches_message(processed.patches.numpy(), processed.grid_thw)
             if source == "patches":
                 array, grid = patches_array(image.patches)
-                validate_patches(torch.from_numpy(array), grid, cfg)
+                with warnings.catch_warnings():  # a read-only view of the message: only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    patches = torch.from_numpy(array)
+                validate_patches(patches, grid, cfg)
                 if array.shape[1] != self.assets.config.vision.patch_dim:
                     raise InvalidRequestError(
                         f"patch width {array.shape[1]} does not match the model's "
