@@ -53,7 +53,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="the servers' K, to turn accepted/drafted counts into acceptance "
                         f"length (--compare: the EAGLE cluster's K, default {compare.DEFAULT_K})")
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="goodput: the share of requests with TTFT (and TPOT) within the limits; "
+                        "with several runs, goodput_max_rate is the highest rate at which at "
+                        "least 90%% of requests met them")
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report")
@@ -102,6 +105,8 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         compare.add_ratios(rows, outputs, baseline)
         out = {"config": _config(args, rates), "baseline": baseline, "rows": rows}
+        if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+            out["goodput_max_rate"] = compare.goodput_rates(rows)
         print(compare.table(rows, baseline), file=sys.stderr)
     text = json.dumps(out, indent=2)
     if args.json is not None:
@@ -150,7 +155,8 @@ def _compare_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates
     rows, outputs = compare.run_compare(
         model, targets, works, rates, max_concurrency=args.max_concurrency,
         num_draft_tokens=args.num_draft_tokens or compare.DEFAULT_K, seed=args.seed,
-        log=(lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)))
+        log=(lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)),
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     return rows, outputs, baseline
 
 

@@ -33,6 +33,7 @@ from deploy import loadgen
 
 TARGETS = ("disaggregated", "colocated", "disaggregated+eagle", "transformers")
 DEFAULT_K = 4
+GOODPUT_LEVEL = 0.9  # a rate "meets the SLO" when this share of its requests does
 Row = dict[str, object]
 
 
@@ -43,8 +44,10 @@ def rate_key(rate: float) -> float | None:
 
 def run_compare(model: Path, targets: Sequence[str], works: Sequence[loadgen.Workload],
                 rates: Sequence[float], *, max_concurrency: int, num_draft_tokens: int,
-                seed: int, log: Callable[[str], None]) -> tuple[list[Row], list[list[list[int]]]]:
-    """One row per target and rate (target-major) and each row's output token ids."""
+                seed: int, log: Callable[[str], None], slo_ttft_ms: float | None = None,
+                slo_tpot_ms: float | None = None) -> tuple[list[Row], list[list[list[int]]]]:
+    """One row per target and rate (target-major) and each row's output token ids; with an SLO,
+    each row has its ``goodput``."""
     rows: list[Row] = []
     outputs: list[list[list[int]]] = []
     engine = cc.engine_flags(model, max_num_seqs=max(64, max_concurrency))
@@ -52,7 +55,8 @@ def run_compare(model: Path, targets: Sequence[str], works: Sequence[loadgen.Wor
         log(f"{target}: starting")
         if target == "transformers":
             for rate in rates:
-                report, ids = _transformers(model, works, rate, max_concurrency, seed)
+                report, ids = _transformers(model, works, rate, max_concurrency, seed,
+                                            slo_ttft_ms, slo_tpot_ms)
                 rows.append({"target": target, "request_rate": rate_key(rate), **report})
                 outputs.append(ids)
             continue
@@ -67,7 +71,7 @@ def run_compare(model: Path, targets: Sequence[str], works: Sequence[loadgen.Wor
                     address, works, max_concurrency=max_concurrency, request_rate=rate,
                     seed=seed))
                 rows.append({"target": target, "request_rate": rate_key(rate),
-                             **loadgen.report(traces, wall, k)})
+                             **loadgen.report(traces, wall, k, slo_ttft_ms, slo_tpot_ms)})
                 outputs.append([t.token_ids for t in traces])
         finally:
             procs.stop_all()
@@ -86,11 +90,13 @@ def _start(procs: cc.Processes, target: str, model: Path, engine: list[str], k: 
 
 
 def _transformers(model: Path, works: Sequence[loadgen.Workload], rate: float,
-                  max_concurrency: int, seed: int) -> tuple[dict[str, object], list[list[int]]]:
+                  max_concurrency: int, seed: int, slo_ttft_ms: float | None,
+                  slo_tpot_ms: float | None) -> tuple[dict[str, object], list[list[int]]]:
     """Run :mod:`deploy.hf_baseline` in a process of its own, one engine thread like the
     cluster's processes."""
     spec = {"model": str(model), "max_concurrency": max_concurrency,
             "request_rate": rate_key(rate), "seed": seed,
+            "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
             "works": [{"token_ids": w.token_ids, "new_tokens": w.new_tokens} for w in works]}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)
@@ -103,6 +109,26 @@ def _transformers(model: Path, works: Sequence[loadgen.Workload], rate: float,
         raise RuntimeError(f"the transformers baseline failed:\n{proc.stderr[-3000:]}")
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     return out["report"], out["token_ids"]
+
+
+def goodput_rates(rows: Sequence[Row], level: float = GOODPUT_LEVEL
+                  ) -> dict[str, float | str | None]:
+    """Per target, the highest tested request rate whose run had at least ``level`` of its
+    requests within the SLO: a rate, ``"max"`` for the all-at-once run, or None if no run did.
+    Rows without ``goodput`` (no SLO given) are skipped."""
+    best: dict[str, float] = {}
+    out: dict[str, float | str | None] = {}
+    for row in rows:
+        if "goodput" not in row:
+            continue
+        target, rate = str(row["target"]), row["request_rate"]
+        out.setdefault(target, None)
+        value = math.inf if rate is None else float(rate)  # type: ignore[arg-type]
+        good = float(row["goodput"])  # type: ignore[arg-type]
+        if good >= level and value > best.get(target, -1.0):
+            best[target] = value
+            out[target] = "max" if rate is None else value
+    return out
 
 
 def add_ratios(rows: list[Row], outputs: list[list[list[int]]], baseline: str) -> None:

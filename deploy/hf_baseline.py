@@ -106,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m deploy.hf_baseline SPEC.json``: print the report (and token ids) as JSON.
 
     SPEC: ``{"model": DIR, "max_concurrency": C, "request_rate": R or null (all at once),
-    "seed": S, "num_draft_tokens": 0, "works": [{"token_ids": [...], "new_tokens": N}, ...]}``.
+    "seed": S, "slo_ttft_ms": T or null, "slo_tpot_ms": T or null,
+    "works": [{"token_ids": [...], "new_tokens": N}, ...]}``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     spec = json.loads(Path(args[0]).read_text())
@@ -114,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rate = math.inf if spec.get("request_rate") is None else float(spec["request_rate"])
     traces, wall = run(Path(spec["model"]), works, max_concurrency=spec["max_concurrency"],
                        request_rate=rate, seed=spec.get("seed", 0))
-    print(json.dumps({"report": loadgen.report(traces, wall),
+    report = loadgen.report(traces, wall, slo_ttft_ms=spec.get("slo_ttft_ms"),
+                            slo_tpot_ms=spec.get("slo_tpot_ms"))
+    print(json.dumps({"report": report,
                       "token_ids": [t.token_ids for t in traces]}))
     return 0
 

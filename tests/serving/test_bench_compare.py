@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.compare import TARGETS
+from deploy.compare import TARGETS, goodput_rates
 from tests.serving.harness import ROOT
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ def test_compare_runs_every_target_on_the_same_requests(tmp_path: Path) -> None:
         [sys.executable, "-m", "deploy.cli", "bench", "--compare", "--num-requests", "4",
          "--input-len", "12", "--output-len", "5", "--max-concurrency", "2",
          "--request-rate", "50", "--request-rate", "inf", "--json", str(out),
-         "--plot", str(png), "--no-progress"],
+         "--plot", str(png), "--no-progress", "--slo-ttft-ms", "600000"],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -46,5 +46,19 @@ def test_compare_runs_every_target_on_the_same_requests(tmp_path: Path) -> None:
     assert all(1.0 <= r["acceptance_length"] <= 5.0 for r in eagle)
     assert all(r["ratios"]["output_tokens_per_s"] == 1.0 for r in rows
                if r["target"] == "transformers")
+    assert all(r["goodput"] == 1.0 for r in rows)  # a 10-minute TTFT limit: every request
+    assert report["goodput_max_rate"] == dict.fromkeys(TARGETS, "max")
     assert "| disaggregated+eagle |" in proc.stderr  # the Markdown table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_goodput_max_rate_is_the_highest_rate_meeting_the_slo() -> None:
+    rows = [{"target": "a", "request_rate": 2.0, "goodput": 1.0},
+            {"target": "a", "request_rate": 8.0, "goodput": 0.95},
+            {"target": "a", "request_rate": None, "goodput": 0.5},
+            {"target": "b", "request_rate": 2.0, "goodput": 0.89},
+            {"target": "b", "request_rate": None, "goodput": 0.2},
+            {"target": "c", "request_rate": 2.0, "goodput": 0.1},
+            {"target": "c", "request_rate": None, "goodput": 0.9},
+            {"target": "d", "request_rate": 2.0}]  # no SLO given: skipped
+    assert goodput_rates(rows) == {"a": 8.0, "b": None, "c": "max"}
