@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.models.qwen2_vl import Qwen2VLModel
 
+_LAYER_PREFIX = "model.layers."
 _RENAMES = (
     ("model.language_model.", "model."),
     ("model.visual.", "visual."),
@@ -54,14 +55,26 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint under their canonical names."""
+def layer_of(name: str) -> int | None:
+    """The decoder layer a canonical tensor name belongs to (None for any other tensor)."""
+    if not name.startswith(_LAYER_PREFIX):
+        return None
+    index = name[len(_LAYER_PREFIX) :].split(".", 1)[0]
+    return int(index) if index.isdigit() else None
+
+
+def read_state_dict(model_dir: Path, layers: range | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint under their canonical names; with ``layers``, the decoder
+    layers outside it are not read at all (a pipeline stage's share)."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    state[canonical_name(name)] = f.get_tensor(name)
+                    canonical = canonical_name(name)
+                    layer = layer_of(canonical)
+                    if layers is None or layer is None or layer in layers:
+                        state[canonical] = f.get_tensor(name)
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises several unrelated types on bad files
@@ -70,14 +83,20 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    layers: range | None = None,
 ) -> tuple[ModelConfig, Qwen2VLModel]:
-    """Build the model of ``model_dir`` and load its weights (strict: every tensor must match)."""
+    """Build the model of ``model_dir`` and load its weights (strict: every tensor must match).
+
+    With ``layers`` only those decoder layers are read and built (see :func:`keep_layers`): a
+    pipeline stage holds its share of the weights and never the rest."""
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
-    state = read_state_dict(path)
     with torch.device("meta"):
         model = Qwen2VLModel(cfg)
+    if layers is not None:
+        keep_layers(model, layers)
+    state = read_state_dict(path, layers)
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -101,12 +120,11 @@ def load_model(
 
 
 def keep_layers(model: Qwen2VLModel, layers: range) -> Qwen2VLModel:
-    """Drop every decoder layer outside ``layers`` (a pipeline stage's share) to free memory.
+    """Drop every decoder layer outside ``layers`` (a pipeline stage's share).
 
     The dropped layers become empty modules, so ``model.model.layers[i]`` keeps its global index
-    ``i``; only :meth:`Qwen2VLModel.forward_layers` over ``layers`` may run afterwards. The
-    whole checkpoint is still read first (loading only a stage's tensors is a later
-    improvement).
+    ``i``; only :meth:`Qwen2VLModel.forward_layers` over ``layers`` may run afterwards.
+    :func:`load_model` applies it before reading any weight.
     """
     n = len(model.model.layers)
     if not (0 <= layers.start < layers.stop <= n and layers.step == 1):

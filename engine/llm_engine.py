@@ -48,6 +48,9 @@ class EngineConfig:
     lookahead_tokens: int = 0  # KV a request may write past its tokens (speculative decoding)
     dtype: str = "float32"
     device: str = "cpu"
+    # the decoder layers this engine holds (weights and KV pool): None for all; a pipeline's
+    # stage 0 holds its share only and runs through prefill_node.head_runner
+    layers: range | None = None
 
 
 @dataclass(frozen=True)
@@ -86,19 +89,21 @@ class LLMEngine:
         if config.dtype not in DTYPES:
             raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype}")
         dtype = DTYPES[config.dtype]
-        self.model_config, self.model = load_model(model_dir, dtype, config.device)
+        self.model_config, self.model = load_model(model_dir, dtype, config.device,
+                                                   config.layers)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.image_config = ImageProcessorConfig.from_dir(model_dir)
         text = self.model_config.text
+        layers = config.layers if config.layers is not None else range(text.num_hidden_layers)
         num_pages = config.num_pages or pages_for_budget(
-            config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
+            config.kv_budget_bytes, len(layers), config.page_size,
             text.num_key_value_heads, text.head_dim, dtype,
         )
         # one page more than the allocator hands out: a scratch page that padded rows of a
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)
         self.scratch_page = num_pages
         self.pool = KVPool(num_pages + 1, config.page_size, text.num_key_value_heads, text.head_dim,
-                           list(range(text.num_hidden_layers)), dtype, config.device)
+                           list(layers), dtype, config.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=num_pages,

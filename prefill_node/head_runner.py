@@ -7,14 +7,12 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention import AttentionBackend, TorchPagedAttention
-from engine.checkpoint import keep_layers
+from engine.attention import AttentionBackend
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.models.vision import Grid
 from engine.scheduler import SchedulerOutput
-from prefill_node.stages import stage_pool
 
 
 class _FirstStage:
@@ -60,15 +58,9 @@ class HeadRunner:
         return hidden, mrope
 
 
-def make_head_engine(engine: LLMEngine, layers: range) -> HeadRunner:
-    """Turn a loaded engine into stage 0 of a pipeline: drop its later layers, give it a pool
-    of ``layers`` only (same page count as its scheduler) and return the stage's runner.
-
-    The engine was built whole (every layer's weights and a pool for every layer); the unused
-    parts are released here. Building only the stage's share up front is a later improvement.
-    """
-
-    keep_layers(engine.model, layers)
-    engine.pool = stage_pool(engine.config, engine.model_config, layers, engine.pool.num_pages)
-    engine.runner = ModelRunner(engine.model, TorchPagedAttention(engine.pool))
-    return HeadRunner(engine, layers)
+def make_head_engine(engine: LLMEngine) -> HeadRunner:
+    """Stage 0 of a pipeline over an engine built with ``EngineConfig.layers`` (its share of
+    the weights and a KV pool of those layers only)."""
+    if engine.config.layers is None:
+        raise ValueError("stage 0 needs an engine built with EngineConfig.layers")
+    return HeadRunner(engine, engine.config.layers)

@@ -10,10 +10,13 @@ one by one.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import ModelConfig
+from engine.kv_cache import pages_for_budget
+from engine.llm_engine import DTYPES, EngineConfig, LLMEngine
 from prefill_node.downstream import Downstream
 from prefill_node.follower import StageWorker
 from prefill_node.head_loop import HeadLoop
@@ -64,10 +67,15 @@ async def serve_stage(
     previous stage's calls carry no token)."""
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
     if spec.is_first:
-        engine = LLMEngine(model_dir, config)
-        layers = spec.layers(engine.model_config.text.num_hidden_layers)
-        runner = make_head_engine(engine, layers)
-        pool, hidden_size = engine.pool, engine.model_config.text.hidden_size
+        text = ModelConfig.from_dir(model_dir).text
+        layers = spec.layers(text.num_hidden_layers)
+        # pages as if every layer were held: stage 0 admits no more than any later stage holds
+        num_pages = config.num_pages or pages_for_budget(
+            config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
+            text.num_key_value_heads, text.head_dim, DTYPES[config.dtype])
+        engine = LLMEngine(model_dir, replace(config, layers=layers, num_pages=num_pages))
+        runner = make_head_engine(engine)
+        pool, hidden_size = engine.pool, text.hidden_size
     else:
         stage = load_stage(model_dir, config, spec)
         layers, pool, hidden_size = stage.layers, stage.pool, stage.model_config.text.hidden_size

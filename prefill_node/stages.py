@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.checkpoint import keep_layers, load_model
+from engine.checkpoint import load_model
 from engine.config import ModelConfig
 from engine.kv_cache import KVPool, pages_for_budget
 from engine.llm_engine import DTYPES, EngineConfig
@@ -67,8 +67,8 @@ def stage_pool(config: EngineConfig, model_config: ModelConfig, layers: range,
 
 
 def load_stage(model_dir: Path, config: EngineConfig, spec: StageSpec) -> StageModel:
-    """Load the checkpoint, keep this stage's layers and build its pool."""
-    model_config, model = load_model(model_dir, DTYPES[config.dtype], config.device)
-    layers = spec.layers(model_config.text.num_hidden_layers)
-    keep_layers(model, layers)
+    """Load this stage's layers of the checkpoint (and nothing of the others) and build its
+    pool."""
+    layers = spec.layers(ModelConfig.from_dir(model_dir).text.num_hidden_layers)
+    model_config, model = load_model(model_dir, DTYPES[config.dtype], config.device, layers)
     return StageModel(model_config, model, layers, stage_pool(config, model_config, layers))

@@ -125,8 +125,9 @@ class Qwen2VLModel(nn.Module):
     def fuse(self) -> None:
         """Fuse projections for inference; call after the weights are loaded and placed."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            if isinstance(layer, DecoderLayer):  # not a layer a pipeline stage dropped
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
 
     @property
     def dtype(self) -> torch.dtype:

@@ -320,3 +320,24 @@ def test_write_tiny_model_is_deterministic(tmp_path: Path) -> None:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
     assert (a / "config.json").read_bytes() == (c / "config.json").read_bytes()
+
+
+def test_a_layer_range_reads_only_those_layers(tiny_dir: Path, tmp_path: Path) -> None:
+    """A pipeline stage's load: the other layers' tensors are never read (a checkpoint without
+    them still loads for the range), the kept layers equal a full load's, the rest are empty."""
+    ckpt = copy_ckpt(tiny_dir, tmp_path / "partial")
+    weights = ckpt / "model.safetensors"
+    state = load_file(str(weights))
+    save_file({k: v for k, v in state.items() if not k.startswith("model.layers.1.")},
+              str(weights), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing"):
+        load_model(ckpt)
+    _, part = load_model(ckpt, layers=range(0, 1))
+    _, whole = load_model(tiny_dir)
+    assert isinstance(part.model.layers[1], torch.nn.Module) and not list(
+        part.model.layers[1].parameters())
+    for (name, a), (_, b) in zip(part.model.layers[0].state_dict().items(),
+                                 whole.model.layers[0].state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    engine = LLMEngine(ckpt, EngineConfig(num_pages=16, layers=range(0, 1)))
+    assert engine.pool.layer_ids == [0]
