@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from transfer.bootstrap import BootstrapConfig
     from transfer.faults import FaultConfig
 
-WORKER_SERVICES = ("pdserve.v1.PrefillWorker", "pdserve.v1.DecodeWorker", "pdserve.v1.Admin")
+WORKER_SERVICES = ("pdserve.v1.PrefillWorker", "pdserve.v1.DecodeWorker", "pdserve.v1.Admin",
+                   "pdserve.v1.PipelineStage")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -47,9 +48,10 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                         "free one; printed as METRICS <port>); default: off")
     p.add_argument("--internal-token-file", default=None, metavar="FILE",
                    help="shared secret of the cluster's internal calls: workers require it "
-                        "(metadata x-pdserve-internal-token) on PrefillWorker, DecodeWorker and "
-                        "Admin calls, and a prefill's KV bootstrap endpoint requires it in a "
-                        "decode's registration; the router sends it to every worker")
+                        "(metadata x-pdserve-internal-token) on PrefillWorker, DecodeWorker, "
+                        "PipelineStage and Admin calls, and a prefill's KV bootstrap endpoint "
+                        "requires it in a decode's registration; the router sends it to every "
+                        "worker")
 
 
 def internal_token(args: argparse.Namespace) -> str | None:

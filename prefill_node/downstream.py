@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from proto.auth import Metadata
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from proto.server import SERVER_OPTIONS
@@ -53,8 +54,9 @@ def unpack_step_tensors(step: wpb.StageStep, hidden_size: int) -> tuple[torch.Te
 class Downstream:
     """The next stage, as seen by the stage before it. Not thread-safe: one loop thread."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, metadata: Metadata = ()) -> None:
         self.address = address
+        self._metadata = metadata  # the internal token, when the cluster has one
         self._channel = grpc.insecure_channel(address, options=SERVER_OPTIONS[:2])
         self._stub = worker_pb2_grpc.PipelineStageStub(self._channel)
         self._new: dict[int, wpb.StageRoom] = {}
@@ -68,7 +70,8 @@ class Downstream:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                return self._stub.Describe(wpb.DescribeStageRequest(), timeout=5.0)
+                return self._stub.Describe(wpb.DescribeStageRequest(), timeout=5.0,
+                                           metadata=self._metadata)
             except grpc.RpcError:
                 if time.monotonic() > deadline:
                     raise
@@ -116,7 +119,7 @@ class Downstream:
         self._announced.update(self._new)
         self._new, self._aborted = {}, []
         self._last_call = time.monotonic()
-        reply = self._stub.RunStep(msg, timeout=STEP_TIMEOUT_S)
+        reply = self._stub.RunStep(msg, timeout=STEP_TIMEOUT_S, metadata=self._metadata)
         self._ready.update(r for r in reply.ready if r in self._announced)
         failed = [(f.room, f.reason) for f in reply.failed if f.room in self._announced]
         for room, _ in failed:

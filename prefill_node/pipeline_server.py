@@ -25,7 +25,7 @@ from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
 from prefill_node.stage_service import StageService, StageWorkerService
 from prefill_node.stages import StageSpec, load_stage
 from proto.admin import StatsSource
-from proto.auth import ServerSecurity
+from proto.auth import Metadata, ServerSecurity, internal_metadata
 from proto.metrics import TransferMetrics
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
@@ -35,15 +35,17 @@ from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.setup import make_kv_manager
 
 
-def _link(spec: StageSpec, layers: range, pp_next: str | None) -> Downstream | None:
-    """Connect to the next stage and check it continues this one's layers."""
+def _link(spec: StageSpec, layers: range, pp_next: str | None, metadata: Metadata
+          ) -> Downstream | None:
+    """Connect to the next stage (sending ``metadata`` on every call) and check it continues
+    this one's layers."""
     if spec.is_last:
         if pp_next:
             raise ValueError("the last pipeline stage takes no --pp-next")
         return None
     if not pp_next:
         raise ValueError(f"pipeline stage {spec.rank} of {spec.size} needs --pp-next HOST:PORT")
-    down = Downstream(pp_next)
+    down = Downstream(pp_next, metadata)
     info = down.describe()
     expected = (spec.rank + 1, spec.size, layers.stop)
     if (info.pp_rank, info.pp_size, info.layer_start) != expected:
@@ -63,8 +65,8 @@ async def serve_stage(
     """Run one pipeline stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
     Every stage serves ``Admin`` (stage 0 as ``prefill``, later ones as ``prefill-stage``);
-    ``security``'s token rules guard the router-facing services, not ``PipelineStage`` (the
-    previous stage's calls carry no token)."""
+    ``security``'s token rules guard every service, ``PipelineStage`` included: a stage calls
+    the next with the internal token of ``bootstrap_config``."""
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
     if spec.is_first:
         text = ModelConfig.from_dir(model_dir).text
@@ -79,7 +81,8 @@ async def serve_stage(
     else:
         stage = load_stage(model_dir, config, spec)
         layers, pool, hidden_size = stage.layers, stage.pool, stage.model_config.text.hidden_size
-    down = await asyncio.to_thread(_link, spec, layers, pp_next)
+    secret = bootstrap_config.secret if bootstrap_config is not None else None
+    down = await asyncio.to_thread(_link, spec, layers, pp_next, internal_metadata(secret))
     manager = make_kv_manager(transfer_backend, pool.buffer_infos(), hidden_size=hidden_size,
                               aux_rows=4, hostname=advertise_host)
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,

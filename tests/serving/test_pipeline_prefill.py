@@ -21,10 +21,13 @@ from engine.inputs import ImageInput
 from engine.llm_engine import EngineConfig, LLMEngine, Prompt
 from engine.request import SamplingParams
 from engine.tiny_model import tiny_config_dict
+from proto.auth import internal_metadata
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
-from proto.pdserve.v1 import worker_pb2_grpc
 from tests.conftest import HF_SPECIAL
 from tests.serving.harness import Node, running
+from tests.serving.stats import assert_all_idle
 from tests.serving.test_disagg_workers import NODE_ARGS, run_room, worker_request
 
 pytestmark = pytest.mark.slow
@@ -160,3 +163,36 @@ def test_aborts_leave_nothing_on_any_node(tiny_dir: Path) -> None:
         got = run_room(stages[0].address, d.address, bootstrap, worker_request(10, [4, 5, 6], 4))
         assert got == expected_tokens(tiny_dir, [([4, 5, 6], ())], 4)[0]
         assert_idle(stages, d)
+
+
+def test_stages_require_and_send_the_internal_token(tiny_dir: Path, tmp_path: Path) -> None:
+    """With ``--internal-token-file`` a stage refuses ``PipelineStage`` calls without the secret,
+    and the stage before it sends the secret (stage 0 starts and requests flow end to end)."""
+    secret = tmp_path / "internal"
+    secret.write_text("pipeline-secret")
+    args = ["--model", str(tiny_dir), *NODE_ARGS, "--internal-token-file", str(secret)]
+    [expected] = expected_tokens(tiny_dir, [([1, 2, 3, 4, 5], ())], 6)
+    with running(["prefill", *args, "--pp-size", "2", "--pp-rank", "1"]) as [last]:
+        with grpc.insecure_channel(last.address) as ch:
+            stub = worker_pb2_grpc.PipelineStageStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Describe(wpb.DescribeStageRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            info = stub.Describe(wpb.DescribeStageRequest(), timeout=10,
+                                 metadata=internal_metadata("pipeline-secret"))
+            assert (info.pp_rank, info.pp_size) == (1, 2)
+        with running(["prefill", *args, "--pp-size", "2", "--pp-rank", "0",
+                      "--pp-next", last.address]) as [first], \
+                running(["decode", *args]) as [d], \
+                running(["router", "--model", str(tiny_dir), "--port", "0", "--prefill",
+                         first.address, "--decode", d.address, "--internal-token-file",
+                         str(secret)]) as [router]:
+            req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, 2, 3, 4, 5]),
+                                      sampling=gpb.SamplingParams(max_new_tokens=6,
+                                                                  ignore_eos=True))
+            with grpc.insecure_channel(router.address) as ch:
+                msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+            assert [t for m in msgs for t in m.token_ids] == expected
+            meta = internal_metadata("pipeline-secret")
+            assert_all_idle([first.address, last.address, d.address, router.address],
+                            metadata=meta)
