@@ -105,7 +105,17 @@ def test_status_that_never_comes_ends_by_timeout(pair: Pair) -> None:
     assert injector.injected >= 2
 
 
-def test_delayed_status_and_slow_peer_still_deliver(pair: Pair) -> None:
+@pytest.fixture
+def patient_pair() -> Iterator[Pair]:
+    """A pair whose timeouts cannot fire during a slowed transfer (whose first engine write
+    also opens the engine session: a second or more on a busy machine)."""
+    p = Pair(replace(CFG, bootstrap_timeout_s=30.0, waiting_timeout_s=30.0))
+    yield p
+    p.close()
+
+
+def test_delayed_status_and_slow_peer_still_deliver(patient_pair: Pair) -> None:
+    pair = patient_pair
     injector = _inject(pair, "prefill", status_delay_s=0.3, slow_peer_s=0.1)
     dst = _start(pair)
     wait_for(lambda: pair.server.poll(ROOM) is KVPoll.WaitingForInput, 2)
@@ -114,7 +124,8 @@ def test_delayed_status_and_slow_peer_still_deliver(pair: Pair) -> None:
     assert time.monotonic() - t0 >= 0.2  # two slowed writes: the pages and the aux row
     time.sleep(0.1)
     assert pair.client.poll(ROOM) is KVPoll.WaitingForInput  # the status is still held
-    wait_for(lambda: pair.client.poll(ROOM) is KVPoll.Success, 2)
+    wait_for(lambda: pair.client.poll(ROOM) is not KVPoll.WaitingForInput, 10)
+    assert pair.client.poll(ROOM) is KVPoll.Success, pair.client.failure_reason(ROOM)
     assert pair.client.commit(ROOM) == replace(ROW, room=ROOM)
     for src_e, dst_e in zip(pair.p_node.entries(), pair.d_node.entries(), strict=True):
         assert torch.equal(dst_e[dst], src_e[[5, 6, 7, 8]])
