@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from engine.stdlib_corpus import heldout_prompts
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 
@@ -85,12 +86,14 @@ def random_workloads(count: int, input_mean: int, output_mean: int, vocab: int,
     """Random token-id prompts; lengths uniform in ``mean * (1 +- spread)``."""
     rng = random.Random(seed)
     top = min(vocab, 500) - 1  # stay below the special tokens at the top of small vocabularies
-
-    def length(mean: int) -> int:
-        return max(1, round(rng.uniform(mean * (1 - spread), mean * (1 + spread))))
-
-    return [Workload(length(output_mean), [rng.randint(0, top) for _ in range(length(input_mean))])
+    return [Workload(_length(rng, output_mean, spread),
+                     [rng.randint(0, top) for _ in range(_length(rng, input_mean, spread))])
             for _ in range(count)]
+
+
+def _length(rng: random.Random, mean: int, spread: float) -> int:
+    """A length uniform in ``mean * (1 +- spread)``, at least 1."""
+    return max(1, round(rng.uniform(mean * (1 - spread), mean * (1 + spread))))
 
 
 def code_workloads(count: int, input_len: int, output_mean: int,
@@ -99,11 +102,8 @@ def code_workloads(count: int, input_len: int, output_mean: int,
     """Real-text prompts of up to ``input_len`` token ids cut from the standard-library files the
     built-in model held out of training (:mod:`engine.stdlib_corpus`); new-token counts uniform
     in ``output_mean * (1 +- spread)``."""
-    from engine.stdlib_corpus import heldout_prompts
-
     rng = random.Random(seed)
-    return [Workload(max(1, round(rng.uniform(output_mean * (1 - spread),
-                                              output_mean * (1 + spread)))), ids)
+    return [Workload(_length(rng, output_mean, spread), ids)
             for ids in heldout_prompts(encode, count, input_len)]
 
 

@@ -26,12 +26,11 @@ from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
 from tests.serving.harness import Node
 from tests.serving.stats import assert_all_idle
-from tests.serving.streams import Stream, wait_for
+from tests.serving.streams import TIMEOUT_S, Stream, wait_for
 from tests.serving.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
 LONG = 1600  # prompt tokens of a slow prefill: 100 chunks of 16
-TIMEOUT_S = 120.0
 
 
 def ids(seed: int, n: int) -> list[int]:
