@@ -1,6 +1,6 @@
 """Engine throughput against transformers' ``generate`` on the same checkpoint, in one run.
 
-    python bench/engine.py [--model DIR] [--batch-sizes 1,8,32] [--prompt-len 128] [--new 64]
+    python -m bench.engine [--model DIR] [--batch-sizes 1,8,32] [--prompt-len 128] [--new 64]
 
 Prints decode tokens/s of both and the ratio per batch size (greedy, float32, CPU). Both see the
 same random prompts of exactly ``--prompt-len`` tokens and produce exactly ``--new`` tokens.
@@ -8,20 +8,16 @@ same random prompts of exactly ``--prompt-len`` tokens and produce exactly ``--n
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: bench/engine.py must not shadow the engine package
-
 import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from engine.tiny_model import write_tiny_model
 

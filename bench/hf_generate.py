@@ -1,27 +1,23 @@
 """transformers' ``generate`` alone, as ``pdserve bench --compare`` runs it for its baseline row.
 
-    OMP_NUM_THREADS=1 python bench/hf_generate.py [--model DIR] [--num-requests 64]
+    OMP_NUM_THREADS=1 python -m bench.hf_generate [--model DIR] [--num-requests 64]
         [--input-len 128] [--output-len 64] [--max-concurrency 32] [--request-rate R]
 
 The same random prompts ``pdserve bench`` sends (same seed, same token ids), served in static
-batches of ``--max-concurrency`` by :mod:`deploy.hf_baseline`; prints the report as JSON with
+batches of ``--max-concurrency`` by :mod:`bench.hf_baseline`; prints the report as JSON with
 the same fields as ``pdserve bench``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: bench/ must not shadow the packages
-
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
-from deploy import hf_baseline, loadgen
-from deploy.cli import builtin_model_dir
+from bench import hf_baseline, loadgen
+from engine.builtin import builtin_model_dir
 
 
 def main(argv: list[str] | None = None) -> int:

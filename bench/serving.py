@@ -1,11 +1,11 @@
 """Serving latency and throughput, disaggregated (1 prefill + 1 decode) vs colocated, in one run.
 
-    python bench/serving.py [--model DIR] [--requests 64] [--concurrency 32] [--prompt-len 256]
+    python -m bench.serving [--model DIR] [--requests 64] [--concurrency 32] [--prompt-len 256]
                             [--long-prompt-len 2048] [--long-requests 4] [--new 64] [--json]
 
 Starts both clusters as subprocesses on loopback (``pdserve prefill`` + ``pdserve decode`` +
 ``pdserve router --prefill --decode``; ``pdserve decode`` + ``pdserve router --colocated``, by
-:mod:`deploy.compare_clusters`), each process with ``OMP_NUM_THREADS=1``, all on the same
+:mod:`bench.clusters`), each process with ``OMP_NUM_THREADS=1``, all on the same
 model (a fresh tiny model unless ``--model``).
 Both routers get the same requests (random token ids, greedy, ``ignore_eos``, exactly ``--new``
 tokens each) through the public gRPC API:
@@ -21,20 +21,16 @@ ITL is per token: each message's gap since the previous message divided by the t
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: bench/serving.py must not shadow the engine package
-
 import argparse
 import asyncio
 import json
+import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
-from deploy import loadgen
-from deploy.compare_clusters import (
+from bench import loadgen
+from bench.clusters import (
     Processes,
     engine_flags,
     start_colocated,

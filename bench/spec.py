@@ -1,31 +1,27 @@
 """EAGLE on vs off: decode tokens per second on the same prompts, in one run.
 
-    python bench/spec.py [--model DIR (with DIR/draft)] [--k 3] [--batch 1,8] [--new 64]
+    python -m bench.spec [--model DIR (with DIR/draft)] [--k 3] [--batch 1,8] [--new 64]
         [--prompts random|heldout] [--json]
 
 Prints tokens/s of plain decoding and of EAGLE rounds, their ratio, and the acceptance length
 (tokens committed per verify round). Greedy, so both produce the same tokens (checked). Prompts
 are random token ids, or (``heldout``, for the built-in model) text from the standard-library
-files that ``bench/train_tiny.py`` holds out of training.
+files that ``engine.builtin.train`` holds out of training.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # run as a script: bench/ must not shadow the packages
 
 import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from decode_node.spec.eagle_engine import EagleEngine
-from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.request import SamplingParams
 from engine.stdlib_corpus import heldout_prompts

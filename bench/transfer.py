@@ -6,35 +6,28 @@ loopback TCP. For every case it times (a) ``MooncakeKVManager.send_kvcache``, (b
 ``batch_transfer_sync_write`` on the very blocks ``send_kvcache`` builds, and (c) a local memcpy
 of those blocks, and prints GB/s with the ratios a/b and b/c.
 
-    python bench/transfer.py --small --json
+    python -m bench.transfer --small --json
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
-# Run as a script, this file's folder would shadow the ``transfer`` package.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+import torch
 
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
-import random  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
-
-from engine.kv_cache import KVPool  # noqa: E402
-from transfer.blocks import as_page_list, build_blocks, contiguous_runs  # noqa: E402
-from transfer.layers import pair_entries  # noqa: E402
-from transfer.messages import Registration  # noqa: E402
-from transfer.mooncake import MooncakeKVManager  # noqa: E402
+from engine.kv_cache import KVPool
+from transfer.blocks import as_page_list, build_blocks, contiguous_runs
+from transfer.layers import pair_entries
+from transfer.messages import Registration
+from transfer.mooncake import MooncakeKVManager
 
 HOST = "127.0.0.1"
 

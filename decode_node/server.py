@@ -10,11 +10,12 @@ from decode_node.loop import EngineLoop
 from decode_node.service import DEFAULT_MAX_WAITING, DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import model_fingerprint
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
-from proto.auth import ServerSecurity
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.server import serve_until_signal, start_server
+from serving.auth import ServerSecurity
+from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.setup import make_kv_manager
 

@@ -22,14 +22,14 @@ from decode_node.loop import EngineLoop, TokenEvent
 from engine.errors import EngineError
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
-from proto.admin import load_report
-from proto.blocking import to_thread_atomic
 from proto.convert import ConversionError, patches_array, sampling_kwargs
-from proto.overload import abort_overloaded
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.request_log import request_line
+from serving.admin import load_report
+from serving.blocking import to_thread_atomic
+from serving.overload import abort_overloaded
+from serving.request_log import request_line
 from transfer.errors import IncompatiblePeerError, TransferError
 from transfer.faults import fault_figures
 

@@ -34,7 +34,7 @@ class ServerActor:
         self.node_ip = ray.util.get_node_ip_address()
         advertise = "127.0.0.1" if bind_host == "127.0.0.1" else self.node_ip
         extra = ["--advertise-host", advertise] if role in ("prefill", "decode") else []
-        cmd = [sys.executable, "-m", "deploy.cli", role, *args, "--host", bind_host,
+        cmd = [sys.executable, "-m", "cli.main", role, *args, "--host", bind_host,
                "--port", str(port), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -1,4 +1,5 @@
-"""Model configuration read from a Hugging Face ``config.json`` of ``model_type`` ``qwen2_vl``.
+"""Configs: the model's, read from a Hugging Face ``config.json`` of ``model_type`` ``qwen2_vl``,
+and the engine's runtime settings (:class:`EngineConfig`).
 
 Both layouts are accepted: the nested one transformers 5 writes (``text_config`` /
 ``vision_config`` with ``rope_parameters``) and the flat one of the published Qwen2-VL
@@ -199,3 +200,21 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError("vision embed_dim/num_heads must be a multiple of 4")
     if v.hidden_size != t.hidden_size:
         raise ConfigError("vision_config.hidden_size must equal the text hidden_size")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Runtime settings of one engine (the model's own settings come from its config.json)."""
+
+    page_size: int = 16
+    kv_budget_bytes: int = 256 << 20  # memory for the KV pool; sets the page count
+    num_pages: int | None = None  # overrides kv_budget_bytes when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget per step, and the prefill chunk size
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    lookahead_tokens: int = 0  # KV a request may write past its tokens (speculative decoding)
+    dtype: str = "float32"
+    device: str = "cpu"
+    # the decoder layers this engine holds (weights and KV pool): None for all; a pipeline's
+    # stage 0 holds its share only and runs through prefill_node.pipeline.head_runner
+    layers: range | None = None

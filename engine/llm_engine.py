@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import TorchPagedAttention
 from engine.checkpoint import load_model
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.image_processor import (
     ImageProcessorConfig,
@@ -33,24 +34,6 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Runtime settings of one engine (the model's own settings come from its config.json)."""
-
-    page_size: int = 16
-    kv_budget_bytes: int = 256 << 20  # memory for the KV pool; sets the page count
-    num_pages: int | None = None  # overrides kv_budget_bytes when set
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # token budget per step, and the prefill chunk size
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    lookahead_tokens: int = 0  # KV a request may write past its tokens (speculative decoding)
-    dtype: str = "float32"
-    device: str = "cpu"
-    # the decoder layers this engine holds (weights and KV pool): None for all; a pipeline's
-    # stage 0 holds its share only and runs through prefill_node.head_runner
-    layers: range | None = None
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,16 @@ import asyncio
 from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
+from engine.config import EngineConfig
 from engine.draft_runner import DraftRunner
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
-from proto.auth import ServerSecurity
-from proto.metrics import TransferMetrics
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.server import serve_until_signal, start_server
+from serving.auth import ServerSecurity
+from serving.metrics import TransferMetrics
+from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.setup import make_kv_manager
@@ -33,13 +34,13 @@ async def serve_prefill(
     """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
     With ``pp_size > 1`` this process is stage ``pp_rank`` of a pipeline-parallel prefill
-    (:mod:`prefill_node.pipeline_server`); ``pp_next`` is the next stage's gRPC address.
+    (:mod:`prefill_node.pipeline.server`); ``pp_next`` is the next stage's gRPC address.
     ``max_waiting`` bounds the rooms waiting here (see :mod:`prefill_node.service`);
     ``bootstrap_config`` sets the handshake timeouts of its bootstrap endpoint.
     """
     if pp_size > 1 or pp_next:
-        from prefill_node.pipeline_server import serve_stage
-        from prefill_node.stages import StageSpec
+        from prefill_node.pipeline.layout import StageSpec
+        from prefill_node.pipeline.server import serve_stage
 
         await serve_stage(model_dir, config, host, port, spec=StageSpec(pp_size, pp_rank),
                           pp_next=pp_next, bootstrap_port=bootstrap_port,

@@ -15,13 +15,13 @@ from engine.errors import EngineError
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
 from prefill_node.loop import PrefillLoop
-from proto.admin import load_report
-from proto.blocking import to_thread_atomic
 from proto.convert import ConversionError, patches_array, sampling_kwargs
-from proto.overload import abort_overloaded
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.request_log import request_line
+from serving.admin import load_report
+from serving.blocking import to_thread_atomic
+from serving.overload import abort_overloaded
+from serving.request_log import request_line
 from transfer.aux import AuxBuffer
 from transfer.errors import TransferError
 from transfer.faults import fault_figures

@@ -37,9 +37,9 @@ import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from proto.overload import RETRY_AFTER_KEY
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.service import DoorError, GenerationService
+from serving.overload import RETRY_AFTER_KEY
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -13,7 +13,8 @@ import grpc
 
 from engine.tokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import generate_pb2 as gpb
-from router.room import END, RoomRun, WorkerFailure
+from router.errors import WorkerFailure
+from router.room import END, RoomRun
 
 
 async def relay(

@@ -16,34 +16,14 @@ from typing import Any
 
 import grpc
 
-from proto.overload import retry_after_ms, retry_metadata
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
+from router.errors import WorkerFailure
 from router.workers import Worker
 
 log = logging.getLogger(__name__)
 END = object()
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
-
-
-class WorkerFailure(Exception):
-    """A worker call failed: the status to give the client (with the worker's retry hint,
-    ``trailing``, when it refused the room as overloaded)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str,
-                 trailing: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-        self.trailing = trailing
-
-    @classmethod
-    def from_rpc(cls, exc: grpc.aio.AioRpcError, role: str, address: str) -> WorkerFailure:
-        hint = retry_after_ms(exc.trailing_metadata())
-        trailing = retry_metadata(hint) if hint is not None else ()
-        return cls(exc.code(), f"{role} worker {address}: {exc.details()}", trailing)
-
-
 QueueItem = gpb.GenerateResponse | WorkerFailure | object
 
 

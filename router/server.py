@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from proto.auth import ServerSecurity, bearer_token, internal_metadata
-from proto.metrics import metrics_registry
 from proto.pdserve.v1 import generate_pb2_grpc
-from proto.server import SHUTDOWN_GRACE_S, start_server, wait_for_signal
 from router.config import RouterConfig
 from router.preprocess import ModelAssets
 from router.service import GenerationService
 from router.workers import WorkerPool
+from serving.auth import ServerSecurity, bearer_token, internal_metadata
+from serving.metrics import metrics_registry
+from serving.server import SHUTDOWN_GRACE_S, start_server, wait_for_signal
 
 SERVICE_NAME = "pdserve.v1.Generation"
 
@@ -24,7 +24,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     With ``config.http_port`` set, the OpenAI-compatible HTTP door (:mod:`router.http_door`)
     also serves on ``host``, and ``HTTP <port>`` is printed before ``READY``.
 
-    ``security``: TLS and the bearer-token rule of the public port (see :mod:`proto.auth`).
+    ``security``: TLS and the bearer-token rule of the public port (see :mod:`serving.auth`).
 
     Workers need not be up yet: unreachable ones are marked unhealthy and retried by the
     background ``GetLoad`` poll.

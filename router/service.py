@@ -3,7 +3,7 @@
 Invariants: a request id and a room id are live from admission until the stream ends (however
 it ends); every :class:`RoomRun` is closed exactly once, in ``_generate``'s ``finally``, which
 also runs when the client cancels, its deadline passes or the generator is closed. Every call
-of ``Generate`` writes one log line (:mod:`proto.request_log`) when it ends, however it ends.
+of ``Generate`` writes one log line (:mod:`serving.request_log`) when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -21,17 +21,18 @@ from typing import Any, cast
 import grpc
 
 from engine.errors import InvalidRequestError
-from proto.metrics import RouterMetrics
-from proto.overload import abort_overloaded
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
-from proto.request_log import RequestLine, request_id_from, request_line
 from router.config import RouterConfig
+from router.errors import WorkerFailure
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
 from router.relay import relay
-from router.room import RoomRun, WorkerFailure
+from router.room import RoomRun
 from router.workers import WorkerPool
+from serving.metrics import RouterMetrics
+from serving.overload import abort_overloaded
+from serving.request_log import RequestLine, request_id_from, request_line
 
 log = logging.getLogger(__name__)
 ROOM_BITS = 63

@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from proto.auth import Metadata
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
-from proto.server import MAX_MESSAGE_BYTES
 from router.config import split_dns
+from router.errors import WorkerFailure
+from serving.auth import Metadata
+from serving.server import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 CHANNEL_OPTIONS = [
@@ -205,12 +206,10 @@ class WorkerPool:
     def pick(workers: Sequence[Worker]) -> Worker:
         """The least loaded of ``workers`` (first one on ties).
 
-        Raises :class:`router.room.WorkerFailure` (``UNAVAILABLE``) when there is none, which
+        Raises :class:`router.errors.WorkerFailure` (``UNAVAILABLE``) when there is none, which
         only happens while DNS discovery has found no worker yet.
         """
         if not workers:
-            from router.room import WorkerFailure  # room imports this module
-
             raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
                                 "no worker is available yet (DNS discovery found none)")
         return min(workers, key=lambda w: w.score())

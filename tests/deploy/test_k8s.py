@@ -35,11 +35,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.cli import build_parser
+from cli.main import build_parser
 from router.config import parse_addresses, split_dns
-from router.room import WorkerFailure
+from router.errors import WorkerFailure
 from router.workers import WorkerPool
-from tests.serving.harness import Node, start_node, stop_node
+from tests.cluster.harness import Node, start_node, stop_node
 
 try:
     import tomllib
@@ -549,7 +549,7 @@ def free_port(preferred: int) -> int:
 def loopback_argv(container: Obj, env: dict[str, str], ports: dict[int, int]) -> list[str]:
     """The container's command line with the loopback substitutions of the module docstring."""
     out = []
-    for word in argv(container, env)[1:]:  # drop "pdserve": start_node runs `-m deploy.cli`
+    for word in argv(container, env)[1:]:  # drop "pdserve": start_node runs `-m cli.main`
         flag, eq, value = word.partition("=")
         if eq and flag == "--host" and value == "0.0.0.0":
             value = "127.0.0.1"

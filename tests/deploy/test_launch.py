@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from engine.tiny_model import write_tiny_draft, write_tiny_model
 from proto.pdserve.v1 import generate_pb2 as gpb
@@ -43,7 +44,7 @@ def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
     write_tiny_draft(model / "draft")
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", "--model", str(model),
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "launch", "--model", str(model),
                              "--port", "0", "--draft", "auto", "--num-draft-tokens", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
@@ -95,7 +96,7 @@ def test_detach_status_and_stop(tmp_path: Path) -> None:
            "PYTHONPATH": str(ROOT)}
 
     def pdserve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
                               text=True, env=env, cwd=ROOT, timeout=timeout)
 
     try:

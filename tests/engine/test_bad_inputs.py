@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.errors import InvalidRequestError
 from engine.inputs import ImageInput
-from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 
 MAX_LEN = 64

@@ -1,4 +1,4 @@
-"""The shipped built-in model (``engine/builtin/tiny-qwen2-vl``, made by ``bench/train_tiny.py``):
+"""The shipped built-in model (``engine/builtin/tiny-qwen2-vl``, made by ``engine.builtin.train``):
 it loads, continues Python-like prompts deterministically and not degenerately, its EAGLE draft
 loads and speculative decoding with it equals plain decoding while accepting more than one token
 per round, and everything shipped stays small."""
@@ -13,14 +13,15 @@ import torch
 import engine
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.chat import chat_prompt
-from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.request import SamplingParams
 
 BUILTIN = Path(engine.__file__).parent / "builtin" / "tiny-qwen2-vl"
 MAX_BYTES = 20 * 1024 * 1024
 K = 4
-# From the standard library's heapq.py, a file bench/train_tiny.py holds out of training.
+# From the standard library's heapq.py, a file engine.builtin.train holds out of training.
 HELD_OUT_PROMPT = '''def heappush(heap, item):
     """Push item onto heap, maintaining the heap invariant."""
     heap.append(item)

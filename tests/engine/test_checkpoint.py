@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import load_model
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError
 from engine.inputs import ImageInput
-from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from engine.tiny_model import write_tiny_model
 from tests.conftest import HF_SPECIAL, write_hf_checkpoint

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.config import EngineConfig
 from engine.inputs import ImageInput
-from engine.llm_engine import EngineConfig, LLMEngine, Prompt
+from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from tests.conftest import HF_SPECIAL
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deploy.cli import builtin_model_dir
-from deploy.loadgen import code_workloads
+from bench.loadgen import code_workloads
+from engine.builtin import builtin_model_dir
 from engine.stdlib_corpus import read_text, split_files, stdlib_files
 from engine.tokenizer import Tokenizer
 

@@ -14,10 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 def test_bench_reports_rates() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "transfer.py"), "--json", "--layers", "2",
+    cmd = [sys.executable, "-m", "bench.transfer", "--json", "--layers", "2",
            "--kv-heads", "2", "--head-dim", "16", "--page-size", "4", "--dtype", "float32",
            "--tokens", "64", "--reps", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True,
+                          cwd=ROOT)
     out = json.loads(proc.stdout)
     for key in ("send_kvcache_gbps", "engine_gbps", "memcpy_gbps", "send_over_engine",
                 "engine_over_memcpy"):

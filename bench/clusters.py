@@ -1,0 +1,128 @@
+"""Starting local clusters of ``pdserve`` subprocesses on loopback for benchmarks.
+
+Used by ``pdserve bench --compare`` and ``bench.serving``. Every process gets
+``OMP_NUM_THREADS=1`` (so clusters of different sizes compete for cores the same way, one
+engine thread per process); its output is read by a thread of its own, so a chatty node never
+blocks on a full pipe. :meth:`Processes.stop_all` ends every process started (SIGTERM, then
+SIGKILL), and runs however the benchmark ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 15.0
+
+
+@dataclass
+class Proc:
+    """One started ``pdserve`` process; its output is collected by a reader thread."""
+
+    name: str
+    popen: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+    port: int | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def read(self) -> None:
+        """Reader thread: record output; note the ``READY <port>`` line."""
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.log.append(line)
+            if self.port is None and line.startswith("READY "):
+                self.port = int(line.split()[1])
+                self.ready.set()
+        self.ready.set()  # exited: wake the waiter
+
+    def tail(self, lines: int = 30) -> str:
+        return "".join(self.log[-lines:])
+
+
+class Processes:
+    """Every process this run started; :meth:`stop_all` ends them all (SIGTERM, then SIGKILL)."""
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+
+    def start(self, name: str, args: Sequence[str]) -> Proc:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["OMP_NUM_THREADS"] = "1"
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        )
+        proc = Proc(name, popen)
+        self.procs.append(proc)
+        threading.Thread(target=proc.read, daemon=True).start()
+        return proc
+
+    @staticmethod
+    def wait_ready(procs: Sequence[Proc]) -> None:
+        """Block until each of ``procs`` printed ``READY``; raise with its log if it exited."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for proc in procs:
+            if not proc.ready.wait(max(0.0, deadline - time.monotonic())) or proc.port is None:
+                raise RuntimeError(f"{proc.name} did not become ready:\n{proc.tail()}")
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in reversed(self.procs):
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        self.procs.clear()
+
+
+def start_disaggregated(procs: Processes, model: Path, engine: Sequence[str],
+                        draft: Path | None = None, num_draft_tokens: int = 0) -> str:
+    """One prefill node, one decode node and their router; returns the router's address.
+    With ``draft`` both workers load the EAGLE draft and the decode runs rounds of
+    ``num_draft_tokens``."""
+    spec = [] if draft is None else ["--draft", str(draft)]
+    prefill = procs.start("prefill", ["prefill", *engine, *spec])
+    decode = procs.start("decode", ["decode", *engine, *spec, *(
+        ["--num-draft-tokens", str(num_draft_tokens)] if draft is not None else [])])
+    procs.wait_ready([prefill, decode])
+    router = procs.start("disaggregated router", [
+        "router", "--model", str(model), "--port", "0",
+        "--prefill", prefill.address, "--decode", decode.address])
+    procs.wait_ready([router])
+    return router.address
+
+
+def start_colocated(procs: Processes, model: Path, engine: Sequence[str]) -> str:
+    """One decode node that also prefills, behind a router; returns the router's address."""
+    worker = procs.start("colocated decode", ["decode", *engine])
+    procs.wait_ready([worker])
+    router = procs.start("colocated router", [
+        "router", "--model", str(model), "--port", "0", "--colocated", worker.address])
+    procs.wait_ready([router])
+    return router.address
+
+
+def engine_flags(model: Path, *, page_size: int = 16, num_pages: int = 4096,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512) -> list[str]:
+    """The flags every worker of a benchmark cluster gets."""
+    return ["--model", str(model), "--port", "0", "--page-size", str(page_size),
+            "--num-pages", str(num_pages), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens)]

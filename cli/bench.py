@@ -1,0 +1,191 @@
+"""``pdserve bench``: drive routers with a workload and report latency and throughput.
+
+    pdserve bench --target HOST:PORT [--target HOST:PORT ...] --num-requests N [--json FILE]
+    pdserve bench --compare [--model DIR] [--request-rate R ...] [--plot FILE.png]
+
+With one target at one rate the JSON is that run's report. With several targets or rates the
+same requests go to each in turn and the JSON has one row per run, with ratios against the
+baseline (the first target; with ``--compare`` see :mod:`bench.compare`), also printed as a
+Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from pathlib import Path
+
+from bench import compare, hf_baseline, loadgen
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", action="append", metavar="HOST:PORT",
+                   help="router address (repeat to compare targets on the same requests)")
+    p.add_argument("--compare", action="store_true",
+                   help="start each of --compare-targets on loopback in turn and compare them")
+    p.add_argument("--compare-targets", default=",".join(compare.TARGETS),
+                   help=f"comma-separated, from {','.join(compare.TARGETS)}")
+    p.add_argument("--baseline", default=None,
+                   help="the row ratios are taken against (default: transformers with "
+                        "--compare if run, else the first target)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint for --compare, and the tokenizer of --dataset code "
+                        "(default: the built-in model)")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="draw latency against request rate per target (matplotlib)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--dataset", default="random",
+                   choices=["random", "code", "shared-prefix", "images", "jsonl"],
+                   help="random token ids; code: text cut from the standard-library files "
+                        "the built-in model held out of training; a shared prefix; PNG "
+                        "images; prompts from --jsonl")
+    p.add_argument("--jsonl", type=Path, help="prompts file for --dataset jsonl")
+    p.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="mean new tokens")
+    p.add_argument("--vocab", type=int, default=512, help="token ids are drawn below this")
+    p.add_argument("--request-rate", type=float, action="append", metavar="R",
+                   help="Poisson arrivals per second; repeat for several runs "
+                        "(default: all at once, 'inf')")
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="the servers' K, to turn accepted/drafted counts into acceptance "
+                        f"length (--compare: the EAGLE cluster's K, default {compare.DEFAULT_K})")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="goodput: the share of requests with TTFT (and TPOT) within the limits; "
+                        "with several runs, goodput_max_rate is the highest rate at which at "
+                        "least 90%% of requests met them")
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def workloads(args: argparse.Namespace) -> list[loadgen.Workload]:
+    n = args.num_requests
+    if args.dataset == "jsonl":
+        if args.jsonl is None:
+            raise ValueError("--dataset jsonl needs --jsonl FILE")
+        return loadgen.jsonl_workloads(args.jsonl, args.output_len)[:n]
+    if args.dataset == "shared-prefix":
+        half = max(1, args.input_len // 2)
+        return loadgen.shared_prefix_workloads(n, half, args.input_len - half, args.output_len,
+                                               args.vocab, args.seed)
+    if args.dataset == "code":
+        from engine.builtin import builtin_model_dir
+        from engine.tokenizer import Tokenizer
+
+        model = args.model or builtin_model_dir()
+        tok = Tokenizer.from_dir(model)
+        if tok is None:
+            raise ValueError(f"--dataset code needs a tokenizer: {model} has no tokenizer.json")
+        return loadgen.code_workloads(n, args.input_len, args.output_len, tok.encode, args.seed)
+    if args.dataset == "images":
+        return loadgen.image_workloads(n, args.output_len, args.seed)
+    return loadgen.random_workloads(n, args.input_len, args.output_len, args.vocab, args.seed)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if bool(args.compare) == bool(args.target):
+        raise ValueError("give --target HOST:PORT (repeatable) or --compare, not both")
+    works = workloads(args)
+    rates = args.request_rate or [math.inf]
+    if args.compare:
+        rows, outputs, baseline = _compare_rows(args, works, rates)
+    else:
+        baseline = args.baseline or args.target[0]
+        if baseline not in args.target:
+            raise ValueError(f"--baseline {baseline} is not one of the --target addresses")
+        rows, outputs = _target_rows(args, works, rates)
+    if len(rows) == 1:
+        out: dict[str, object] = {k: v for k, v in rows[0].items()
+                                  if k not in ("target", "request_rate")}
+    else:
+        compare.add_ratios(rows, outputs, baseline)
+        out = {"config": _config(args, rates), "baseline": baseline, "rows": rows}
+        if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+            out["goodput_max_rate"] = compare.goodput_rates(rows)
+        print(compare.table(rows, baseline), file=sys.stderr)
+    text = json.dumps(out, indent=2)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    print(text)
+    if args.plot is not None:
+        from bench.plot import plot
+
+        plot(rows, args.plot, title=f"{args.num_requests} requests, {args.input_len} prompt "
+                                    f"tokens, {args.output_len} new")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def _target_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates: list[float]
+                 ) -> tuple[list[compare.Row], list[list[list[int]]]]:
+    rows: list[compare.Row] = []
+    outputs: list[list[list[int]]] = []
+    for target in args.target:
+        for rate in rates:
+            progress = _Progress(target, len(works), enabled=not args.no_progress)
+            traces, wall = asyncio.run(loadgen.run(
+                target, works, max_concurrency=args.max_concurrency, request_rate=rate,
+                seed=args.seed, on_done=progress.tick))
+            progress.close()
+            rows.append({"target": target, "request_rate": compare.rate_key(rate),
+                         **loadgen.report(traces, wall, args.num_draft_tokens or 0,
+                                          args.slo_ttft_ms, args.slo_tpot_ms)})
+            outputs.append([t.token_ids for t in traces])
+    return rows, outputs
+
+
+def _compare_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates: list[float]
+                  ) -> tuple[list[compare.Row], list[list[list[int]]], str]:
+    from engine.builtin import builtin_model_dir
+
+    targets = [t.strip() for t in args.compare_targets.split(",") if t.strip()]
+    unknown = sorted(set(targets) - set(compare.TARGETS))
+    if unknown or not targets:
+        raise ValueError(f"unknown --compare-targets {unknown}; choose from {compare.TARGETS}")
+    baseline = args.baseline or ("transformers" if "transformers" in targets else targets[0])
+    if baseline not in targets:
+        raise ValueError(f"--baseline {baseline} is not one of --compare-targets")
+    if "transformers" in targets:
+        hf_baseline.require_transformers()  # fail before any cluster starts
+    model = args.model or builtin_model_dir()
+    rows, outputs = compare.run_compare(
+        model, targets, works, rates, max_concurrency=args.max_concurrency,
+        num_draft_tokens=args.num_draft_tokens or compare.DEFAULT_K, seed=args.seed,
+        log=(lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)),
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    return rows, outputs, baseline
+
+
+def _config(args: argparse.Namespace, rates: list[float]) -> dict[str, object]:
+    return {"dataset": args.dataset, "num_requests": args.num_requests,
+            "input_len": args.input_len, "output_len": args.output_len,
+            "max_concurrency": args.max_concurrency,
+            "request_rates": [compare.rate_key(r) for r in rates],
+            "model": str(args.model) if args.model else "built-in",
+            "num_draft_tokens": args.num_draft_tokens or (compare.DEFAULT_K if args.compare
+                                                           else 0),
+            "seed": args.seed}
+
+
+class _Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, target: str, total: int, enabled: bool) -> None:
+        self.target, self.total, self.done, self.enabled = target, total, 0, enabled
+
+    def tick(self, trace: loadgen.Trace) -> None:
+        self.done += 1
+        if self.enabled:
+            width = 30
+            filled = width * self.done // self.total
+            sys.stderr.write(f"\r{self.target} [{'#' * filled}{'.' * (width - filled)}] "
+                             f"{self.done}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")

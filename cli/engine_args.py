@@ -1,0 +1,157 @@
+"""Command-line flags shared by every command that builds an engine or serves gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from serving.auth import ServerSecurity
+    from transfer.bootstrap import BootstrapConfig
+    from transfer.faults import FaultConfig
+
+WORKER_SERVICES = ("pdserve.v1.PrefillWorker", "pdserve.v1.DecodeWorker", "pdserve.v1.Admin",
+                   "pdserve.v1.PipelineStage")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="KV pool pages (default: as many as --kv-budget-mb buys)")
+    p.add_argument("--kv-budget-mb", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget per step (also the prefill chunk size)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from engine.config import EngineConfig  # torch: only for commands that run an engine
+
+    return EngineConfig(
+        page_size=args.page_size, num_pages=args.num_pages, kv_budget_bytes=args.kv_budget_mb << 20,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, dtype=args.dtype,
+    )
+
+
+def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default loopback; 0.0.0.0 to serve other machines)")
+    p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve Prometheus /metrics over HTTP on this port of --host (0 picks a "
+                        "free one; printed as METRICS <port>); default: off")
+    p.add_argument("--internal-token-file", default=None, metavar="FILE",
+                   help="shared secret of the cluster's internal calls: workers require it "
+                        "(metadata x-pdserve-internal-token) on PrefillWorker, DecodeWorker, "
+                        "PipelineStage and Admin calls, and a prefill's KV bootstrap endpoint "
+                        "requires it in a decode's registration; the router sends it to every "
+                        "worker")
+
+
+def internal_token(args: argparse.Namespace) -> str | None:
+    """The secret of ``--internal-token-file`` (None without it); ValueError if empty."""
+    from serving.auth import read_secret
+
+    return read_secret(args.internal_token_file)
+
+
+def worker_security(args: argparse.Namespace) -> ServerSecurity:
+    """A worker's server protection: the internal token on its router-facing services."""
+    from serving.auth import ServerSecurity, internal
+
+    secret = internal_token(args)
+    return ServerSecurity(requirements=(internal(secret, WORKER_SERVICES),) if secret else ())
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    """Admission bound and handshake timeouts of a prefill or decode worker."""
+    p.add_argument("--max-waiting", type=int, default=256, metavar="N",
+                   help="refuse new rooms with RESOURCE_EXHAUSTED (and a retry-after-ms hint) "
+                        "while N already wait here (prefill: gated + queued; decode: waiting "
+                        "for pages + queued)")
+    p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
+                   help="a room whose destination does not arrive in time fails")
+    p.add_argument("--waiting-timeout-s", type=float, default=300.0,
+                   help="decode: a room whose KV does not arrive in time after its "
+                        "destination was sent fails")
+    p.add_argument("--heartbeat-interval-s", type=float, default=5.0,
+                   help="P/D heartbeat period; a peer silent for 2 periods is dead")
+    p.add_argument("--quarantine-s", type=float, default=30.0,
+                   help="decode: hold a failed room's pages this long when its prefill died "
+                        "without saying it stopped writing")
+    add_fault_args(p)
+
+
+def bootstrap_config(args: argparse.Namespace) -> BootstrapConfig:
+    from transfer.bootstrap import BootstrapConfig
+
+    return BootstrapConfig(
+        bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,
+        heartbeat_interval_s=args.heartbeat_interval_s, quarantine_s=args.quarantine_s,
+        secret=internal_token(args), faults=fault_config(args))
+
+
+# ---- fault injection (tests and drills; off by default) ------------------------------------
+
+
+def add_fault_args(p: argparse.ArgumentParser) -> None:
+    """``--fault-*`` flags of a prefill or decode worker; each defaults to its ``PDSERVE_FAULT_*``
+    environment variable (see :mod:`transfer.faults`)."""
+    from transfer.faults import FaultConfig
+
+    env = FaultConfig.from_env()
+    g = p.add_argument_group("fault injection (tests only; env PDSERVE_FAULT_<NAME>)")
+    g.add_argument("--fault-transfer-fail-p", type=float, default=env.transfer_fail_p,
+                   metavar="P", help="fail each KV engine write with probability P, as an "
+                                     "engine network error would")
+    g.add_argument("--fault-status-delay-s", type=float, default=env.status_delay_s,
+                   metavar="S", help="prefill: hold every transfer Status S seconds")
+    g.add_argument("--fault-drop-handshake-p", type=float, default=env.drop_handshake_p,
+                   metavar="P", help="drop each per-room handshake message this node sends "
+                                     "(Destination, Status, Abort, AbortAck) with probability P")
+    g.add_argument("--fault-slow-peer-s", type=float, default=env.slow_peer_s, metavar="S",
+                   help="sleep S seconds before every KV engine write")
+    g.add_argument("--fault-seed", type=int, default=env.seed, metavar="N",
+                   help="seed of the fault draws (default: random)")
+
+
+def fault_config(args: argparse.Namespace) -> FaultConfig:
+    from transfer.faults import FaultConfig
+
+    return FaultConfig(
+        transfer_fail_p=args.fault_transfer_fail_p, status_delay_s=args.fault_status_delay_s,
+        drop_handshake_p=args.fault_drop_handshake_p, slow_peer_s=args.fault_slow_peer_s,
+        seed=args.fault_seed)
+
+
+# ---- end of fault injection -----------------------------------------------------------------
+
+
+def add_transfer_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "ascend"])
+    p.add_argument("--advertise-host", default=None,
+                   help="address peers use to reach this node's transfer engine and bootstrap "
+                        "(default: --host, or this machine's address when --host is 0.0.0.0)")
+
+
+def advertise_host(args: argparse.Namespace) -> str:
+    if args.advertise_host:
+        return str(args.advertise_host)
+    if args.host not in ("0.0.0.0", "::", ""):
+        return str(args.host)
+    return socket.gethostbyname(socket.gethostname())
+
+
+def add_draft_args(p: argparse.ArgumentParser, *, decode: bool) -> None:
+    p.add_argument("--draft", default=None, metavar="DIR",
+                   help="EAGLE draft directory (e.g. MODEL/draft from make-tiny-model "
+                        "--with-draft); prefill and decode nodes of a cluster must agree")
+    if decode:
+        p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
+                       help="draft tokens per speculative round (with --draft)")

@@ -1,0 +1,251 @@
+"""A later stage of a pipeline-parallel prefill (rank >= 1): runs its layers on the hidden
+states stage 0 sends and pushes its layers' KV to each room's decode.
+
+Driven entirely by ``RunStep`` calls from the previous stage (:meth:`StageWorker.run_step`),
+one at a time: announced rooms are claimed on this stage's bootstrap endpoint; a room is
+reported ready once its destination arrived here (and, for a middle stage, on every later
+stage); items run through this stage's layers into pages it allocates itself; the last stage
+samples the first token and writes the aux row with the last chunk, a middle stage finishes its
+chunk without one and forwards the step. A room that fails here is released at once (writes are
+synchronous, so none is in flight) and reported failed exactly once.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.page_allocator import OutOfPagesError, PageAllocator
+from engine.request import SamplingParams
+from engine.sampling import Sampler, make_generator
+from prefill_node.pipeline.layout import StageModel
+from prefill_node.pipeline.link import Downstream, pack_step_tensors, unpack_step_tensors
+from proto.convert import sampling_kwargs
+from proto.pdserve.v1 import worker_pb2 as wpb
+from transfer.aux import AuxRow
+from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.errors import TransferError
+from transfer.status import KVPoll
+
+
+@dataclass
+class _Room:
+    room: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+    mrope_delta: int
+    pages: list[int]
+    pages_sent: int = 0
+    ready_reported: bool = False
+
+
+class StageWorker:
+    """One later pipeline stage; ``downstream`` is the next stage (None on the last)."""
+
+    def __init__(
+        self, stage: StageModel, bootstrap: PrefillBootstrapServer, page_size: int,
+        downstream: Downstream | None,
+    ) -> None:
+        self.stage = stage
+        self.bootstrap = bootstrap
+        self.page_size = page_size
+        self.downstream = downstream
+        self.allocator = PageAllocator(stage.pool.num_pages)
+        self.attn = TorchPagedAttention(stage.pool)
+        self.sampler = Sampler()
+        self._hidden_size = stage.model_config.text.hidden_size
+        self._zeros = (0.0,) * self._hidden_size
+        self._rooms: dict[int, _Room] = {}
+        self._failed: list[wpb.StageAbort] = []  # to report with the next reply
+        self._lock = threading.Lock()
+
+    @property
+    def is_last(self) -> bool:
+        return self.downstream is None
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"running_requests": len(self._rooms), "kv_pages_used": self.allocator.num_used,
+                    "kv_pages_total": self.allocator.num_pages,
+                    "rooms_active": self.bootstrap.num_rooms}
+
+    def abort(self, room: int, reason: str) -> bool:
+        """Fail a room here (reported to the previous stage with the next reply)."""
+        with self._lock:
+            if room not in self._rooms:
+                return False
+            self._fail(room, reason)
+            return True
+
+    def run_step(self, step: wpb.StageStep) -> wpb.StageStepReply:
+        """Apply one step of the previous stage (see the module docstring)."""
+        with self._lock:
+            for new in step.new_rooms:
+                self._add(new)
+            for a in step.aborted:
+                if a.room in self._rooms:
+                    self._drop(a.room, a.reason, report=False)
+            samples: list[tuple[int, float]] = []
+            forward = wpb.StageStep()
+            if step.items:
+                samples, forward = self._compute(step)
+            down_failed: list[tuple[int, str]] = []
+            if self.downstream is not None:  # one call down per call from above
+                for new in step.new_rooms:
+                    if new.room in self._rooms:
+                        self.downstream.announce(new)
+                reply = self.downstream.step(forward.items, forward.hidden,
+                                             forward.mrope_positions)
+                samples, down_failed = reply.samples, reply.failed
+            for room, reason in down_failed:
+                if room in self._rooms:
+                    self._drop(room, reason, report=False)
+                self._failed.append(wpb.StageAbort(room=room, reason=reason))
+            self._poll_rooms()
+            ready = self._newly_ready()
+            failed, self._failed = self._failed, []
+            return wpb.StageStepReply(
+                ready=ready, failed=failed,
+                samples=[wpb.StageSample(token=t, logprob=lp) for t, lp in samples])
+
+    # ---- internals (lock held) -----------------------------------------------------------
+
+    def _add(self, new: wpb.StageRoom) -> None:
+        sampling = SamplingParams(**sampling_kwargs(new.sampling, 1))
+        try:
+            self.bootstrap.add_room(new.room)
+        except TransferError as exc:
+            self._failed.append(wpb.StageAbort(room=new.room, reason=str(exc)))
+            return
+        self._rooms[new.room] = _Room(new.room, sampling, make_generator(sampling.seed),
+                                      new.mrope_delta, [])
+
+    def _compute(self, step: wpb.StageStep) -> tuple[list[tuple[int, float]], wpb.StageStep]:
+        """Run this stage's layers over the rows of live rooms; push their pages. Returns the
+        samples (last stage: one per needs_sample item, ``(0, 0.0)`` for rooms not here) and
+        the step to forward (middle stage: same items, rows of live rooms replaced)."""
+        hidden, mrope = unpack_step_tensors(step, self._hidden_size)
+        rows: list[int] = []
+        live: list[wpb.StageItem] = []
+        offset = 0
+        for item in step.items:
+            if item.room in self._rooms and self._reserve(item):
+                rows.extend(range(offset, offset + item.num_tokens))
+                live.append(item)
+            offset += item.num_tokens
+        out = self._forward(live, hidden[rows], mrope[:, rows]) if live else None
+        tokens = self._sample(live, out) if self.is_last and out is not None else {}
+        self._push(live, tokens)
+        samples = [tokens.get(it.room, (0, 0.0)) for it in step.items if it.needs_sample]
+        forward = wpb.StageStep(items=step.items, mrope_positions=step.mrope_positions)
+        if not self.is_last:
+            if out is not None:
+                hidden[rows] = out.float()
+            forward.hidden = pack_step_tensors(hidden, mrope)[0]
+        return samples, forward
+
+    def _reserve(self, item: wpb.StageItem) -> bool:
+        r = self._rooms[item.room]
+        need = -(-(item.start + item.num_tokens) // self.page_size) - len(r.pages)
+        try:
+            r.pages += self.allocator.allocate(max(0, need))
+        except OutOfPagesError:
+            self._fail(item.room, "pipeline stage is out of KV pages")
+            return False
+        return True
+
+    @torch.inference_mode()
+    def _forward(
+        self, items: list[wpb.StageItem], hidden: torch.Tensor, mrope: torch.Tensor
+    ) -> torch.Tensor:
+        ps = self.page_size
+        slots: list[int] = []
+        for it in items:
+            pages = self._rooms[it.room].pages
+            slots.extend(pages[i // ps] * ps + i % ps for i in range(it.start,
+                                                                    it.start + it.num_tokens))
+        self.attn.prepare(AttentionBatch(
+            q_lens=[it.num_tokens for it in items],
+            kv_lens=[it.start + it.num_tokens for it in items],
+            page_tables=[self._rooms[it.room].pages for it in items],
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        ))
+        model = self.stage.model
+        x = hidden.to(model.dtype)
+        return model.forward_layers(x, mrope, self.attn, self.stage.layers,
+                                    final_norm=self.is_last)
+
+    def _sample(
+        self, items: list[wpb.StageItem], out: torch.Tensor
+    ) -> dict[int, tuple[int, float]]:
+        ends, rooms, offset = [], [], 0
+        for it in items:
+            offset += it.num_tokens
+            if it.needs_sample:
+                ends.append(offset - 1)
+                rooms.append(self._rooms[it.room])
+        if not rooms:
+            return {}
+        with torch.inference_mode():
+            logits = self.stage.model.logits(out[ends])
+        toks, lps = self.sampler.sample(logits, [r.sampling for r in rooms],
+                                        [r.generator for r in rooms])
+        return {r.room: (t, lp) for r, t, lp in zip(rooms, toks, lps, strict=True)}
+
+    def _push(self, items: list[wpb.StageItem], tokens: dict[int, tuple[int, float]]) -> None:
+        for it in items:
+            r = self._rooms.get(it.room)
+            if r is None:
+                continue
+            end = it.start + it.num_tokens
+            done = -(-end // self.page_size) if it.needs_sample else end // self.page_size
+            pages = r.pages[r.pages_sent : done]
+            if not pages and not it.needs_sample:
+                continue
+            r.pages_sent = done
+            last = None
+            if it.needs_sample and self.is_last:
+                token, logprob = tokens[it.room]
+                last = AuxRow(it.room, token, logprob, r.mrope_delta, self._zeros)
+            status = self.bootstrap.send_chunk(it.room, pages, last=last,
+                                               finish=it.needs_sample)
+            if status is KVPoll.Failed:
+                self._fail(it.room, self.bootstrap.failure_reason(it.room))
+            elif it.needs_sample:
+                self._drop(it.room, None)  # delivered: Success
+
+    def _poll_rooms(self) -> None:
+        for room in list(self._rooms):
+            if self.bootstrap.poll(room) is KVPoll.Failed:
+                self._fail(room, self.bootstrap.failure_reason(room))
+
+    def _newly_ready(self) -> list[int]:
+        out = []
+        for r in self._rooms.values():
+            if r.ready_reported or self.bootstrap.poll(r.room) < KVPoll.WaitingForInput:
+                continue
+            if self.downstream is not None and not self.downstream.is_ready(r.room):
+                continue
+            r.ready_reported = True
+            out.append(r.room)
+        return out
+
+    def _fail(self, room: int, reason: str) -> None:
+        self._drop(room, reason)
+
+    def _drop(self, room: int, reason: str | None, *, report: bool = True) -> None:
+        """Release everything of ``room`` here; ``reason`` None means it succeeded."""
+        r = self._rooms.pop(room)
+        if reason is not None:
+            self.bootstrap.abort(room, reason)
+            if report:
+                self._failed.append(wpb.StageAbort(room=room, reason=reason))
+            if self.downstream is not None:
+                self.downstream.abort(room, reason)
+        elif self.downstream is not None:
+            self.downstream.forget(room)
+        self.bootstrap.release(room)
+        self.allocator.free(r.pages)

@@ -1,0 +1,74 @@
+"""Pipeline-parallel prefill: which layers a stage owns, and the stage's model and KV pool.
+
+Stage ``r`` of ``s`` owns the contiguous global layers ``[r*L//s, (r+1)*L//s)``. Its pool holds
+only those layers, numbered locally from 0 but registered with their *global* ids, so the
+transfer layer pairs each stage's buffers with the right decode layers (layer remapping).
+Stage 0 embeds (text and images); the last stage applies the final norm and LM head and samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.checkpoint import load_model
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVPool, pages_for_budget
+from engine.llm_engine import DTYPES
+from engine.models.qwen2_vl import Qwen2VLModel
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Where a process sits in a prefill pipeline of ``size`` stages."""
+
+    size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"pipeline rank {self.rank} is outside 0..{self.size - 1}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+    def layers(self, num_layers: int) -> range:
+        """The global layer ids this stage owns."""
+        if num_layers < self.size:
+            raise ValueError(f"{num_layers} layers cannot be split into {self.size} stages")
+        return range(self.rank * num_layers // self.size, (self.rank + 1) * num_layers // self.size)
+
+
+@dataclass
+class StageModel:
+    """A later stage's share of the model: its layers' weights and its KV pool."""
+
+    model_config: ModelConfig
+    model: Qwen2VLModel
+    layers: range
+    pool: KVPool
+
+
+def stage_pool(config: EngineConfig, model_config: ModelConfig, layers: range,
+               num_pages: int | None = None) -> KVPool:
+    """A KV pool for ``layers`` only (``num_pages`` defaults to what the budget buys)."""
+    text, dtype = model_config.text, DTYPES[config.dtype]
+    pages = num_pages or config.num_pages or pages_for_budget(
+        config.kv_budget_bytes, len(layers), config.page_size, text.num_key_value_heads,
+        text.head_dim, dtype,
+    )
+    return KVPool(pages, config.page_size, text.num_key_value_heads, text.head_dim,
+                  list(layers), dtype, config.device)
+
+
+def load_stage(model_dir: Path, config: EngineConfig, spec: StageSpec) -> StageModel:
+    """Load this stage's layers of the checkpoint (and nothing of the others) and build its
+    pool."""
+    layers = spec.layers(ModelConfig.from_dir(model_dir).text.num_hidden_layers)
+    model_config, model = load_model(model_dir, DTYPES[config.dtype], config.device, layers)
+    return StageModel(model_config, model, layers, stage_pool(config, model_config, layers))

@@ -1,0 +1,230 @@
+"""The ``pdserve`` console script, run as a real subprocess: ``make-tiny-model`` and ``generate``
+(token ids, precomputed patches, PNG images, JSON output), and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.chat import chat_prompt
+from engine.config import EngineConfig
+from engine.inputs import ImageInput
+from engine.llm_engine import LLMEngine, Prompt
+from engine.request import SamplingParams
+
+REPO = Path(__file__).resolve().parents[2]
+PATCH_DIM = 3 * 2 * 14 * 14
+
+
+def pdserve_command() -> list[str]:
+    """The installed entry point next to this interpreter, else ``python -m cli.main``."""
+    script = shutil.which("pdserve", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "cli.main"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pdserve-cache")
+
+
+def pdserve(cache_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PDSERVE_CACHE=str(cache_dir))
+    return subprocess.run([*pdserve_command(), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
+def ok(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stdout
+
+
+def json_lines(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def model_dir(cache_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "tiny"
+    out = ok(pdserve(cache_dir, "make-tiny-model", str(path)))
+    assert str(path) in out
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> LLMEngine:
+    return LLMEngine(model_dir, EngineConfig(num_pages=64))
+
+
+@pytest.fixture(scope="module")
+def special(model_dir: Path) -> dict[str, int]:
+    raw = json.loads((model_dir / "config.json").read_text())
+    return {k: raw[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id")}
+
+
+def in_process(engine: LLMEngine, prompts: list[Prompt], n: int) -> list[list[int]]:
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=n))
+    engine.scheduler.check_no_leaks()
+    return [r.token_ids for r in results]
+
+
+def test_make_tiny_model_writes_the_tiny_checkpoint(model_dir: Path, tiny_dir: Path) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json",
+                 "generation_config.json"):
+        assert (model_dir / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+
+
+def test_generate_token_ids_json(model_dir: Path, cache_dir: Path, engine: LLMEngine) -> None:
+    out = ok(pdserve(cache_dir, "generate", "--model", str(model_dir), "--token-ids", "1,2,3",
+                     "--token-ids", "4,5", "--json", "--max-new-tokens", "5"))
+    rows = json_lines(out)
+    assert len(rows) == 2
+    for row in rows:
+        assert len(row["token_ids"]) == 5
+        assert isinstance(row["text"], str)
+    assert [r["prompt_token_ids"] for r in rows] == [[1, 2, 3], [4, 5]]
+    want = in_process(engine, [Prompt(token_ids=[1, 2, 3]), Prompt(token_ids=[4, 5])], 5)
+    assert [r["token_ids"] for r in rows] == want
+    assert rows[0]["text"] == engine.tokenizer.decode(want[0])  # type: ignore[union-attr]
+
+
+def test_generate_with_image_patches(
+    model_dir: Path, cache_dir: Path, engine: LLMEngine, special: dict[str, int],
+    tmp_path: Path,
+) -> None:
+    patches = np.random.default_rng(0).standard_normal((16, PATCH_DIM)).astype(np.float32)
+    np.save(tmp_path / "patches.npy", patches)
+    ids = [7, special["vision_start_token_id"], *[special["image_token_id"]] * 4,
+           special["vision_end_token_id"], 8, 9]
+    out = ok(pdserve(cache_dir, "generate", "--model", str(model_dir),
+                     "--token-ids", ",".join(map(str, ids)),
+                     "--image-patches", str(tmp_path / "patches.npy"), "--image-grid", "1,4,4",
+                     "--json", "--max-new-tokens", "6"))
+    [row] = json_lines(out)
+    assert len(row["token_ids"]) == 6
+    image = ImageInput(torch.from_numpy(patches), (1, 4, 4))
+    [want] = in_process(engine, [Prompt(token_ids=ids, images=[image])], 6)
+    assert row["token_ids"] == want
+
+
+def test_generate_with_png_and_text(
+    model_dir: Path, cache_dir: Path, engine: LLMEngine, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    pixels = np.random.default_rng(1).integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    (tmp_path / "img.png").write_bytes(buf.getvalue())
+    prompt = "Describe this picture."
+    out = ok(pdserve(cache_dir, "generate", "--model", str(model_dir), prompt,
+                     "--image", str(tmp_path / "img.png"), "--json", "--max-new-tokens", "5"))
+    [row] = json_lines(out)
+    assert len(row["token_ids"]) == 5
+    assert isinstance(row["text"], str)
+    image_id = engine.model_config.image_token_id
+    assert image_id in row["prompt_token_ids"]
+    [want] = in_process(engine, [Prompt(text=prompt, images=[buf.getvalue()])], 5)
+    assert row["token_ids"] == want
+
+
+def test_generate_without_model_uses_the_builtin_model(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    out = ok(pdserve(cache, "generate", "import os\n", "--json", "--max-new-tokens", "8"))
+    [row] = json_lines(out)
+    assert len(row["token_ids"]) == 8 and row["text"]
+    assert not cache.exists()  # the shipped model is used in place: nothing written
+
+
+def test_generate_chat_wraps_the_prompt_in_the_chat_format(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    out = ok(pdserve(cache, "generate", "--chat", "Write a function.", "--json",
+                     "--max-new-tokens", "4"))
+    [row] = json_lines(out)
+    builtin = REPO / "engine" / "builtin" / "tiny-qwen2-vl"
+    engine = LLMEngine(builtin, EngineConfig(num_pages=64, page_size=16))
+    want_ids, _ = engine.prepare_prompt(Prompt(text=chat_prompt("Write a function.")))
+    assert row["prompt_token_ids"] == want_ids
+    start, end = (engine.tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert want_ids.count(start) == 2 and want_ids.count(end) == 1  # single special ids
+    [got] = in_process(engine, [Prompt(text=chat_prompt("Write a function."))], 4)
+    assert row["token_ids"] == got
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], word: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error:"), lines[0]
+    assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("env", "flags", "word"), [
+    ({"PDSERVE_FAULT_TRANSFER_FAIL_P": "abc"}, [], "PDSERVE_FAULT_TRANSFER_FAIL_P"),
+    ({}, ["--fault-drop-handshake-p", "2"], "drop_handshake_p"),
+])
+def test_bad_fault_settings_are_a_one_line_error(cache_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  env: dict[str, str], flags: list[str],
+                                                  word: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert_one_line_error(pdserve(cache_dir, "decode", "--port", "0", *flags), word)
+
+
+def test_empty_token_ids_is_a_one_line_error(model_dir: Path, cache_dir: Path) -> None:
+    proc = pdserve(cache_dir, "generate", "--model", str(model_dir), "--token-ids", "")
+    assert_one_line_error(proc, "empty")
+
+
+def test_missing_image_file_is_a_one_line_error(
+    model_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.png"
+    proc = pdserve(cache_dir, "generate", "--model", str(model_dir), "hello",
+                   "--image", str(missing))
+    assert_one_line_error(proc, "nope.png")
+
+
+def test_non_qwen2_vl_model_is_a_one_line_error(
+    model_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "llama"
+    shutil.copytree(model_dir, other)
+    raw = json.loads((other / "config.json").read_text())
+    raw["model_type"] = "llama"
+    (other / "config.json").write_text(json.dumps(raw))
+    proc = pdserve(cache_dir, "generate", "--model", str(other), "--token-ids", "1,2")
+    assert_one_line_error(proc, "llama")
+
+
+def test_mismatched_image_grid_is_a_one_line_error(
+    model_dir: Path, cache_dir: Path, special: dict[str, int], tmp_path: Path
+) -> None:
+    np.save(tmp_path / "p.npy", np.zeros((16, PATCH_DIM), dtype=np.float32))
+    ids = [1, special["vision_start_token_id"], *[special["image_token_id"]] * 3,
+           special["vision_end_token_id"]]
+    proc = pdserve(cache_dir, "generate", "--model", str(model_dir),
+                   "--token-ids", ",".join(map(str, ids)),
+                   "--image-patches", str(tmp_path / "p.npy"), "--image-grid", "1,4,4")
+    assert_one_line_error(proc, "image")
+
+
+def test_config_json_that_is_a_list_is_a_one_line_error(
+    model_dir: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "broken"
+    shutil.copytree(model_dir, other)
+    (other / "config.json").write_text("[]")
+    proc = pdserve(cache_dir, "generate", "--model", str(other), "--token-ids", "1,2")
+    assert_one_line_error(proc, "config")

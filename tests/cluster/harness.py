@@ -1,0 +1,88 @@
+"""Starting real pdserve processes for end-to-end tests and stopping them cleanly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Node:
+    proc: subprocess.Popen[str]
+    port: int
+    log: list[str]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def start_node(args: Sequence[str], timeout_s: float = 60.0) -> Node:
+    """Run ``pdserve ARGS`` (which must print ``READY <port>``) and wait until it is serving.
+    Its output (stdout and stderr) keeps landing in ``Node.log`` after that."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", *args], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    log: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        log.append(line)
+        if line.startswith("READY "):
+            # keep reading: a node's request log lines must never fill the pipe and block it
+            threading.Thread(target=_drain, args=(proc, log), daemon=True).start()
+            return Node(proc, int(line.split()[1]), log)
+    proc.kill()
+    raise RuntimeError(f"pdserve {' '.join(args)} did not become ready:\n{''.join(log)}")
+
+
+def _drain(proc: subprocess.Popen[str], log: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.append(line)
+
+
+def stop_node(node: Node, timeout_s: float = 15.0) -> int:
+    """SIGTERM, then wait; returns the exit code (kills after ``timeout_s``)."""
+    if node.proc.poll() is None:
+        node.proc.send_signal(signal.SIGTERM)
+        try:
+            node.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait()
+    return node.proc.returncode
+
+
+@contextmanager
+def running(*commands: Sequence[str]) -> Iterator[list[Node]]:
+    """Start every command in order; stop them all (in reverse) on exit."""
+    nodes: list[Node] = []
+    try:
+        for cmd in commands:
+            nodes.append(start_node(cmd))
+        yield nodes
+    finally:
+        for node in reversed(nodes):
+            stop_node(node)

@@ -1,0 +1,137 @@
+"""EAGLE through the whole cluster: a prefill node computing the draft's prompt KV next to the
+target's, a decode node running speculative rounds, behind the router; and a colocated EAGLE
+worker. Greedy output must equal plain decoding token for token."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.inputs import ImageInput
+from engine.llm_engine import LLMEngine, Prompt
+from engine.request import SamplingParams
+from engine.tiny_model import tiny_config_dict, write_tiny_draft, write_tiny_model
+from proto.convert import patches_message
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
+from proto.pdserve.v1 import worker_pb2 as wpb
+from tests.cluster.harness import Node, running
+from tests.cluster.stats import get_stats
+
+pytestmark = pytest.mark.slow
+SPECIAL = tiny_config_dict()
+IMG, VS, VE = SPECIAL["image_token_id"], SPECIAL["vision_start_token_id"], SPECIAL[
+    "vision_end_token_id"]
+NODE = ["--port", "0", "--num-pages", "256", "--page-size", "8", "--max-num-batched-tokens", "32"]
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_tiny_model(tmp_path_factory.mktemp("eagle-cluster") / "model")
+    write_tiny_draft(path / "draft")
+    return path
+
+
+def cases() -> list[tuple[list[int], list[tuple[np.ndarray, tuple[int, int, int]]]]]:
+    rng = np.random.default_rng(0)
+    img = (rng.standard_normal((24, 1176)).astype("f4"), (1, 4, 6))
+    return [
+        (list(range(1, 50)), []),
+        ([3, VS, *[IMG] * 6, VE, 4, 5], [img]),
+        ([7, 8, 9], []),
+        ([VS, *[IMG] * 6, VE, *range(30, 70)], [img]),
+    ]
+
+
+def expected(model_dir: Path) -> list[list[int]]:
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=256, page_size=8))
+    prompts = [Prompt(token_ids=ids, images=[ImageInput(torch.from_numpy(p), g) for p, g in ims])
+               for ids, ims in cases()]
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    return [r.token_ids for r in results]
+
+
+def generate_all(router: Node) -> list[gpb.GenerateResponse]:
+    """All cases at once (one batch on the decode node); the last message of each."""
+    out: list[list[gpb.GenerateResponse]] = [[] for _ in cases()]
+    sampling = gpb.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    with grpc.insecure_channel(router.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+
+        def run(i: int, ids: list[int], ims: list) -> None:  # noqa: ANN001
+            images = [gpb.Image(patches=patches_message(p, g)) for p, g in ims]
+            req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids), images=images,
+                                      sampling=sampling)
+            out[i] = list(stub.Generate(req, timeout=120))
+
+        threads = [threading.Thread(target=run, args=(i, ids, ims))
+                   for i, (ids, ims) in enumerate(cases())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return out
+
+
+def idle(nodes: list[tuple[Node, type]], timeout_s: float = 20.0) -> None:
+    """Wait until every node reports no pages, rooms or running requests."""
+    for node, stub_cls in nodes:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(node.address) as ch:
+            stub = stub_cls(ch)
+            while True:
+                load = stub.GetLoad(wpb.GetLoadRequest())
+                if (load.kv_pages_used, load.rooms_active, load.running_requests) == (0, 0, 0):
+                    break
+                assert time.monotonic() < deadline, load
+                time.sleep(0.05)
+
+
+def check(streams: list[list[gpb.GenerateResponse]], want: list[list[int]]) -> None:
+    for msgs, exp in zip(streams, want, strict=True):
+        assert [t for m in msgs for t in m.token_ids] == exp
+        usage = msgs[-1].usage
+        assert usage.completion_tokens == NEW
+        assert usage.drafted_tokens > 0 and 0 <= usage.accepted_tokens <= usage.drafted_tokens
+
+
+@pytest.fixture(scope="module")
+def want(model_dir: Path) -> list[list[int]]:
+    return expected(model_dir)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_disaggregated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]],
+                                                   k: int) -> None:
+    model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
+    with running(["prefill", *model, *NODE, *draft],
+                 ["decode", *model, *NODE, *draft, "--num-draft-tokens", str(k)]) as [p, d]:
+        router_cmd = ["router", *model, "--port", "0", "--prefill", p.address,
+                      "--decode", d.address]
+        with running(router_cmd) as [r]:
+            check(generate_all(r), want)
+        idle([(p, worker_pb2_grpc.PrefillWorkerStub), (d, worker_pb2_grpc.DecodeWorkerStub)])
+
+
+def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]]) -> None:
+    model = ["--model", str(model_dir)]
+    worker = ["decode", *model, *NODE, "--draft", str(model_dir / "draft"),
+              "--num-draft-tokens", "5"]
+    with running(worker) as [d], running(["router", *model, "--port", "0",
+                                          "--colocated", d.address]) as [r]:
+        check(generate_all(r), want)
+        idle([(d, worker_pb2_grpc.DecodeWorkerStub)])
+        stats = get_stats(d.address)
+        assert stats.drafted_tokens > 0 and stats.spec_rounds > 0
+        assert stats.accepted_tokens <= stats.drafted_tokens
+        assert 1.0 <= stats.acceptance_length <= 6.0
+
+

@@ -1,0 +1,161 @@
+"""Nodes killed mid-request (``kill -9``), as real processes on fixed ports: every affected
+request ends with a clear status within a bounded time, the survivors free everything the room
+held (the leak check), and a node restarted on the same address is used again without
+restarting the others.
+
+Handshake timeouts are configured small (``--heartbeat-interval-s``, ``--quarantine-s``), and the
+prompt is long with a small prefill chunk, so the prefill is still pushing KV when it is killed.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
+from proto.pdserve.v1 import generate_pb2 as gpb
+from tests.cluster.harness import Node
+from tests.cluster.stats import assert_all_idle
+from tests.cluster.streams import Stream, wait_for
+from tests.cluster.test_cluster import start_all, stop_all
+
+pytestmark = pytest.mark.slow
+FAST_FAIL = ["--heartbeat-interval-s", "0.5", "--quarantine-s", "1", "--bootstrap-timeout-s",
+             "10", "--waiting-timeout-s", "20"]
+LONG = [(j * 13) % 500 for j in range(2500)]  # ~160 prefill chunks of 16 tokens
+FAIL_WITHIN_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Cluster:
+    commands: dict[str, list[str]]  # "prefill", "decode", "router"
+    nodes: dict[str, Node]
+
+    def address(self, name: str) -> str:
+        return self.nodes[name].address
+
+    @property
+    def addresses(self) -> list[str]:
+        return [n.address for n in self.nodes.values()]
+
+    def admin(self, name: str) -> admin_pb2_grpc.AdminStub:
+        """An Admin stub on a channel that stays open (reconnecting after a restart)."""
+        return admin_pb2_grpc.AdminStub(grpc.insecure_channel(self.address(name)))
+
+    def kill(self, name: str) -> None:
+        node = self.nodes[name]
+        node.proc.kill()  # SIGKILL: no cleanup of any kind
+        node.proc.wait()
+
+    def restart(self, name: str) -> None:
+        [self.nodes[name]] = start_all([self.commands[name]])
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    model = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "512", *FAST_FAIL]
+    pport, bport, dport = free_port(), free_port(), free_port()
+    commands = {
+        "prefill": ["prefill", *model, "--port", str(pport), "--bootstrap-port", str(bport),
+                    "--max-num-batched-tokens", "16"],
+        "decode": ["decode", *model, "--port", str(dport)],
+        "router": ["router", "--model", str(tiny_dir), "--port", "0", "--prefill",
+                   f"127.0.0.1:{pport}", "--decode", f"127.0.0.1:{dport}"],
+    }
+    c = Cluster(commands, {})
+    try:
+        p, d = start_all([commands["prefill"], commands["decode"]])
+        c.nodes.update(prefill=p, decode=d)
+        [c.nodes["router"]] = start_all([commands["router"]])
+        yield c
+    finally:
+        stop_all(list(c.nodes.values()))
+
+
+def _req(ids: Sequence[int], new: int) -> gpb.GenerateRequest:
+    return gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=list(ids)),
+                               sampling=gpb.SamplingParams(max_new_tokens=new, ignore_eos=True))
+
+
+def _started_on(stream: Stream, prefill: admin_pb2_grpc.AdminStub) -> bool:
+    """True once the prefill holds pages for the room; fails at once if the stream ended first
+    (with why: a refused request must not read as a slow prefill)."""
+    assert stream.ended_at == 0.0, f"the stream ended before the prefill started: {stream.error}"
+    return prefill.GetStats(admin_pb2.GetStatsRequest(), timeout=5).kv_pages_used > 0
+
+
+def _serves_again(stub: generate_pb2_grpc.GenerationStub, timeout_s: float = 60.0) -> None:
+    """Retry a small request until the cluster answers it (channels reconnect with backoff)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            msgs = list(stub.Generate(_req([5, 6, 7, 8, 9], 6), timeout=30))
+            assert sum(len(m.token_ids) for m in msgs) == 6
+            return
+        except grpc.RpcError as exc:
+            assert time.monotonic() < deadline, f"the cluster does not serve again: {exc}"
+            time.sleep(0.5)
+
+
+def test_prefill_killed_mid_transfer(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.address("router")) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        admin = cluster.admin("prefill")  # one channel: polls must be quicker than the prefill
+        admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)  # connected before the stream
+        stream = Stream(stub, _req(LONG, 8))
+        wait_for(lambda: _started_on(stream, admin), "the prefill never started the room")
+        cluster.kill("prefill")
+        killed_at = time.monotonic()
+        stream.join(FAIL_WITHIN_S)
+        assert stream.error is not None and stream.tokens == []
+        assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+        assert stream.ended_at - killed_at < FAIL_WITHIN_S
+        # the decode frees the room's pages (after the quarantine: its prefill said nothing)
+        assert_all_idle([cluster.address("decode"), cluster.address("router")], 15.0)
+        cluster.restart("prefill")  # same ports; the decode and the router keep running
+        _serves_again(stub)
+    assert_all_idle(cluster.addresses)
+
+
+def test_decode_killed_mid_stream(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.address("router")) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        stream = Stream(stub, _req([3, 1, 4, 1, 5], 2000))
+        wait_for(lambda: bool(stream.tokens), "no token arrived")
+        cluster.kill("decode")
+        stream.join(FAIL_WITHIN_S)
+        assert stream.error is not None
+        assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+        assert_all_idle([cluster.address("prefill"), cluster.address("router")], 15.0)
+        cluster.restart("decode")
+        _serves_again(stub)
+    assert_all_idle(cluster.addresses)
+
+
+def test_decode_killed_mid_transfer_frees_the_prefill_room(cluster: Cluster) -> None:
+    with grpc.insecure_channel(cluster.address("router")) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        admin = cluster.admin("prefill")  # one channel: polls must be quicker than the prefill
+        admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)  # connected before the stream
+        stream = Stream(stub, _req(LONG, 8))
+        wait_for(lambda: _started_on(stream, admin), "the prefill never started the room")
+        cluster.kill("decode")
+        stream.join(FAIL_WITHIN_S)
+        assert stream.error is not None and stream.tokens == []
+        assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+        assert_all_idle([cluster.address("prefill"), cluster.address("router")], 15.0)
+        cluster.restart("decode")
+        _serves_again(stub)
+    assert_all_idle(cluster.addresses)

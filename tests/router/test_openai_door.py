@@ -1,0 +1,188 @@
+"""The router's OpenAI-compatible HTTP door, end to end: one ``pdserve decode`` worker behind
+``pdserve router --colocated ... --http-port 0``, called with the official ``openai`` client and
+compared with the gRPC door.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from PIL import Image
+
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import generate_pb2_grpc
+from tests.cluster.harness import Node, start_node, stop_node
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Door:
+    router: Node
+    http_port: int
+    model: str
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def door(tiny_dir: Path) -> Iterator[Door]:
+    nodes: list[Node] = []
+    try:
+        nodes.append(start_node(["decode", "--model", str(tiny_dir), "--host", "127.0.0.1",
+                                 "--port", "0", "--num-pages", "256"]))
+        router = start_node(["router", "--model", str(tiny_dir), "--host", "127.0.0.1",
+                             "--colocated", nodes[0].address, "--port", "0",
+                             "--http-port", "0"])
+        nodes.append(router)
+        http = [line for line in router.log if line.startswith("HTTP ")]
+        assert http, f"no HTTP line before READY: {router.log}"
+        yield Door(router, int(http[0].split()[1]), tiny_dir.name)
+    finally:
+        for node in reversed(nodes):
+            stop_node(node)
+
+
+def png_data_url(size: tuple[int, int] = (56, 56)) -> str:
+    img = Image.new("RGB", size)
+    for x in range(size[0]):
+        for y in range(size[1]):
+            img.putpixel((x, y), (x * 4 % 256, y * 4 % 256, (x + y) % 256))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_streaming_chat_with_image_ends_with_usage(door: Door) -> None:
+    stream = door.client().chat.completions.create(
+        model=door.model, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "system", "content": "be brief"},
+                  {"role": "user", "content": [
+                      {"type": "text", "text": "what is in"},
+                      {"type": "image_url", "image_url": {"url": png_data_url()}},
+                      {"type": "text", "text": "this picture?"}]}])
+    chunks = list(stream)
+    assert chunks, "no chunks"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert text
+    assert finishes[-1] in ("stop", "length")
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert usage is not None and 1 <= usage.completion_tokens <= 8
+    assert usage.prompt_tokens > 20  # the expanded image placeholders are counted
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completion_equals_grpc_door(door: Door) -> None:
+    prompt = "The quick brown fox"
+    res = door.client().completions.create(model=door.model, prompt=prompt, max_tokens=12,
+                                           temperature=0)
+    with grpc.insecure_channel(door.router.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        msgs = list(stub.Generate(gpb.GenerateRequest(
+            text=prompt, sampling=gpb.SamplingParams(max_new_tokens=12))))
+    assert res.choices[0].text == "".join(m.text for m in msgs)
+    assert res.choices[0].finish_reason == msgs[-1].finish_reason
+    assert res.usage is not None
+    assert res.usage.completion_tokens == msgs[-1].usage.completion_tokens
+    assert res.usage.prompt_tokens == msgs[-1].usage.prompt_tokens
+
+
+def test_streaming_completion_matches_non_streaming(door: Door) -> None:
+    client = door.client()
+    whole = client.completions.create(model=door.model, prompt="one two three", max_tokens=10,
+                                      temperature=0)
+    chunks = list(client.completions.create(model=door.model, prompt="one two three",
+                                            max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_models_and_health(door: Door) -> None:
+    models = door.client().models.list()
+    assert [m.id for m in models.data] == [door.model]
+    with urllib.request.urlopen(f"http://127.0.0.1:{door.http_port}/health", timeout=10) as r:
+        assert r.status == 200
+        assert json.loads(r.read())["status"] == "ok"
+
+
+def test_bad_requests_are_400(door: Door) -> None:
+    client = door.client()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=door.model, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError) as err:  # the shared validator's refusal
+        client.completions.create(model=door.model, prompt="hi", max_tokens=10**6)
+    assert "max_new_tokens" in str(err.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=door.model, max_tokens=4, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    req = urllib.request.Request(f"{door.base_url}/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as http_err:
+        urllib.request.urlopen(req, timeout=10)
+    assert http_err.value.code == 400
+    assert json.loads(http_err.value.read())["error"]["type"] == "invalid_request_error"
+
+
+def test_stop_string_cuts_the_text(door: Door) -> None:
+    client = door.client()
+    whole = client.completions.create(model=door.model, prompt="alpha beta", max_tokens=16,
+                                      temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    assert stop, whole
+    cut = client.completions.create(model=door.model, prompt="alpha beta", max_tokens=16,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].text == whole[:whole.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=door.model, prompt="alpha beta",
+                                            max_tokens=16, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
+
+
+def test_status_mapping_and_stop_matcher() -> None:
+    from router.http_door import StopMatcher, chat_prompt, error_response
+    from router.service import DoorError
+    from serving.overload import retry_metadata
+
+    for code, status in ((grpc.StatusCode.INVALID_ARGUMENT, 400),
+                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+                         (grpc.StatusCode.UNAVAILABLE, 503),
+                         (grpc.StatusCode.DEADLINE_EXCEEDED, 504)):
+        resp = error_response(DoorError(code, "no", retry_metadata(1500)))
+        assert resp.status == status
+        assert json.loads(resp.text)["error"]["message"] == "no"
+        if status == 429:
+            assert resp.headers["Retry-After"] == "2"
+    m = StopMatcher(["XYZ"])
+    assert m.feed("abcX") == "ab"
+    assert m.feed("Y") == "c"
+    assert m.feed("Zrest") == "" and m.hit
+    text, images = chat_prompt([{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert text == ("<|im_start|>user\na<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert images == [b"\x00\x00\x00"]
