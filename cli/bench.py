@@ -88,6 +88,16 @@ def workloads(args: argparse.Namespace) -> list[loadgen.Workload]:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """Run and report; exit 1 when a request failed, 2 (one error line) when a cluster did not
+    start or a baseline library is missing."""
+    try:
+        return _bench(args)
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
     if bool(args.compare) == bool(args.target):
         raise ValueError("give --target HOST:PORT (repeatable) or --compare, not both")
     works = workloads(args)

@@ -11,11 +11,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from engine.chat import chat_prompt
+
+if TYPE_CHECKING:
+    import grpc
 
 EXIT_ERROR = 2
 
@@ -75,6 +76,8 @@ def build_request(args: argparse.Namespace) -> Any:
 
 def run_client(args: argparse.Namespace) -> int:
     """Stream one request; returns the exit status."""
+    import grpc
+
     from proto.pdserve.v1 import generate_pb2_grpc
     from serving.auth import bearer_metadata, read_secret
     from serving.server import MAX_MESSAGE_BYTES
@@ -114,6 +117,8 @@ def run_client(args: argparse.Namespace) -> int:
 
 
 def _channel(target: str, options: list[tuple[str, int]], ca: bytes | None) -> grpc.Channel:
+    import grpc
+
     if ca is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca),

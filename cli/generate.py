@@ -6,16 +6,16 @@ import argparse
 import json
 import time
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from cli.engine_args import add_engine_args, engine_config
+from cli.models import ensure_model
 from engine.chat import chat_prompt
 from engine.errors import InvalidRequestError
-from engine.inputs import ImageInput
-from engine.llm_engine import GenerationResult, LLMEngine, Prompt
-from engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.inputs import ImageInput
+    from engine.llm_engine import GenerationResult
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +50,11 @@ def _parse_ids(text: str, what: str) -> list[int]:
 
 
 def _images(args: argparse.Namespace) -> list[bytes | ImageInput]:
+    import numpy as np
+    import torch
+
+    from engine.inputs import ImageInput
+
     if len(args.image_patches) != len(args.image_grid):
         raise InvalidRequestError("give one --image-grid for each --image-patches")
     images: list[bytes | ImageInput] = [Path(f).read_bytes() for f in args.image]
@@ -66,7 +71,13 @@ def _images(args: argparse.Namespace) -> list[bytes | ImageInput]:
     return images
 
 
-def run_generate(args: argparse.Namespace, model_dir: Path) -> int:
+def run_generate(args: argparse.Namespace) -> int:
+    """Generate for every prompt in one batch; print each result, then a throughput line
+    (or one JSON object per prompt with ``--json``)."""
+    from engine.llm_engine import LLMEngine, Prompt
+    from engine.request import SamplingParams
+
+    model_dir = ensure_model(args.model)
     images = _images(args)
     texts = [chat_prompt(t) for t in args.prompts] if args.chat else args.prompts
     prompts = [Prompt(text=t, images=images) for t in texts]

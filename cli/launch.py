@@ -1,4 +1,8 @@
-"""``pdserve launch`` / ``status`` / ``stop``: the Ray cluster from the command line."""
+"""``pdserve launch`` / ``status`` / ``stop``: the Ray cluster from the command line.
+
+A detached launch leaves its state (the router address, whether it started the Ray head) in
+``launch.json`` of the cache directory (:func:`cli.models.cache_dir`), where ``stop`` finds it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from cli.models import cache_dir, ensure_model
 
 STATE_FILE = "launch.json"
 RAY = str(Path(sys.executable).parent / "ray")  # the ray CLI of this environment
@@ -35,9 +41,11 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="start and return; stop later with `pdserve stop`")
 
 
-def run_launch(args: argparse.Namespace, model_dir: Path, state_dir: Path) -> int:
+def run_launch(args: argparse.Namespace) -> int:
+    """Start the cluster; without ``--detach``, serve until SIGINT/SIGTERM and stop it."""
     from deploy import ray_launcher as rl
 
+    model_dir = ensure_model(args.model)
     opts = rl.LaunchOptions(
         model=str(model_dir), prefill=args.prefill, decode=args.decode, port=args.port,
         address=args.address, prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus,
@@ -55,6 +63,7 @@ def run_launch(args: argparse.Namespace, model_dir: Path, state_dir: Path) -> in
     print(f"router: {cluster.router_address}  (prefill {args.prefill}, decode {args.decode})")
     print(f"READY {cluster.router_address}", flush=True)
     if args.detach:
+        state_dir = cache_dir()
         state_dir.mkdir(parents=True, exist_ok=True)
         (state_dir / STATE_FILE).write_text(json.dumps({
             "router": cluster.router_address, "started_head": started_head}))
@@ -69,7 +78,8 @@ def run_launch(args: argparse.Namespace, model_dir: Path, state_dir: Path) -> in
     return 0
 
 
-def run_status(state_dir: Path) -> int:
+def run_status(args: argparse.Namespace) -> int:
+    """Report the running cluster; exit 1 when there is none or a server is dead."""
     from deploy import ray_launcher as rl
 
     rl.connect("auto")
@@ -85,10 +95,11 @@ def run_status(state_dir: Path) -> int:
     return 0 if all(alive) else 1
 
 
-def run_stop(state_dir: Path) -> int:
+def run_stop(args: argparse.Namespace) -> int:
+    """Stop the running cluster (and the Ray head a detached launch started); exit 1 if none."""
     from deploy import ray_launcher as rl
 
-    state_path = state_dir / STATE_FILE
+    state_path = cache_dir() / STATE_FILE
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
     rl.connect("auto")
     cluster = rl.find_cluster()

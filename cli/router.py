@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cli.engine_args import add_server_args, internal_token
+from cli.models import ensure_model
 
 if TYPE_CHECKING:
     from serving.auth import ServerSecurity
@@ -62,11 +62,12 @@ def router_security(args: argparse.Namespace) -> ServerSecurity:
     return ServerSecurity(tls=tls, requirements=rules)
 
 
-def run_router(args: argparse.Namespace, model_dir: Path) -> int:
+def run_router(args: argparse.Namespace) -> int:
     """Build the config from ``args`` and serve until SIGTERM; bad flags print one error line."""
     from router.config import RouterConfig, parse_addresses
     from router.server import serve_router
 
+    model_dir = ensure_model(args.model)
     try:
         config = RouterConfig(
             model_dir=model_dir,

@@ -2,23 +2,45 @@
 
 A conversation is a run of turns ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; a prompt that asks
 for a reply ends with the opening of an assistant turn, ``<|im_start|>assistant\\n``. The model
-ends its reply with ``<|im_end|>``, one of its end-of-sequence ids.
+ends its reply with ``<|im_end|>``, one of its end-of-sequence ids. An image sits in a turn's
+content as :data:`IMAGE_BLOCK`, which the engine expands to the image's patch tokens.
+
+This module is the one place that spells the template; every caller (``pdserve generate --chat``,
+``pdserve client --chat``, the router's OpenAI door, the training script) renders through it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 ROLES = ("system", "user", "assistant")
+IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+_REPLY_OPENING = "<|im_start|>assistant\n"
+
+
+def _turn(role: str, content: str) -> str:
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
 
 
 def chat_turn(role: str, content: str) -> str:
-    """One complete turn."""
+    """One complete turn; the role must be one of :data:`ROLES` (ValueError otherwise)."""
     if role not in ROLES:
         raise ValueError(f"unknown chat role {role!r}; expected one of {', '.join(ROLES)}")
-    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+    return _turn(role, content)
+
+
+def conversation_prompt(turns: Iterable[tuple[str, str]]) -> str:
+    """The prompt text for ``(role, content)`` turns in order, ending where the assistant's reply
+    begins.
+
+    Roles are written as given, unchecked: a server passes through whatever roles its clients
+    send (OpenAI clients also use e.g. ``developer`` or ``tool``) and validates them itself.
+    """
+    return "".join(_turn(role, content) for role, content in turns) + _REPLY_OPENING
 
 
 def chat_prompt(user: str, system: str | None = None) -> str:
     """The prompt text for one user message (after an optional system message), ending where the
     assistant's reply begins."""
-    head = chat_turn("system", system) if system else ""
-    return head + chat_turn("user", user) + "<|im_start|>assistant\n"
+    head = [("system", system)] if system else []
+    return conversation_prompt([*head, ("user", user)])

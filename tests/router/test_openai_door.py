@@ -161,28 +161,3 @@ def test_stop_string_cuts_the_text(door: Door) -> None:
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
 
-
-def test_status_mapping_and_stop_matcher() -> None:
-    from router.http_door import StopMatcher, chat_prompt, error_response
-    from router.service import DoorError
-    from serving.overload import retry_metadata
-
-    for code, status in ((grpc.StatusCode.INVALID_ARGUMENT, 400),
-                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
-                         (grpc.StatusCode.UNAVAILABLE, 503),
-                         (grpc.StatusCode.DEADLINE_EXCEEDED, 504)):
-        resp = error_response(DoorError(code, "no", retry_metadata(1500)))
-        assert resp.status == status
-        assert json.loads(resp.text)["error"]["message"] == "no"
-        if status == 429:
-            assert resp.headers["Retry-After"] == "2"
-    m = StopMatcher(["XYZ"])
-    assert m.feed("abcX") == "ab"
-    assert m.feed("Y") == "c"
-    assert m.feed("Zrest") == "" and m.hit
-    text, images = chat_prompt([{"role": "user", "content": [
-        {"type": "text", "text": "a"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
-    assert text == ("<|im_start|>user\na<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
-                    "<|im_start|>assistant\n")
-    assert images == [b"\x00\x00\x00"]

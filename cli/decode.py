@@ -1,0 +1,46 @@
+"""``pdserve decode``: run a decode worker (gRPC ``DecodeWorker``) until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import replace
+from pathlib import Path
+
+from cli.engine_args import (
+    add_draft_args,
+    add_engine_args,
+    add_server_args,
+    add_transfer_args,
+    add_worker_args,
+    advertise_host,
+    bootstrap_config,
+    engine_config,
+    worker_security,
+)
+from cli.models import ensure_model
+
+
+def add_decode_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    add_server_args(p, default_port=50061)
+    add_transfer_args(p)
+    add_worker_args(p)
+    add_draft_args(p, decode=True)
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM (with ``--draft``, the engine looks ahead K draft tokens)."""
+    from decode_node.server import serve_decode
+
+    config = engine_config(args)
+    if args.draft:
+        config = replace(config, lookahead_tokens=args.num_draft_tokens)
+    asyncio.run(serve_decode(
+        ensure_model(args.model), config, args.host, args.port,
+        transfer_backend=args.transfer_backend, advertise_host=advertise_host(args),
+        draft=Path(args.draft) if args.draft else None, num_draft_tokens=args.num_draft_tokens,
+        max_waiting=args.max_waiting, security=worker_security(args),
+        bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
+    ))
+    return 0

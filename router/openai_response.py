@@ -1,0 +1,143 @@
+"""Generation results -> OpenAI response bodies: the HTTP door's output conversion.
+
+Whole responses, stream chunks and the final usage chunk (:class:`Chunks`), stop strings cut out
+of streamed text (:class:`StopMatcher`), and errors as an HTTP status with an OpenAI-style error
+body (:func:`error_reply`). Plain JSON-ready dicts; the door does the HTTP.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from router.openai_request import BadRequest
+from router.service import DoorError
+from serving.overload import RETRY_AFTER_KEY
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+              409: "conflict_error",
+              429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error object for an HTTP status."""
+    return {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"),
+                      "param": None, "code": code}}
+
+
+def door_error_body(exc: DoorError) -> tuple[int, dict[str, Any]]:
+    """A gRPC refusal as an HTTP status and error body (500 for codes without a mapping)."""
+    status = HTTP_STATUS.get(exc.code, 500)
+    return status, error_body(status, exc.details, exc.code.name.lower())
+
+
+def error_reply(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The HTTP status, body and headers for a failed call. An overload refusal's retry-after
+    hint becomes ``Retry-After`` (whole seconds, rounded up, at least 1) plus the hint itself;
+    anything but a :class:`BadRequest` or :class:`DoorError` is an opaque 500."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, BadRequest):
+        status, body = 400, error_body(400, str(exc), "invalid_argument")
+    elif isinstance(exc, DoorError):
+        status, body = door_error_body(exc)
+        retry = dict(exc.trailing).get(RETRY_AFTER_KEY)
+        if retry and retry.isdigit():
+            headers["Retry-After"] = str(max(1, -(-int(retry) // 1000)))
+            headers[RETRY_AFTER_KEY] = retry
+    else:
+        status, body = 500, error_body(500, "internal error", "internal")
+    return status, body, headers
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back what could start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        """The text that is safe to emit now; sets ``hit`` (and drops the rest) at a stop."""
+        self.buf += text
+        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.buf, self.hit = self.buf[:min(found)], "", True
+            return out
+        keep = min(self.hold, len(self.buf))
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        """What was held back, at the end of the generation."""
+        out, self.buf = self.buf, ""
+        return out
+
+
+@dataclass
+class Outcome:
+    """What one generation produced, kept while it streams."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    text: list[str] = field(default_factory=list)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class Chunks:
+    """OpenAI response objects of one request (``chat.completion`` or ``text_completion``)."""
+
+    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+        self.id = request_id
+        self.model = model
+        self.chat = chat
+        self.created = int(time.time())
+
+    def _base(self, suffix: str) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        if suffix and self.chat:
+            kind += suffix
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, out: Outcome) -> dict[str, Any]:
+        """The non-streaming response."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason,
+                                  "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._base(""), "choices": [choice], "usage": out.usage()}
+
+    def delta(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        """A chat stream chunk carrying ``delta``."""
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {**self._base(".chunk"), "choices": [choice]}
+
+    def piece(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        """A stream chunk of text (the last one, with ``finish_reason``, may be empty)."""
+        if self.chat:
+            return self.delta({"content": text} if text or not finish_reason else {},
+                              finish_reason)
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {**self._base(".chunk"), "choices": [choice]}
+
+    def usage(self, out: Outcome) -> dict[str, Any]:
+        """The ``include_usage`` chunk that ends a stream: no choices, the usage."""
+        return {**self._base(".chunk"), "choices": [], "usage": out.usage()}

@@ -1,0 +1,90 @@
+"""The HTTP door's JSON conversion without a server: OpenAI bodies -> ``GenerateRequest``
+(:mod:`router.openai_request`), and statuses, stop strings -> responses
+(:mod:`router.openai_response`, :func:`router.http_door.error_response`)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from engine.chat import IMAGE_BLOCK, chat_turn, conversation_prompt
+from engine.chat import chat_prompt as engine_chat_prompt
+from router.http_door import error_response
+from router.openai_request import BadRequest, chat_call, chat_prompt
+from router.openai_response import StopMatcher
+from router.service import DoorError
+from serving.overload import retry_metadata
+
+
+def test_status_mapping() -> None:
+    for code, status in ((grpc.StatusCode.INVALID_ARGUMENT, 400),
+                         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+                         (grpc.StatusCode.UNAVAILABLE, 503),
+                         (grpc.StatusCode.DEADLINE_EXCEEDED, 504)):
+        resp = error_response(DoorError(code, "no", retry_metadata(1500)))
+        assert resp.status == status
+        assert json.loads(resp.text)["error"]["message"] == "no"
+        if status == 429:
+            assert resp.headers["Retry-After"] == "2"
+
+
+def test_stop_matcher() -> None:
+    m = StopMatcher(["XYZ"])
+    assert m.feed("abcX") == "ab"
+    assert m.feed("Y") == "c"
+    assert m.feed("Zrest") == "" and m.hit
+
+
+def test_chat_prompt_with_an_image() -> None:
+    text, images = chat_prompt([{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert text == ("<|im_start|>user\na<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert images == [b"\x00\x00\x00"]
+
+
+def test_door_prompt_is_the_engine_chat_template() -> None:
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "and"},
+                    {"type": "image_url", "image_url": "data:image/jpeg;base64,AAAA"},
+                    {"type": "text", "text": "this?"}]}]
+    text, images = chat_prompt(messages)
+    assert text == conversation_prompt([("system", "be brief"), ("user", "hi"),
+                                        ("assistant", "hello"),
+                                        ("user", f"and{IMAGE_BLOCK}this?")])
+    assert text == (chat_turn("system", "be brief") + chat_turn("user", "hi")
+                    + chat_turn("assistant", "hello") + chat_turn("user", f"and{IMAGE_BLOCK}this?")
+                    + "<|im_start|>assistant\n")
+    assert images == [b"\x00\x00\x00"]
+    one, _ = chat_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    assert one == engine_chat_prompt("u", system="s")
+
+
+def test_door_passes_roles_through_and_checks_the_json() -> None:
+    text, _ = chat_prompt([{"role": "developer", "content": None}])
+    assert text == "<|im_start|>developer\n<|im_end|>\n<|im_start|>assistant\n"
+    for messages, word in (([], "non-empty list"), ([{"content": "x"}], "string 'role'"),
+                           ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be"),
+                           ([{"role": "user", "content": [{"type": "audio"}]}], "parts must"),
+                           ([{"role": "user", "content": [{"type": "image_url",
+                                                           "image_url": "https://x/y.png"}]}],
+                            "data: URL")):
+        with pytest.raises(BadRequest, match=word):
+            chat_prompt(messages)
+
+
+def test_chat_call_carries_the_stream_options_and_stops() -> None:
+    call = chat_call({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                      "stream": True, "stream_options": {"include_usage": True},
+                      "stop": ["", "x"]}, "r1")
+    assert call.chat and call.stream and call.include_usage
+    assert call.stops == ["x"]
+    assert call.request.request_id == "r1"
+    assert call.request.text == engine_chat_prompt("hi")
+    assert call.request.sampling.max_new_tokens == 5
