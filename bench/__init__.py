@@ -1,0 +1,11 @@
+"""Benchmarks: a library that ``pdserve bench`` and the scripts here share, and the scripts.
+
+Library: :mod:`bench.loadgen` (workloads, arrivals, traces, the report), :mod:`bench.clusters`
+(starting clusters on loopback), :mod:`bench.compare` (the ``--compare`` runner),
+:mod:`bench.hf_baseline` (transformers' ``generate`` on the same requests), :mod:`bench.plot`.
+
+Scripts, run from the repository root as ``python -m bench.NAME``: ``engine`` (engine vs
+transformers), ``transfer`` (``send_kvcache`` vs the raw engine vs memcpy), ``serving``
+(disaggregated vs colocated), ``spec`` (EAGLE on vs off), ``hf_generate`` (the baseline alone).
+Each prints ratios against a baseline measured in the same run.
+"""

@@ -14,12 +14,15 @@ from collections.abc import Callable
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_decode import DecodeBootstrapClient
+from transfer.errors import TransferError
 
 
 def parse_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of a bootstrap ``HOST:PORT``; raises ``TransferError`` when malformed
+    (the prefill cannot be reached there)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"bootstrap address must be HOST:PORT, got {address!r}")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise TransferError(f"bootstrap address must be HOST:PORT, got {address!r}")
     return host, int(port)
 
 

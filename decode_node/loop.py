@@ -1,17 +1,15 @@
 """The decode node's engine thread: runs engine steps while other threads submit and abort.
 
-All scheduler state is touched under one lock: the engine thread holds it for a step, and
-:meth:`EngineLoop.submit` / :meth:`EngineLoop.abort` take it briefly, so a bad request is
-refused synchronously (``InvalidRequestError``) and never reaches the loop. After each step the
-thread hands the step's token events to ``emit`` in one call (one event per request that got a
-token or finished), outside the lock.
+All scheduler state is touched under one lock (:class:`serving.engine_thread.EngineThread`'s):
+the engine thread holds it for a step, and :meth:`DecodeLoop.submit` / :meth:`DecodeLoop.abort`
+take it briefly, so a bad request is refused synchronously (``InvalidRequestError``) and never
+reaches the loop. After each step the thread hands the step's token events to ``emit`` in one
+call (one event per request that got a token or finished), outside the lock. Remote rooms that
+leave the transfer queues are emitted as they are polled, on every pass.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, Request, SamplingParams
+from serving.engine_thread import EngineThread
 from transfer.bootstrap_decode import DecodeBootstrapClient
 
 
@@ -40,32 +39,19 @@ class TokenEvent:
 
 
 Emit = Callable[[list[TokenEvent]], None]
-log = logging.getLogger(__name__)
 IDLE_POLL_S = 0.002  # how often transfers are polled while nothing else runs
 
 
-class EngineLoop:
+class DecodeLoop(EngineThread[list[TokenEvent]]):
     """Owns an :class:`LLMEngine` and steps it on a background thread."""
 
     def __init__(self, engine: LLMEngine, emit: Emit, spec: EagleEngine | None = None) -> None:
+        super().__init__("decode-loop", "decode node error")
         self.engine = engine
         self.spec = spec
         self._stepper: LLMEngine | EagleEngine = spec or engine
         self.remote = RemoteQueues(engine, seed=spec.seed if spec else None)
         self._emit = emit
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join()
 
     def submit(
         self,
@@ -75,9 +61,9 @@ class EngineLoop:
         sampling: SamplingParams,
     ) -> Request:
         """Validate and queue a request; raises ``InvalidRequestError`` on bad input."""
-        with self._wake:
+        with self.lock:
             req = self.engine.add_request(token_ids, images, sampling, request_id=request_id)
-            self._wake.notify()
+            self.lock.notify()
             return req
 
     def submit_remote(
@@ -90,15 +76,15 @@ class EngineLoop:
         order (the last stage sends the aux row)."""
         clients = client if isinstance(client, list) else [client]
         req = Request(str(room), list(token_ids), sampling)
-        with self._wake:
+        with self.lock:
             if room in self.remote or self.engine.scheduler.get(req.request_id):
                 raise InvalidRequestError(f"room {room} is already running here")
             self.remote.add(RemoteRoom(room, req, clients))
-            self._wake.notify()
+            self.lock.notify()
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; True if it was still running. It gets a final ABORT event."""
-        with self._wake:
+        with self.lock:
             remote = self.remote.abort(int(request_id), "aborted") if request_id.isdigit() else None
             req = remote.request if remote else self.engine.abort(request_id)
         if req is None:
@@ -106,6 +92,59 @@ class EngineLoop:
         req.finish_reason = FinishReason.ABORT
         self._emit([_event(req, 0)])
         return True
+
+    def stats(self) -> dict[str, float]:
+        with self.lock:
+            sched = self.engine.scheduler
+            out: dict[str, float] = {
+                "waiting_requests": sched.num_waiting + self.remote.num_rooms,
+                "running_requests": sched.num_running,
+                "kv_pages_used": sched.allocator.num_used,
+                "kv_pages_total": sched.allocator.num_pages,
+                "rooms_active": self.remote.num_rooms,
+            }
+            if self.spec is not None:
+                spec = self.spec.stats
+                out.update(drafted_tokens=spec.drafted, accepted_tokens=spec.accepted,
+                           spec_rounds=spec.rounds, acceptance_length=spec.acceptance_length)
+            return out
+
+    def num_queued(self) -> int:
+        """Requests waiting for admission: remote rooms waiting for pages (prealloc) and local
+        requests waiting to be scheduled (the bound of ``--max-waiting``)."""
+        with self.lock:
+            return self.engine.scheduler.num_waiting + len(self.remote.prealloc)
+
+    # ---- the thread's hooks (lock held, but publish) -------------------------------------
+
+    def poll(self) -> None:
+        """Poll the transfer queues; emit the rooms that left them (adopted, done, failed)."""
+        if self.remote.active:
+            self._emit_outcomes(self.remote.tick())
+
+    def has_work(self) -> bool:
+        return self.engine.scheduler.has_unfinished()
+
+    def idle_wait_s(self) -> float | None:
+        """Transfers in flight are polled every ``IDLE_POLL_S``; with none, sleep until woken."""
+        return IDLE_POLL_S if self.remote.active else None
+
+    def step(self) -> list[TokenEvent]:
+        result = self._stepper.step()
+        events = [self._event(r, n) for r, n in result.new_tokens]
+        done = {id(r) for r, _ in result.new_tokens}
+        return events + [self._event(r, 0) for r in result.finished if id(r) not in done]
+
+    def fail_all(self, reason: str) -> list[TokenEvent]:
+        """Abort every scheduled request: each ends with ``finish_reason`` abort (the reason
+        is only logged)."""
+        sched = self.engine.scheduler
+        reqs = [sched.abort(rid) for rid in sched.request_ids()]
+        return [_event(r, 0) for r in reqs if r is not None]
+
+    def publish(self, out: list[TokenEvent]) -> None:
+        if out:
+            self._emit(out)
 
     def _event(self, req: Request, new: int) -> TokenEvent:
         """:func:`_event`, with the speculative counts on a request's last event."""
@@ -127,59 +166,6 @@ class EngineLoop:
                 events.append(_event(req, 1))
         if events:
             self._emit(events)
-
-    def _abort_all(self) -> list[TokenEvent]:
-        sched = self.engine.scheduler
-        reqs = [sched.abort(rid) for rid in sched.request_ids()]
-        return [_event(r, 0) for r in reqs if r is not None]
-
-    def stats(self) -> dict[str, float]:
-        with self._lock:
-            sched = self.engine.scheduler
-            out: dict[str, float] = {
-                "waiting_requests": sched.num_waiting + self.remote.num_rooms,
-                "running_requests": sched.num_running,
-                "kv_pages_used": sched.allocator.num_used,
-                "kv_pages_total": sched.allocator.num_pages,
-                "rooms_active": self.remote.num_rooms,
-            }
-            if self.spec is not None:
-                spec = self.spec.stats
-                out.update(drafted_tokens=spec.drafted, accepted_tokens=spec.accepted,
-                           spec_rounds=spec.rounds, acceptance_length=spec.acceptance_length)
-            return out
-
-    def num_queued(self) -> int:
-        """Requests waiting for admission: remote rooms waiting for pages (prealloc) and local
-        requests waiting to be scheduled (the bound of ``--max-waiting``)."""
-        with self._lock:
-            return self.engine.scheduler.num_waiting + len(self.remote.prealloc)
-
-    def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stopping and not self.engine.scheduler.has_unfinished():
-                    if self.remote.active:
-                        self._emit_outcomes(self.remote.tick())
-                        if self.engine.scheduler.has_unfinished():
-                            break
-                    self._wake.wait(IDLE_POLL_S if self.remote.active else None)
-                if self._stopping:
-                    return
-                if self.remote.active:
-                    self._emit_outcomes(self.remote.tick())
-                try:
-                    result = self._stepper.step()
-                except Exception:  # a bug must fail the step's requests, not hang them
-                    log.exception("engine step failed; aborting every running request")
-                    self._emit(self._abort_all())
-                    continue
-            events = [self._event(r, n) for r, n in result.new_tokens]
-            done = {id(r) for r, _ in result.new_tokens}
-            events += [self._event(r, 0) for r in result.finished if id(r) not in done]
-            if events:
-                self._emit(events)
-            time.sleep(0)  # let submit/abort/stats threads take the lock between steps
 
 
 def _event(req: Request, new: int, drafted: int = 0, accepted: int = 0) -> TokenEvent:

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from decode_node.clients import BootstrapClients
-from decode_node.loop import EngineLoop
+from decode_node.loop import DecodeLoop
 from decode_node.service import DEFAULT_MAX_WAITING, DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import model_fingerprint
@@ -49,7 +49,7 @@ async def serve_decode(
     )
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
     service = DecodeService(max_waiting)
-    loop = EngineLoop(engine, service.emit, spec)
+    loop = DecodeLoop(engine, service.emit, spec)
     clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config)
     service.bind(loop, asyncio.get_running_loop(), clients)
     loop.start()

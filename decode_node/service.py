@@ -3,9 +3,11 @@
 Events from the engine thread reach the asyncio loop with one ``call_soon_threadsafe`` per step;
 each stream sends everything queued for it since its last write as one message.
 
-Admission is bounded: a new room is refused with ``RESOURCE_EXHAUSTED`` (and a retry hint) while
-``max_waiting`` requests already wait (remote rooms waiting for pages + local requests waiting to
-be scheduled), so a flood queues at the router's clients, not in this node's memory.
+Admission is bounded (:class:`serving.admission.AdmissionGate`): a new room is refused with
+``RESOURCE_EXHAUSTED`` (and a retry hint) while ``max_waiting`` requests already wait (remote rooms
+waiting for pages + local requests waiting to be scheduled), so a flood queues at the router's
+clients, not in this node's memory. A room the loop or a prefill's bootstrap endpoint refuses
+ends the call with the status of :mod:`serving.status`.
 """
 
 from __future__ import annotations
@@ -18,19 +20,19 @@ from contextlib import aclosing
 import grpc
 
 from decode_node.clients import BootstrapClients
-from decode_node.loop import EngineLoop, TokenEvent
-from engine.errors import EngineError
+from decode_node.loop import DecodeLoop, TokenEvent
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
-from proto.convert import ConversionError, patches_array, sampling_kwargs
+from proto.convert import patches_array, sampling_kwargs
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
+from serving.admission import AdmissionGate
 from serving.blocking import to_thread_atomic
-from serving.overload import abort_overloaded
 from serving.request_log import request_line
-from transfer.errors import IncompatiblePeerError, TransferError
+from serving.status import STATUS_ERRORS, abort_with_status
+from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.faults import fault_figures
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -45,28 +47,27 @@ def engine_inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], 
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
-    """Serves ``DecodeWorker`` over an :class:`EngineLoop` (colocated: prefill runs here too)."""
+    """Serves ``DecodeWorker`` over a :class:`DecodeLoop` (colocated: prefill runs here too)."""
 
     def __init__(self, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
-        self.max_waiting = max_waiting
+        self.admission = AdmissionGate(max_waiting, lambda: self.loop.num_queued(),
+                                       "decode node: {queued} requests wait for pages")
         # every key exists from the start: stats() copies it from another thread
-        self.counters: Counter[str] = Counter(
-            requests_total=0, requests_rejected=0, transfers_failed=0)
-        self._admitting = 0  # Decode calls between the admission check and the loop's queue
+        self.counters: Counter[str] = Counter(transfers_failed=0)
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._loop: EngineLoop | None = None
+        self._loop: DecodeLoop | None = None
         self._clients: BootstrapClients | None = None
 
     def bind(
-        self, loop: EngineLoop, aio: asyncio.AbstractEventLoop, clients: BootstrapClients
+        self, loop: DecodeLoop, aio: asyncio.AbstractEventLoop, clients: BootstrapClients
     ) -> None:
         """Attach the engine loop (whose ``emit`` is :meth:`emit`), the asyncio loop the
         server runs on and the bootstrap connections; call before serving."""
         self._loop, self._aio, self._clients = loop, aio, clients
 
     @property
-    def loop(self) -> EngineLoop:
+    def loop(self) -> DecodeLoop:
         assert self._loop is not None, "DecodeService.bind() was not called"
         return self._loop
 
@@ -105,7 +106,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._streams[rid] = queue
         finished = False
         try:
-            await self._submit(request, context)
+            await self.admission.admit(context, lambda: self._enqueue(request, context))
             while not finished:
                 events = [await queue.get()]
                 while not queue.empty():
@@ -121,39 +122,31 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             if not finished:
                 await asyncio.to_thread(self.loop.abort, rid)
 
-    async def _submit(self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext) -> None:
-        self._admitting += 1
-        try:
-            queued = await asyncio.to_thread(self.loop.num_queued)
-            if queued + self._admitting - 1 >= self.max_waiting:
-                self.counters["requests_rejected"] += 1
-                await abort_overloaded(context, f"decode node: {queued} requests wait for "
-                                                f"pages (--max-waiting {self.max_waiting})")
-            await self._enqueue(request, context)
-            self.counters["requests_total"] += 1
-        finally:
-            self._admitting -= 1
-
     async def _enqueue(self, request: wpb.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> None:
+        """Validate and queue the room, locally prefilled or remote (aborts the call on
+        refusal)."""
         req = request.request
         try:
             ids, images, sampling = engine_inputs(req)
             if request.local_prefill or not request.prefill_bootstrap:
                 await to_thread_atomic(self.loop.submit, str(req.room), ids, images, sampling)
                 return
-            assert self._clients is not None
-            # a pipeline-parallel prefill lists every stage's address, in stage order
-            clients = [await asyncio.to_thread(self._clients.get, address.strip())
-                       for address in request.prefill_bootstrap.split(",")]
+            clients = await self._connect(request.prefill_bootstrap, context)
             await to_thread_atomic(self.loop.submit_remote, req.room, ids, sampling, clients)
-        except (EngineError, ConversionError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except IncompatiblePeerError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        except (TransferError, OSError, ValueError) as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"prefill bootstrap {request.prefill_bootstrap}: {exc}")
+        except STATUS_ERRORS as exc:
+            await abort_with_status(context, exc)
+
+    async def _connect(self, bootstrap: str,
+                       context: grpc.aio.ServicerContext) -> list[DecodeBootstrapClient]:
+        """A client per address of ``bootstrap`` (a pipeline-parallel prefill lists every
+        stage's, in stage order); a refusal ends the call with details naming ``bootstrap``."""
+        assert self._clients is not None
+        try:
+            return [await asyncio.to_thread(self._clients.get, address.strip())
+                    for address in bootstrap.split(",")]
+        except STATUS_ERRORS as exc:
+            await abort_with_status(context, exc, where=f"prefill bootstrap {bootstrap}")
 
     async def AbortRoom(  # noqa: N802
         self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext
@@ -170,7 +163,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         """Figures for ``Admin.GetStats`` (blocking). ``rooms_active`` counts every room a
         bootstrap client still tracks, failed ones waiting for the prefill's last word
         included: zero means no page or aux slot can still be written by a prefill."""
-        figures: dict[str, float] = {**self.loop.stats(), **self.counters}
+        figures: dict[str, float] = {**self.loop.stats(), **self.admission.counters,
+                                     **self.counters}
         if self._clients is not None:
             figures["rooms_active"] = max(figures["rooms_active"], self._clients.num_rooms())
             aux = self._clients.manager.aux

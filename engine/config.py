@@ -216,5 +216,5 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     # the decoder layers this engine holds (weights and KV pool): None for all; a pipeline's
-    # stage 0 holds its share only and runs through prefill_node.pipeline.head_runner
+    # first stage holds its share only and runs through prefill_node.pipeline.first_runner
     layers: range | None = None

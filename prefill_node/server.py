@@ -34,19 +34,22 @@ async def serve_prefill(
     """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
     With ``pp_size > 1`` this process is stage ``pp_rank`` of a pipeline-parallel prefill
-    (:mod:`prefill_node.pipeline.server`); ``pp_next`` is the next stage's gRPC address.
-    ``max_waiting`` bounds the rooms waiting here (see :mod:`prefill_node.service`);
-    ``bootstrap_config`` sets the handshake timeouts of its bootstrap endpoint.
+    (:mod:`prefill_node.pipeline.server`: the first stage or a later one); ``pp_next`` is the
+    next stage's gRPC address. ``max_waiting`` bounds the rooms waiting here (see
+    :mod:`prefill_node.service`); ``bootstrap_config`` sets the handshake timeouts of its
+    bootstrap endpoint.
     """
     if pp_size > 1 or pp_next:
-        from prefill_node.pipeline.layout import StageSpec
-        from prefill_node.pipeline.server import serve_stage
+        from prefill_node.pipeline.layout import StageLayout
+        from prefill_node.pipeline.server import StageArgs, serve_first_stage, serve_later_stage
 
-        await serve_stage(model_dir, config, host, port, spec=StageSpec(pp_size, pp_rank),
-                          pp_next=pp_next, bootstrap_port=bootstrap_port,
-                          transfer_backend=transfer_backend, advertise_host=advertise_host,
-                          max_waiting=max_waiting, security=security,
-                          bootstrap_config=bootstrap_config, metrics_port=metrics_port)
+        layout = StageLayout(pp_size, pp_rank)
+        args = StageArgs(model_dir, config, host, port, layout, pp_next=pp_next,
+                         bootstrap_port=bootstrap_port, transfer_backend=transfer_backend,
+                         advertise_host=advertise_host, max_waiting=max_waiting,
+                         security=security, bootstrap_config=bootstrap_config,
+                         metrics_port=metrics_port)
+        await (serve_first_stage(args) if layout.is_first else serve_later_stage(args))
         return
     engine = LLMEngine(model_dir, config)
     drafter = None

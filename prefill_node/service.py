@@ -1,55 +1,72 @@
 """The prefill node's gRPC service: ``Prefill`` returns once a room's KV is delivered.
 
-Admission is bounded: a new room is refused with ``RESOURCE_EXHAUSTED`` (and a retry hint) while
-``max_waiting`` rooms already wait here (gated on their destination or waiting for the
-scheduler)."""
+Admission is bounded (:class:`serving.admission.AdmissionGate`): a new room is refused with
+``RESOURCE_EXHAUSTED`` (and a retry hint) while ``max_waiting`` rooms already wait here (gated on
+their destination or waiting for the scheduler). A room the loop refuses ends the call with the
+status of :mod:`serving.status`."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 
-from engine.errors import EngineError
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
-from prefill_node.loop import PrefillLoop
-from proto.convert import ConversionError, patches_array, sampling_kwargs
+from proto.convert import patches_array, sampling_kwargs
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
+from serving.admission import AdmissionGate
 from serving.blocking import to_thread_atomic
-from serving.overload import abort_overloaded
 from serving.request_log import request_line
+from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.aux import AuxBuffer
-from transfer.errors import TransferError
+from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.faults import fault_figures
 
 DEFAULT_MAX_WAITING = 256
 
 
+class RoomLoop(Protocol):
+    """The engine thread the service drives: :class:`prefill_node.loop.PrefillLoop`, or the
+    first stage of a pipeline (:class:`prefill_node.pipeline.first.FirstStageLoop`)."""
+
+    bootstrap: PrefillBootstrapServer
+
+    def submit(self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
+               sampling: SamplingParams) -> None: ...
+
+    def abort(self, room: int, reason: str) -> bool: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+    def num_queued(self) -> int: ...
+
+
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
-    """Serves ``PrefillWorker`` over a :class:`PrefillLoop`."""
+    """Serves ``PrefillWorker`` over a :class:`RoomLoop`."""
 
     def __init__(self, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
-        self.max_waiting = max_waiting
+        self.admission = AdmissionGate(max_waiting, lambda: self.loop.num_queued(),
+                                       "prefill node: {queued} rooms wait")
         # every key exists from the start: stats() copies it from another thread
-        self.counters: Counter[str] = Counter(
-            requests_total=0, requests_rejected=0, transfers_failed=0)
-        self._admitting = 0  # Prefill calls between the admission check and the loop's gate
+        self.counters: Counter[str] = Counter(transfers_failed=0)
         self._pending: dict[int, asyncio.Future[str | None]] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._loop: PrefillLoop | None = None
+        self._loop: RoomLoop | None = None
         self.bootstrap_address = ""
 
-    def bind(self, loop: PrefillLoop, aio: asyncio.AbstractEventLoop, bootstrap: str) -> None:
+    def bind(self, loop: RoomLoop, aio: asyncio.AbstractEventLoop, bootstrap: str) -> None:
         """Attach the prefill loop (whose ``on_done`` is :meth:`on_done`), the asyncio loop
         and the bootstrap endpoint address reported in load reports."""
         self._loop, self._aio, self.bootstrap_address = loop, aio, bootstrap
 
     @property
-    def loop(self) -> PrefillLoop:
+    def loop(self) -> RoomLoop:
         assert self._loop is not None, "PrefillService.bind() was not called"
         return self._loop
 
@@ -80,7 +97,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
         self._pending[room] = fut
         try:
-            await self._admit(room, req, context)
+            await self.admission.admit(context, lambda: self._submit(room, req, context))
             error = await fut
         except asyncio.CancelledError:
             await asyncio.to_thread(self.loop.abort, room, "prefill call cancelled")
@@ -92,24 +109,14 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room} failed: {error}")
         return wpb.PrefillResponse(room=room, prompt_tokens=len(req.token_ids))
 
-    async def _admit(self, room: int, req: wpb.WorkerRequest,
-                     context: grpc.aio.ServicerContext) -> None:
-        """Check the bound, then validate and gate the room (aborts the call on refusal)."""
-        self._admitting += 1
+    async def _submit(self, room: int, req: wpb.WorkerRequest,
+                      context: grpc.aio.ServicerContext) -> None:
+        """Validate and gate the room (aborts the call on refusal)."""
         try:
-            waiting = (await asyncio.to_thread(self.loop.stats))["waiting_requests"]
-            if waiting + self._admitting - 1 >= self.max_waiting:
-                self.counters["requests_rejected"] += 1
-                await abort_overloaded(context, f"prefill node: {waiting} rooms wait "
-                                                f"(--max-waiting {self.max_waiting})")
-            try:
-                ids, images, sampling = _inputs(req)
-                await to_thread_atomic(self.loop.submit, room, ids, images, sampling)
-            except (EngineError, ConversionError, TransferError, ValueError) as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.counters["requests_total"] += 1
-        finally:
-            self._admitting -= 1
+            ids, images, sampling = _inputs(req)
+            await to_thread_atomic(self.loop.submit, room, ids, images, sampling)
+        except STATUS_ERRORS as exc:
+            await abort_with_status(context, exc)
 
     async def AbortRoom(  # noqa: N802
         self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext
@@ -125,7 +132,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def stats(self) -> dict[str, int]:
         """Figures for ``Admin.GetStats`` (blocking)."""
-        figures: dict[str, int] = {**self.loop.stats(), **self.counters}
+        figures: dict[str, int] = {**self.loop.stats(), **self.admission.counters,
+                                   **self.counters}
         figures.update(aux_figures(self.loop.bootstrap.manager.aux))
         figures.update(fault_figures(self.loop.bootstrap.manager.faults))
         return figures

@@ -33,6 +33,7 @@ from router.workers import WorkerPool
 from serving.metrics import RouterMetrics
 from serving.overload import abort_overloaded
 from serving.request_log import RequestLine, request_id_from, request_line
+from serving.status import abort_with_status
 
 log = logging.getLogger(__name__)
 ROOM_BITS = 63
@@ -115,7 +116,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             try:
                 prepared = await asyncio.to_thread(self.prep.prepare, request)
             except InvalidRequestError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await abort_with_status(context, exc)
             run = await self._admit(rid, prepared, context)
             line.fields.update(room=run.room, prompt_tokens=len(prepared.token_ids),
                                prefill=run.prefill.address if run.prefill else None,

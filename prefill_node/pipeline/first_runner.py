@@ -1,4 +1,4 @@
-"""Stage 0's forward: the engine's input building (tokens, images, mrope) over the first
+"""The first stage's forward: the engine's input building (tokens, images, mrope) over the first
 stage's layers only, returning the residual stream for the next stage instead of logits."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from engine.models.vision import Grid
 from engine.scheduler import SchedulerOutput
 
 
-class _FirstStage:
+class _FirstStageModel:
     """What :class:`ModelRunner` calls as its model: embeddings as usual, but the decoder call
     runs only ``layers`` and keeps its output (``[T, H]``) and positions (``[3, T]``)."""
 
@@ -40,11 +40,11 @@ class _FirstStage:
         return hidden  # nothing to sample on this stage
 
 
-class HeadRunner:
-    """Runs scheduled steps through stage 0's layers of ``engine``'s model."""
+class FirstStageRunner:
+    """Runs scheduled steps through the first stage's layers of ``engine``'s model."""
 
     def __init__(self, engine: LLMEngine, layers: range) -> None:
-        self._stage = _FirstStage(engine.model, layers)
+        self._stage = _FirstStageModel(engine.model, layers)
         self._runner = ModelRunner(engine.model, engine.runner.attn)
         self._runner.model = self._stage  # type: ignore[assignment]
 
@@ -58,9 +58,9 @@ class HeadRunner:
         return hidden, mrope
 
 
-def make_head_engine(engine: LLMEngine) -> HeadRunner:
-    """Stage 0 of a pipeline over an engine built with ``EngineConfig.layers`` (its share of
+def first_stage_runner(engine: LLMEngine) -> FirstStageRunner:
+    """The first stage's runner over an engine built with ``EngineConfig.layers`` (its share of
     the weights and a KV pool of those layers only)."""
     if engine.config.layers is None:
-        raise ValueError("stage 0 needs an engine built with EngineConfig.layers")
-    return HeadRunner(engine, engine.config.layers)
+        raise ValueError("the first pipeline stage needs an engine built with EngineConfig.layers")
+    return FirstStageRunner(engine, engine.config.layers)

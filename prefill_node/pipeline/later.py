@@ -1,13 +1,14 @@
 """A later stage of a pipeline-parallel prefill (rank >= 1): runs its layers on the hidden
-states stage 0 sends and pushes its layers' KV to each room's decode.
+states the stage before it sends and pushes its layers' KV to each room's decode.
 
-Driven entirely by ``RunStep`` calls from the previous stage (:meth:`StageWorker.run_step`),
+Driven entirely by ``RunStep`` calls from the previous stage (:meth:`LaterStage.run_step`),
 one at a time: announced rooms are claimed on this stage's bootstrap endpoint; a room is
 reported ready once its destination arrived here (and, for a middle stage, on every later
 stage); items run through this stage's layers into pages it allocates itself; the last stage
 samples the first token and writes the aux row with the last chunk, a middle stage finishes its
-chunk without one and forwards the step. A room that fails here is released at once (writes are
-synchronous, so none is in flight) and reported failed exactly once.
+chunk without one and forwards the step over its link to the next stage. A room that fails here
+is released at once (writes are synchronous, so none is in flight) and reported failed exactly
+once.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from engine.attention import AttentionBatch, TorchPagedAttention
 from engine.page_allocator import OutOfPagesError, PageAllocator
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
-from prefill_node.pipeline.layout import StageModel
-from prefill_node.pipeline.link import Downstream, pack_step_tensors, unpack_step_tensors
+from prefill_node.pipeline.layout import LaterStageModel
+from prefill_node.pipeline.link import NextStageLink, pack_step_tensors, unpack_step_tensors
+from prefill_node.rooms import completed_pages
 from proto.convert import sampling_kwargs
 from proto.pdserve.v1 import worker_pb2 as wpb
 from transfer.aux import AuxRow
@@ -42,21 +44,21 @@ class _Room:
     ready_reported: bool = False
 
 
-class StageWorker:
-    """One later pipeline stage; ``downstream`` is the next stage (None on the last)."""
+class LaterStage:
+    """One later pipeline stage; ``link`` leads to the next stage (None on the last)."""
 
     def __init__(
-        self, stage: StageModel, bootstrap: PrefillBootstrapServer, page_size: int,
-        downstream: Downstream | None,
+        self, share: LaterStageModel, bootstrap: PrefillBootstrapServer, page_size: int,
+        link: NextStageLink | None,
     ) -> None:
-        self.stage = stage
+        self.share = share
         self.bootstrap = bootstrap
         self.page_size = page_size
-        self.downstream = downstream
-        self.allocator = PageAllocator(stage.pool.num_pages)
-        self.attn = TorchPagedAttention(stage.pool)
+        self.link = link
+        self.allocator = PageAllocator(share.pool.num_pages)
+        self.attn = TorchPagedAttention(share.pool)
         self.sampler = Sampler()
-        self._hidden_size = stage.model_config.text.hidden_size
+        self._hidden_size = share.model_config.text.hidden_size
         self._zeros = (0.0,) * self._hidden_size
         self._rooms: dict[int, _Room] = {}
         self._failed: list[wpb.StageAbort] = []  # to report with the next reply
@@ -64,7 +66,7 @@ class StageWorker:
 
     @property
     def is_last(self) -> bool:
-        return self.downstream is None
+        return self.link is None
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -77,7 +79,7 @@ class StageWorker:
         with self._lock:
             if room not in self._rooms:
                 return False
-            self._fail(room, reason)
+            self._drop(room, reason)
             return True
 
     def run_step(self, step: wpb.StageStep) -> wpb.StageStepReply:
@@ -92,15 +94,14 @@ class StageWorker:
             forward = wpb.StageStep()
             if step.items:
                 samples, forward = self._compute(step)
-            down_failed: list[tuple[int, str]] = []
-            if self.downstream is not None:  # one call down per call from above
+            next_failed: list[tuple[int, str]] = []
+            if self.link is not None:  # one call to the next stage per call from the previous
                 for new in step.new_rooms:
                     if new.room in self._rooms:
-                        self.downstream.announce(new)
-                reply = self.downstream.step(forward.items, forward.hidden,
-                                             forward.mrope_positions)
-                samples, down_failed = reply.samples, reply.failed
-            for room, reason in down_failed:
+                        self.link.announce(new)
+                reply = self.link.step(forward.items, forward.hidden, forward.mrope_positions)
+                samples, next_failed = reply.samples, reply.failed
+            for room, reason in next_failed:
                 if room in self._rooms:
                     self._drop(room, reason, report=False)
                 self._failed.append(wpb.StageAbort(room=room, reason=reason))
@@ -153,7 +154,7 @@ class StageWorker:
         try:
             r.pages += self.allocator.allocate(max(0, need))
         except OutOfPagesError:
-            self._fail(item.room, "pipeline stage is out of KV pages")
+            self._drop(item.room, "pipeline stage is out of KV pages")
             return False
         return True
 
@@ -173,9 +174,9 @@ class StageWorker:
             page_tables=[self._rooms[it.room].pages for it in items],
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
         ))
-        model = self.stage.model
+        model = self.share.model
         x = hidden.to(model.dtype)
-        return model.forward_layers(x, mrope, self.attn, self.stage.layers,
+        return model.forward_layers(x, mrope, self.attn, self.share.layers,
                                     final_norm=self.is_last)
 
     def _sample(
@@ -190,7 +191,7 @@ class StageWorker:
         if not rooms:
             return {}
         with torch.inference_mode():
-            logits = self.stage.model.logits(out[ends])
+            logits = self.share.model.logits(out[ends])
         toks, lps = self.sampler.sample(logits, [r.sampling for r in rooms],
                                         [r.generator for r in rooms])
         return {r.room: (t, lp) for r, t, lp in zip(rooms, toks, lps, strict=True)}
@@ -200,8 +201,7 @@ class StageWorker:
             r = self._rooms.get(it.room)
             if r is None:
                 continue
-            end = it.start + it.num_tokens
-            done = -(-end // self.page_size) if it.needs_sample else end // self.page_size
+            done = completed_pages(it.start + it.num_tokens, self.page_size, it.needs_sample)
             pages = r.pages[r.pages_sent : done]
             if not pages and not it.needs_sample:
                 continue
@@ -213,28 +213,25 @@ class StageWorker:
             status = self.bootstrap.send_chunk(it.room, pages, last=last,
                                                finish=it.needs_sample)
             if status is KVPoll.Failed:
-                self._fail(it.room, self.bootstrap.failure_reason(it.room))
+                self._drop(it.room, self.bootstrap.failure_reason(it.room))
             elif it.needs_sample:
                 self._drop(it.room, None)  # delivered: Success
 
     def _poll_rooms(self) -> None:
         for room in list(self._rooms):
             if self.bootstrap.poll(room) is KVPoll.Failed:
-                self._fail(room, self.bootstrap.failure_reason(room))
+                self._drop(room, self.bootstrap.failure_reason(room))
 
     def _newly_ready(self) -> list[int]:
         out = []
         for r in self._rooms.values():
             if r.ready_reported or self.bootstrap.poll(r.room) < KVPoll.WaitingForInput:
                 continue
-            if self.downstream is not None and not self.downstream.is_ready(r.room):
+            if self.link is not None and not self.link.is_ready(r.room):
                 continue
             r.ready_reported = True
             out.append(r.room)
         return out
-
-    def _fail(self, room: int, reason: str) -> None:
-        self._drop(room, reason)
 
     def _drop(self, room: int, reason: str | None, *, report: bool = True) -> None:
         """Release everything of ``room`` here; ``reason`` None means it succeeded."""
@@ -243,9 +240,9 @@ class StageWorker:
             self.bootstrap.abort(room, reason)
             if report:
                 self._failed.append(wpb.StageAbort(room=room, reason=reason))
-            if self.downstream is not None:
-                self.downstream.abort(room, reason)
-        elif self.downstream is not None:
-            self.downstream.forget(room)
+            if self.link is not None:
+                self.link.abort(room, reason)
+        elif self.link is not None:
+            self.link.forget(room)
         self.bootstrap.release(room)
         self.allocator.free(r.pages)

@@ -1,9 +1,11 @@
-"""Pipeline-parallel prefill: which layers a stage owns, and the stage's model and KV pool.
+"""Pipeline-parallel prefill: the layout (which layers a stage owns), and a later stage's share
+of the model and its KV pool.
 
 Stage ``r`` of ``s`` owns the contiguous global layers ``[r*L//s, (r+1)*L//s)``. Its pool holds
 only those layers, numbered locally from 0 but registered with their *global* ids, so the
 transfer layer pairs each stage's buffers with the right decode layers (layer remapping).
-Stage 0 embeds (text and images); the last stage applies the final norm and LM head and samples.
+The first stage embeds (text and images); the last stage applies the final norm and LM head and
+samples.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from engine.models.qwen2_vl import Qwen2VLModel
 
 
 @dataclass(frozen=True)
-class StageSpec:
-    """Where a process sits in a prefill pipeline of ``size`` stages."""
+class StageLayout:
+    """Where a process sits in a prefill pipeline of ``size`` stages, hence its layers."""
 
     size: int = 1
     rank: int = 0
@@ -45,7 +47,7 @@ class StageSpec:
 
 
 @dataclass
-class StageModel:
+class LaterStageModel:
     """A later stage's share of the model: its layers' weights and its KV pool."""
 
     model_config: ModelConfig
@@ -66,9 +68,10 @@ def stage_pool(config: EngineConfig, model_config: ModelConfig, layers: range,
                   list(layers), dtype, config.device)
 
 
-def load_stage(model_dir: Path, config: EngineConfig, spec: StageSpec) -> StageModel:
+def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout
+                     ) -> LaterStageModel:
     """Load this stage's layers of the checkpoint (and nothing of the others) and build its
     pool."""
-    layers = spec.layers(ModelConfig.from_dir(model_dir).text.num_hidden_layers)
+    layers = layout.layers(ModelConfig.from_dir(model_dir).text.num_hidden_layers)
     model_config, model = load_model(model_dir, DTYPES[config.dtype], config.device, layers)
-    return StageModel(model_config, model, layers, stage_pool(config, model_config, layers))
+    return LaterStageModel(model_config, model, layers, stage_pool(config, model_config, layers))

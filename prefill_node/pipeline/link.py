@@ -1,4 +1,4 @@
-"""A pipeline stage's link to the next stage: announcements, aborts, steps and the gate.
+"""A stage's link to the next stage of a pipeline: announcements, aborts, steps and the gate.
 
 Every message to the next stage is one ``PipelineStage.RunStep`` call, made synchronously from
 the stage's loop thread: rooms announced since the last call, rooms given up since then, and the
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from proto.convert import ConversionError
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.auth import Metadata
@@ -42,17 +43,19 @@ def pack_step_tensors(hidden: torch.Tensor, mrope: torch.Tensor) -> tuple[bytes,
 
 
 def unpack_step_tensors(step: wpb.StageStep, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`pack_step_tensors` (float32 ``[T, H]``, int64 ``[3, T]``)."""
+    """The inverse of :func:`pack_step_tensors` (float32 ``[T, H]``, int64 ``[3, T]``); raises
+    ``ConversionError`` when the tensors do not match the step's items."""
     t = sum(it.num_tokens for it in step.items)
     hidden = torch.frombuffer(bytearray(step.hidden), dtype=torch.float32)
     mrope = torch.frombuffer(bytearray(step.mrope_positions), dtype=torch.int64)
     if hidden.numel() != t * hidden_size or mrope.numel() != 3 * t:
-        raise ValueError(f"step tensors do not match its {t} tokens")
+        raise ConversionError(f"step tensors do not match its {t} tokens")
     return hidden.view(t, hidden_size), mrope.view(3, t)
 
 
-class Downstream:
-    """The next stage, as seen by the stage before it. Not thread-safe: one loop thread."""
+class NextStageLink:
+    """The next stage, as seen by the stage before it. Not thread-safe: one thread uses it (the
+    first stage's loop thread, or a later stage's ``RunStep`` under its lock)."""
 
     def __init__(self, address: str, metadata: Metadata = ()) -> None:
         self.address = address

@@ -1,123 +1,164 @@
 """Starting the processes of a pipeline-parallel prefill (``pdserve prefill --pp-size S``).
 
 Start the stages from the last to the first (each waits up to two minutes for its
-``--pp-next``): stage ``r >= 1`` serves ``PipelineStage`` (and a ``PrefillWorker`` face for
-load reports); stage 0 serves ``PrefillWorker`` to the router and reports, as its bootstrap
+``--pp-next``). A later stage (rank >= 1, :func:`serve_later_stage`) serves ``PipelineStage``
+and a ``PrefillWorker`` face for load reports; the first stage (rank 0,
+:func:`serve_first_stage`) serves ``PrefillWorker`` to the router and reports, as its bootstrap
 address, every stage's address comma-separated in stage order, which a decode node connects to
 one by one.
+
+Every stage serves ``Admin`` (the first as ``prefill``, later ones as ``prefill-stage``);
+``security``'s token rules guard every service, ``PipelineStage`` included: a stage calls the
+next with the internal token of ``bootstrap_config``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_cache import pages_for_budget
+from engine.kv_cache import KVPool, pages_for_budget
 from engine.llm_engine import DTYPES, LLMEngine
-from prefill_node.pipeline.follower import StageWorker
-from prefill_node.pipeline.head import HeadLoop
-from prefill_node.pipeline.head_runner import make_head_engine
-from prefill_node.pipeline.layout import StageSpec, load_stage
-from prefill_node.pipeline.link import Downstream
-from prefill_node.pipeline.service import StageService, StageWorkerService
+from prefill_node.pipeline.first import FirstStageLoop
+from prefill_node.pipeline.first_runner import first_stage_runner
+from prefill_node.pipeline.later import LaterStage
+from prefill_node.pipeline.layout import StageLayout, load_later_stage
+from prefill_node.pipeline.link import NextStageLink
+from prefill_node.pipeline.service import LaterStageService, LaterStageWorkerFace
 from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import StatsSource
 from serving.auth import Metadata, ServerSecurity, internal_metadata
 from serving.metrics import TransferMetrics
-from serving.server import serve_until_signal, start_server
+from serving.server import Registration, serve_until_signal, start_server
+from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.setup import make_kv_manager
 
 
-def _link(spec: StageSpec, layers: range, pp_next: str | None, metadata: Metadata
-          ) -> Downstream | None:
+@dataclass(frozen=True)
+class StageArgs:
+    """How a stage process was started (the ``pdserve prefill`` flags it uses)."""
+
+    model_dir: Path
+    config: EngineConfig
+    host: str
+    port: int
+    layout: StageLayout
+    pp_next: str | None
+    bootstrap_port: int
+    transfer_backend: str
+    advertise_host: str
+    max_waiting: int = DEFAULT_MAX_WAITING  # the first stage's admission bound
+    security: ServerSecurity | None = None
+    bootstrap_config: BootstrapConfig | None = None
+    metrics_port: int | None = None
+
+
+@dataclass(frozen=True)
+class _Endpoints:
+    """What every stage sets up around its layers: KV transfer and the link to the next."""
+
+    manager: KVManager
+    bootstrap: PrefillBootstrapServer
+    link: NextStageLink | None
+    chain: str  # the bootstrap addresses of this stage and every later one, comma-separated
+
+
+async def serve_first_stage(args: StageArgs) -> None:
+    """Run the first stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
+    text = ModelConfig.from_dir(args.model_dir).text
+    config = args.config
+    layers = args.layout.layers(text.num_hidden_layers)
+    # pages as if every layer were held: the first stage admits no more than any later holds
+    num_pages = config.num_pages or pages_for_budget(
+        config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
+        text.num_key_value_heads, text.head_dim, DTYPES[config.dtype])
+    engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages))
+    runner = first_stage_runner(engine)
+    ends = await _open_endpoints(args, layers, engine.pool, text.hidden_size)
+    assert ends.link is not None  # the first stage is never the last: size > 1
+    service = PrefillService(args.max_waiting)
+    loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link)
+    service.bind(loop, asyncio.get_running_loop(), ends.chain)
+    loop.start()
+    await _serve(args, ends, [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service,
+                               "pdserve.v1.PrefillWorker")],
+                 "prefill", service.stats, loop.stop)
+
+
+async def serve_later_stage(args: StageArgs) -> None:
+    """Run a later stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
+    share = load_later_stage(args.model_dir, args.config, args.layout)
+    ends = await _open_endpoints(args, share.layers, share.pool,
+                                 share.model_config.text.hidden_size)
+    stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link)
+    info = wpb.StageInfo(pp_rank=args.layout.rank, pp_size=args.layout.size,
+                         layer_start=share.layers.start, layer_end=share.layers.stop,
+                         bootstrap=ends.chain)
+    face = LaterStageWorkerFace(stage, info)
+    await _serve(args, ends, [
+        (worker_pb2_grpc.add_PipelineStageServicer_to_server, LaterStageService(stage, info),
+         "pdserve.v1.PipelineStage"),
+        (worker_pb2_grpc.add_PrefillWorkerServicer_to_server, face, "pdserve.v1.PrefillWorker"),
+    ], "prefill-stage", face.stats)
+
+
+async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
+                          hidden_size: int) -> _Endpoints:
+    """Link to the next stage (waiting for it), register ``pool`` for transfer and open the
+    bootstrap endpoint."""
+    identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
+                             args.config.dtype)
+    secret = args.bootstrap_config.secret if args.bootstrap_config is not None else None
+    link = await asyncio.to_thread(_link, args.layout, layers, args.pp_next,
+                                   internal_metadata(secret))
+    manager = make_kv_manager(args.transfer_backend, pool.buffer_infos(),
+                              hidden_size=hidden_size, aux_rows=4, hostname=args.advertise_host)
+    bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
+                                       port=args.bootstrap_port, config=args.bootstrap_config)
+    chain = f"{args.advertise_host}:{bootstrap.address[1]}"
+    if link is not None:
+        chain += "," + (await asyncio.to_thread(link.describe)).bootstrap
+    return _Endpoints(manager, bootstrap, link, chain)
+
+
+def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Metadata
+          ) -> NextStageLink | None:
     """Connect to the next stage (sending ``metadata`` on every call) and check it continues
     this one's layers."""
-    if spec.is_last:
+    if layout.is_last:
         if pp_next:
             raise ValueError("the last pipeline stage takes no --pp-next")
         return None
     if not pp_next:
-        raise ValueError(f"pipeline stage {spec.rank} of {spec.size} needs --pp-next HOST:PORT")
-    down = Downstream(pp_next, metadata)
-    info = down.describe()
-    expected = (spec.rank + 1, spec.size, layers.stop)
+        raise ValueError(f"pipeline stage {layout.rank} of {layout.size} needs "
+                         "--pp-next HOST:PORT")
+    link = NextStageLink(pp_next, metadata)
+    info = link.describe()
+    expected = (layout.rank + 1, layout.size, layers.stop)
     if (info.pp_rank, info.pp_size, info.layer_start) != expected:
-        down.close()
+        link.close()
         raise ValueError(f"--pp-next {pp_next} is stage {info.pp_rank} of {info.pp_size} "
                          f"from layer {info.layer_start}; expected stage {expected[0]} of "
                          f"{expected[1]} from layer {expected[2]}")
-    return down
+    return link
 
 
-async def serve_stage(
-    model_dir: Path, config: EngineConfig, host: str, port: int, *, spec: StageSpec,
-    pp_next: str | None, bootstrap_port: int, transfer_backend: str, advertise_host: str,
-    max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
-    bootstrap_config: BootstrapConfig | None = None, metrics_port: int | None = None,
-) -> None:
-    """Run one pipeline stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
-
-    Every stage serves ``Admin`` (stage 0 as ``prefill``, later ones as ``prefill-stage``);
-    ``security``'s token rules guard every service, ``PipelineStage`` included: a stage calls
-    the next with the internal token of ``bootstrap_config``."""
-    identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
-    if spec.is_first:
-        text = ModelConfig.from_dir(model_dir).text
-        layers = spec.layers(text.num_hidden_layers)
-        # pages as if every layer were held: stage 0 admits no more than any later stage holds
-        num_pages = config.num_pages or pages_for_budget(
-            config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
-            text.num_key_value_heads, text.head_dim, DTYPES[config.dtype])
-        engine = LLMEngine(model_dir, replace(config, layers=layers, num_pages=num_pages))
-        runner = make_head_engine(engine)
-        pool, hidden_size = engine.pool, text.hidden_size
-    else:
-        stage = load_stage(model_dir, config, spec)
-        layers, pool, hidden_size = stage.layers, stage.pool, stage.model_config.text.hidden_size
-    secret = bootstrap_config.secret if bootstrap_config is not None else None
-    down = await asyncio.to_thread(_link, spec, layers, pp_next, internal_metadata(secret))
-    manager = make_kv_manager(transfer_backend, pool.buffer_infos(), hidden_size=hidden_size,
-                              aux_rows=4, hostname=advertise_host)
-    bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
-                                       config=bootstrap_config)
-    chain = f"{advertise_host}:{bootstrap.address[1]}"
-    if down is not None:
-        chain += "," + (await asyncio.to_thread(down.describe)).bootstrap
-    info = wpb.StageInfo(pp_rank=spec.rank, pp_size=spec.size, layer_start=layers.start,
-                         layer_end=layers.stop, bootstrap=chain)
-    head: HeadLoop | None = None
-    stats: StatsSource
-    if spec.is_first:
-        assert down is not None
-        service = PrefillService(max_waiting)
-        stats, role = service.stats, "prefill"
-        head = HeadLoop(engine, bootstrap, service.on_done, runner, down)
-        service.bind(head, asyncio.get_running_loop(), chain)
-        head.start()
-        services = [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service,
-                     "pdserve.v1.PrefillWorker")]
-    else:
-        worker = StageWorker(stage, bootstrap, config.page_size, down)
-        face = StageWorkerService(worker, info)
-        stats, role = face.stats, "prefill-stage"
-        services = [
-            (worker_pb2_grpc.add_PipelineStageServicer_to_server, StageService(worker, info),
-             "pdserve.v1.PipelineStage"),
-            (worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
-             face, "pdserve.v1.PrefillWorker"),
-        ]
+async def _serve(args: StageArgs, ends: _Endpoints, services: Sequence[Registration],
+                 role: str, stats: StatsSource, *stop_first: Callable[[], object]) -> None:
+    """Serve ``services`` (and ``Admin`` as ``role``) until a signal; then run ``stop_first``
+    and close the endpoints."""
     server, bound, _ = await start_server(
-        services, host, port, role=role, stats=stats, security=security,
-        metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager))
-    cleanups = [head.stop] if head is not None else []
-    cleanups.append(bootstrap.close)
-    if down is not None:
-        cleanups.append(down.close)
+        services, args.host, args.port, role=role, stats=stats, security=args.security,
+        metrics_port=args.metrics_port, metrics_collectors=TransferMetrics().watch(ends.manager))
+    cleanups = [*stop_first, ends.bootstrap.close]
+    if ends.link is not None:
+        cleanups.append(ends.link.close)
     await serve_until_signal(server, bound, *cleanups)

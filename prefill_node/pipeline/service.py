@@ -1,6 +1,6 @@
-"""gRPC services of a later pipeline stage: ``PipelineStage`` (driven by the previous stage)
+"""gRPC services of a later pipeline stage: ``PipelineStage`` (driven by the stage before it)
 and a ``PrefillWorker`` face for load reports and aborts (it refuses ``Prefill``: rooms enter
-a pipeline at stage 0)."""
+a pipeline at the first stage)."""
 
 from __future__ import annotations
 
@@ -8,25 +8,27 @@ import asyncio
 
 import grpc
 
-from prefill_node.pipeline.follower import StageWorker
+from prefill_node.pipeline.later import LaterStage
 from prefill_node.service import aux_figures
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
+from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.faults import fault_figures
 
 
-class StageService(worker_pb2_grpc.PipelineStageServicer):
-    def __init__(self, worker: StageWorker, info: wpb.StageInfo) -> None:
-        self.worker, self.info = worker, info
+class LaterStageService(worker_pb2_grpc.PipelineStageServicer):
+    """Serves ``PipelineStage`` over a :class:`LaterStage`."""
+
+    def __init__(self, stage: LaterStage, info: wpb.StageInfo) -> None:
+        self.stage, self.info = stage, info
 
     async def RunStep(  # noqa: N802 - gRPC method name
         self, request: wpb.StageStep, context: grpc.aio.ServicerContext
     ) -> wpb.StageStepReply:
         try:
-            return await asyncio.to_thread(self.worker.run_step, request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            raise  # unreachable: abort raises
+            return await asyncio.to_thread(self.stage.run_step, request)
+        except STATUS_ERRORS as exc:
+            await abort_with_status(context, exc)
 
     async def Describe(  # noqa: N802
         self, request: wpb.DescribeStageRequest, context: grpc.aio.ServicerContext
@@ -34,9 +36,11 @@ class StageService(worker_pb2_grpc.PipelineStageServicer):
         return self.info
 
 
-class StageWorkerService(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: StageWorker, info: wpb.StageInfo) -> None:
-        self.worker, self.info = worker, info
+class LaterStageWorkerFace(worker_pb2_grpc.PrefillWorkerServicer):
+    """Serves ``PrefillWorker`` for a later stage: load reports and aborts, no rooms."""
+
+    def __init__(self, stage: LaterStage, info: wpb.StageInfo) -> None:
+        self.stage, self.info = stage, info
 
     async def Prefill(  # noqa: N802
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -50,14 +54,14 @@ class StageWorkerService(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> wpb.AbortRoomResponse:
         reason = request.reason or "aborted"
         return wpb.AbortRoomResponse(
-            found=await asyncio.to_thread(self.worker.abort, request.room, reason))
+            found=await asyncio.to_thread(self.stage.abort, request.room, reason))
 
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return wpb.LoadReport(bootstrap=self.info.bootstrap, **self.worker.stats())
+        return wpb.LoadReport(bootstrap=self.info.bootstrap, **self.stage.stats())
 
     def stats(self) -> dict[str, int]:
         """Figures for ``Admin.GetStats`` (blocking)."""
-        manager = self.worker.bootstrap.manager
-        return {**self.worker.stats(), **aux_figures(manager.aux), **fault_figures(manager.faults)}
+        manager = self.stage.bootstrap.manager
+        return {**self.stage.stats(), **aux_figures(manager.aux), **fault_figures(manager.faults)}

@@ -1,0 +1,102 @@
+"""The engine thread of a worker node: one background thread steps an engine while the gRPC
+handlers submit, abort and read figures from other threads.
+
+Locking discipline: all engine state (scheduler, rooms, transfer queues) is touched under one
+lock, :attr:`EngineThread.lock` (a ``threading.Condition``). The thread holds it for each poll
+and step; other threads take it briefly (submit, abort, stats) and ``notify()`` it when they add
+work, so an idle thread wakes at once. Between passes the thread releases the lock and yields
+(``time.sleep(0)``): a lock released and at once retaken by the same thread would starve them.
+
+One pass of the thread, every hook but :meth:`EngineThread.publish` called with the lock held:
+
+1. return if :meth:`EngineThread.stop` was called;
+2. :meth:`EngineThread.poll`: work due whether or not a step runs (bootstrap gates, transfers);
+3. if :meth:`EngineThread.has_work` is false, wait for :meth:`EngineThread.idle_wait_s`
+   seconds (``None``: until notified) and start the next pass;
+4. :meth:`EngineThread.step`; if it raises, the exception is logged and
+   :meth:`EngineThread.fail_all` ends every request: a bug fails the requests, never hangs them;
+5. release the lock and :meth:`EngineThread.publish` what the step (or ``fail_all``) returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from typing import Generic, TypeVar
+
+log = logging.getLogger(__name__)
+Out = TypeVar("Out")
+
+
+class EngineThread(ABC, Generic[Out]):
+    """The thread, its lock and its run loop; a node's loop provides the hooks. ``Out`` is what
+    a step hands to :meth:`publish` (``None`` when a step publishes nothing)."""
+
+    def __init__(self, name: str, failure: str) -> None:
+        """``name`` names the thread and its log lines; ``failure`` is the reason
+        :meth:`fail_all` gets when a step raises."""
+        self.name = name
+        self.failure = failure
+        self.lock = threading.Condition(threading.Lock())
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread after its current pass and wait for it."""
+        with self.lock:
+            self._stopping = True
+            self.lock.notify()
+        self._thread.join()
+
+    # ---- hooks ---------------------------------------------------------------------------
+
+    def poll(self) -> None:  # noqa: B027 - a hook that does nothing unless overridden
+        """Work due on every pass before the idle check (lock held); nothing by default."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """Whether a step has anything to do (lock held)."""
+
+    @abstractmethod
+    def idle_wait_s(self) -> float | None:
+        """How long an idle pass sleeps unless notified (lock held); None: until notified."""
+
+    @abstractmethod
+    def step(self) -> Out:
+        """Run one engine step (lock held)."""
+
+    @abstractmethod
+    def fail_all(self, reason: str) -> Out:
+        """End every request after a step raised (lock held)."""
+
+    def publish(self, out: Out) -> None:  # noqa: B027 - a hook that does nothing by default
+        """Hand on what :meth:`step` or :meth:`fail_all` returned, with the lock released."""
+
+    # ---- the thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while self._pass():
+            time.sleep(0)  # let submit/abort/stats threads take the lock between passes
+
+    def _pass(self) -> bool:
+        """One pass (see the module docstring); False once stopped."""
+        with self.lock:
+            if self._stopping:
+                return False
+            self.poll()
+            if not self.has_work():
+                self.lock.wait(self.idle_wait_s())
+                return True
+            try:
+                out = self.step()
+            except Exception:  # a bug must fail the step's requests, not hang them
+                log.exception("%s: step failed; failing every request (%s)", self.name,
+                              self.failure)
+                out = self.fail_all(self.failure)
+        self.publish(out)
+        return True
