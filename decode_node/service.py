@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -97,7 +97,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     yield msg
 
     async def _decode(self, request: wpb.DecodeRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[gpb.GenerateResponse]:
+                      context: grpc.aio.ServicerContext
+                      ) -> AsyncGenerator[gpb.GenerateResponse, None]:
         req = request.request
         rid = str(req.room)
         if rid in self._streams:

@@ -108,6 +108,10 @@ class Cluster:
         return [self.router, *self.workers]
 
 
+# ray.remote(...) is typed as returning the class itself; it returns an actor class
+_ACTOR: Any = ServerActor
+
+
 def connect(address: str | None) -> None:
     """Join ``address`` (or start a local Ray instance) in our namespace."""
     if not ray.is_initialized():
@@ -134,8 +138,8 @@ def launch(opts: LaunchOptions) -> Cluster:
                                     opts.decode_resources)):
         args = [*model, *opts.worker_args, *draft_args(role, opts)]
         for i in range(count):
-            actor = ServerActor.options(name=f"{role}-{i}", num_gpus=gpus, resources=res,
-                                        **lifetime).remote(role, args, host)
+            actor = _ACTOR.options(name=f"{role}-{i}", num_gpus=gpus, resources=res,
+                                   **lifetime).remote(role, args, host)
             workers.append((role, actor))
     try:
         addresses = ray.get([a.address.remote() for _, a in workers])
@@ -148,8 +152,8 @@ def launch(opts: LaunchOptions) -> Cluster:
                    if role == "decode")
     router_args = [*model, "--prefill", pre, "--decode", dec]
     # the router runs on the head node, where users (and `pdserve status`) look for it
-    router = ServerActor.options(name="router", resources={HEAD_RESOURCE: 0.001},
-                                 **lifetime).remote("router", router_args, host, opts.port)
+    router = _ACTOR.options(name="router", resources={HEAD_RESOURCE: 0.001},
+                            **lifetime).remote("router", router_args, host, opts.port)
     try:
         router_address = ray.get(router.address.remote())
     except Exception:

@@ -60,8 +60,8 @@ class RoomRun:
         self.decode.acquire(self._prompt_tokens)
         req = wpb.DecodeRequest(request=self.request, prefill_bootstrap=self.bootstrap,
                                 local_prefill=self.prefill is None)
-        self._call = self.decode.stub.Decode(req, timeout=self._deadline_s,
-                                             metadata=self.decode.metadata)
+        self._call = self.decode.decode_stub.Decode(req, timeout=self._deadline_s,
+                                                    metadata=self.decode.metadata)
         self._tasks.append(asyncio.create_task(self._read_decode(self._call)))
         if self.prefill is not None:
             self.prefill.acquire(self._prompt_tokens)
@@ -80,8 +80,8 @@ class RoomRun:
 
     async def _run_prefill(self, worker: Worker) -> None:
         try:
-            await worker.stub.Prefill(wpb.PrefillRequest(request=self.request),
-                                      timeout=self._deadline_s, metadata=worker.metadata)
+            await worker.prefill_stub.Prefill(wpb.PrefillRequest(request=self.request),
+                                              timeout=self._deadline_s, metadata=worker.metadata)
         except grpc.aio.AioRpcError as exc:
             if not self._closed:
                 self.queue.put_nowait(WorkerFailure.from_rpc(exc, "prefill", worker.address))

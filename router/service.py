@@ -14,7 +14,7 @@ import secrets
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from contextlib import aclosing
 from typing import Any, cast
 
@@ -92,7 +92,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gpb.GenerateResponse]:
+    ) -> AsyncGenerator[gpb.GenerateResponse, None]:
         rid = (request.request_id or request_id_from(context.invocation_metadata())
                or uuid.uuid4().hex)
         with request_line("router", rid, context) as line:
@@ -101,7 +101,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                     yield msg
 
     async def _generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext,
-                        rid: str, line: RequestLine) -> AsyncIterator[gpb.GenerateResponse]:
+                        rid: str, line: RequestLine) -> AsyncGenerator[gpb.GenerateResponse, None]:
         timer = self.latency.stream(line.start)
         if len(self.ids) >= self.config.max_running:
             self.metrics["rejected"] += 1
@@ -141,12 +141,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 self.rooms.discard(run.room)
 
     def generate(self, request: gpb.GenerateRequest,
-                 deadline_s: float | None = None) -> AsyncIterator[gpb.GenerateResponse]:
+                 deadline_s: float | None = None) -> AsyncGenerator[gpb.GenerateResponse, None]:
         """``Generate`` for the other doors: the same admission, validation and relay; every
         error is raised as :class:`DoorError` carrying the status the gRPC door would send.
         Close the returned generator (``aclose``) to cancel the request."""
         context = cast(grpc.aio.ServicerContext, LocalContext(deadline_s))
-        return self.Generate(request, context)  # type: ignore[no-any-return]
+        return self.Generate(request, context)
 
     async def _admit(self, rid: str, prepared: PreparedRequest,
                      context: grpc.aio.ServicerContext) -> RoomRun:

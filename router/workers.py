@@ -69,6 +69,18 @@ class Worker:
     retired_ticks: int = 0  # DNS refreshes since it vanished (retiring workers only)
     metadata: Metadata = ()  # sent on every call (the internal token, when configured)
 
+    @property
+    def decode_stub(self) -> worker_pb2_grpc.DecodeWorkerStub:
+        """The stub of a DECODE worker."""
+        assert isinstance(self.stub, worker_pb2_grpc.DecodeWorkerStub)
+        return self.stub
+
+    @property
+    def prefill_stub(self) -> worker_pb2_grpc.PrefillWorkerStub:
+        """The stub of a PREFILL worker."""
+        assert isinstance(self.stub, worker_pb2_grpc.PrefillWorkerStub)
+        return self.stub
+
     def score(self) -> tuple[int, int, int]:
         """Sort key: unhealthy last, then outstanding prompt tokens, then running requests."""
         rep = self.report

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import grpc
 
@@ -49,6 +50,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 _LOAD_FIELDS = frozenset(wpb.LoadReport.DESCRIPTOR.fields_by_name)
 
 
-def load_report(figures: Mapping[str, float], **extra: str) -> wpb.LoadReport:
-    """A worker's ``LoadReport`` from its figures (names that are no field are dropped)."""
-    return wpb.LoadReport(**{k: v for k, v in figures.items() if k in _LOAD_FIELDS}, **extra)
+def load_report(figures: Mapping[str, float], bootstrap: str = "") -> wpb.LoadReport:
+    """A worker's ``LoadReport`` from its figures (names that are no field are dropped) and, for
+    a prefill worker, its bootstrap address."""
+    fields: dict[str, Any] = {k: v for k, v in figures.items() if k in _LOAD_FIELDS}
+    return wpb.LoadReport(**fields, bootstrap=bootstrap)

@@ -8,14 +8,19 @@ unary-request methods (every method of ours); streaming-request methods are left
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
 Parse = Callable[[bytes], Any]
+# grpc's stubs type a handler's behaviours as the synchronous server calls them; under grpc.aio
+# a unary one is a coroutine function, a streaming one an async generator function or a coroutine
+# function that writes with ``context.write``.
+AioUnary = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+AioStream = Callable[[Any, grpc.aio.ServicerContext], AsyncGenerator[Any, None] | Awaitable[None]]
 
 
 class ParseInterceptor(grpc.aio.ServerInterceptor):
@@ -27,7 +32,7 @@ class ParseInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        return _parsing(handler, handler_call_details.method or "")
+        return _parsing(handler, handler.request_deserializer, handler_call_details.method or "")
 
 
 async def _parse(parse: Parse, raw: bytes, context: grpc.aio.ServicerContext,
@@ -39,16 +44,17 @@ async def _parse(parse: Parse, raw: bytes, context: grpc.aio.ServicerContext,
                             f"{method}: malformed request ({len(raw)} bytes): {exc}")
 
 
-def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-    """``handler`` taking raw bytes and parsing them itself."""
-    parse, ser = handler.request_deserializer, handler.response_serializer
+def _parsing(handler: grpc.RpcMethodHandler, parse: Parse, method: str
+             ) -> grpc.RpcMethodHandler:
+    """``handler`` taking raw bytes and parsing them itself with ``parse``."""
+    ser = handler.response_serializer
     if handler.response_streaming:
-        inner_stream = handler.unary_stream
+        inner_stream = cast(AioStream, handler.unary_stream)
 
         async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             request = await _parse(parse, raw, context, method)
             result = inner_stream(request, context)
-            if not hasattr(result, "__aiter__"):  # a servicer that writes with context.write
+            if not isinstance(result, AsyncIterable):  # a servicer that writes with context.write
                 await result
                 return
             async with aclosing(result) as responses:
@@ -56,7 +62,7 @@ def _parsing(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
                     yield response
 
         return grpc.unary_stream_rpc_method_handler(stream, None, ser)
-    inner_unary = handler.unary_unary
+    inner_unary = cast(AioUnary, handler.unary_unary)
 
     async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         return await inner_unary(await _parse(parse, raw, context, method), context)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from transfer.aux import AuxRow
+from transfer.aux import AuxBuffer, AuxRow
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import NO_AUX_SLOT
@@ -81,9 +81,10 @@ class DecodeBootstrapClient:
         self._alive = True
         self._last_ack = time.monotonic()
         self._seq = 0
-        self._aux = manager.aux
-        if self._aux is None:
+        aux = manager.aux
+        if aux is None:
             raise TransferError("the decode manager has no aux buffer")
+        self._aux: AuxBuffer = aux
         sock = socket.create_connection(prefill_address, timeout=self.config.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = FramedSocket(sock)

@@ -22,7 +22,7 @@ import triton.language as tl
 from decode_node.spec.graph_buffers import SpecGraphBuffers, check_fill_args
 
 
-def _fill_rows(
+def _fill_rows(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
     # buffers
     input_ids,  # [max_bs*N] int64
     positions,  # [max_bs*N] int64

@@ -84,10 +84,16 @@ class EagleDraft(nn.Module):
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
 
+    @property
+    def layer(self) -> DecoderLayer:
+        """The draft's one decoder layer (``layers.0`` in the checkpoint)."""
+        layer = self.layers[0]
+        assert isinstance(layer, DecoderLayer)
+        return layer
+
     def fuse(self) -> None:
-        for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+        self.layer.self_attn.fuse()
+        self.layer.mlp.fuse()
 
     def forward(
         self,
