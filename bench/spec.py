@@ -6,7 +6,7 @@
 Prints tokens/s of plain decoding and of EAGLE rounds, their ratio, and the acceptance length
 (tokens committed per verify round). Greedy, so both produce the same tokens (checked). Prompts
 are random token ids, or (``heldout``, for the built-in model) text from the standard-library
-files that ``engine.builtin.train`` holds out of training.
+files that ``scripts/train_tiny.py`` holds out of training.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The text corpus of the built-in model: the running interpreter's standard library.
 
-``engine.builtin.train`` trains on the top-level ``*.py`` files of ``sysconfig``'s ``stdlib`` path,
+``scripts/train_tiny.py`` trains on the top-level ``*.py`` files of ``sysconfig``'s ``stdlib`` path,
 in sorted order, except every :data:`HOLDOUT_EVERY`-th file (from :data:`HOLDOUT_AT`), which it
 holds out. Benchmarks cut real-text prompts from those held-out files
 (:func:`heldout_prompts`), so the built-in model never saw them in training.

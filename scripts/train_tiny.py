@@ -1,6 +1,6 @@
 """Train the built-in tiny Qwen2-VL-architecture model and its EAGLE draft on CPU, from a seed.
 
-    python -m engine.builtin.train --out engine/builtin/tiny-qwen2-vl [--seed 0] [--steps N]
+    python scripts/train_tiny.py --out engine/builtin/tiny-qwen2-vl [--seed 0] [--steps N]
         [--draft-steps M] [--threads 2]
 
 The corpus is the running interpreter's own standard library: the top-level ``*.py`` files of
@@ -189,6 +189,7 @@ def target_forward(model: Qwen2VLModel, ids: torch.Tensor, cache: KVCache | None
     x = F.embedding(ids, model.model.embed_tokens.weight)
     rot = rotary(model, start, ids.shape[1])
     for i, layer in enumerate(model.model.layers):
+        assert isinstance(layer, DecoderLayer)  # training builds every layer
         x = layer_forward(layer, x, rot, cache, i)
     return model.model.norm(x)
 
@@ -196,7 +197,7 @@ def target_forward(model: Qwen2VLModel, ids: torch.Tensor, cache: KVCache | None
 def draft_forward(draft: EagleDraft, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
     """The draft over rows ``(embedding of token p+1, feature of p)`` ``[B, T, H]`` each."""
     x = draft.fc(torch.cat((embeds, feats), dim=-1))
-    x = layer_forward(draft.layers[0], x, rotary(draft, 0, x.shape[1]))
+    x = layer_forward(draft.layer, x, rotary(draft, 0, x.shape[1]))
     return draft.norm(x)
 
 
@@ -404,7 +405,7 @@ def write_report(out: Path, s: Settings, command: str, facts: dict[str, Any]) ->
     lines = [
         "# The built-in tiny model: how it was made",
         "",
-        "Written by `engine.builtin.train`; rebuild with (from the repository root):",
+        "Written by `scripts/train_tiny.py`; rebuild with (from the repository root):",
         "",
         "```", command, "```", "",
         "## Settings", "", "```json", json.dumps(asdict(s), indent=2), "```", "",
@@ -440,7 +441,7 @@ def parse_args() -> tuple[Path, Settings, bool]:
 
 def main() -> None:
     out, s, check = parse_args()
-    command = "python " + " ".join(["-m", "engine.builtin.train", *sys.argv[1:]])
+    command = "python " + " ".join(["scripts/train_tiny.py", *sys.argv[1:]])
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     train_files, held = split_files(stdlib_files())

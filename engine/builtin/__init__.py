@@ -1,5 +1,6 @@
 """The built-in model shipped with the package: a trained tiny Qwen2-VL-architecture checkpoint
-(with its EAGLE draft in ``draft/``) and the script that trains it (:mod:`engine.builtin.train`)."""
+(with its EAGLE draft in ``draft/``). ``scripts/train_tiny.py`` trains it (a script, not part of
+the engine: its closing check runs the decode node's EAGLE loop)."""
 
 from __future__ import annotations
 

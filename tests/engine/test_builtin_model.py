@@ -1,4 +1,4 @@
-"""The shipped built-in model (``engine/builtin/tiny-qwen2-vl``, made by ``engine.builtin.train``):
+"""The shipped built-in model (``engine/builtin/tiny-qwen2-vl``, made by ``scripts/train_tiny.py``):
 it loads, continues Python-like prompts deterministically and not degenerately, its EAGLE draft
 loads and speculative decoding with it equals plain decoding while accepting more than one token
 per round, and everything shipped stays small."""
@@ -21,7 +21,7 @@ from engine.request import SamplingParams
 BUILTIN = Path(engine.__file__).parent / "builtin" / "tiny-qwen2-vl"
 MAX_BYTES = 20 * 1024 * 1024
 K = 4
-# From the standard library's heapq.py, a file engine.builtin.train holds out of training.
+# From the standard library's heapq.py, a file scripts/train_tiny.py holds out of training.
 HELD_OUT_PROMPT = '''def heappush(heap, item):
     """Push item onto heap, maintaining the heap invariant."""
     heap.append(item)
