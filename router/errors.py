@@ -1,4 +1,5 @@
-"""The router's error for a failed worker call, shared by the worker pool, rooms and the relay."""
+"""The router's errors that carry a gRPC status: a failed worker call, and a call that ended with a
+status on a door that is not gRPC (the HTTP door)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,31 @@ import grpc
 
 from serving.overload import retry_after_ms, retry_metadata
 
+Trailing = tuple[tuple[str, str], ...]
 
-class WorkerFailure(Exception):
-    """A worker call failed: the status to give the client (with the worker's retry hint,
-    ``trailing``, when it refused the room as overloaded)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str,
-                 trailing: tuple[tuple[str, str], ...] = ()) -> None:
+class StatusError(Exception):
+    """A call's outcome as a gRPC status: ``code``, ``details`` and ``trailing`` metadata (a
+    retry hint when the call was refused as overloaded)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Trailing = ()) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.trailing = trailing
+
+
+class WorkerFailure(StatusError):
+    """A worker call failed: the status to give the client (with the worker's retry hint when it
+    refused the room as overloaded)."""
 
     @classmethod
     def from_rpc(cls, exc: grpc.aio.AioRpcError, role: str, address: str) -> WorkerFailure:
         hint = retry_after_ms(exc.trailing_metadata())
         trailing = retry_metadata(hint) if hint is not None else ()
         return cls(exc.code(), f"{role} worker {address}: {exc.details()}", trailing)
+
+
+class DoorError(StatusError):
+    """A call ended with a gRPC status on a door that is not gRPC (see
+    :class:`router.service.LocalContext`)."""

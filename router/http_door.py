@@ -33,6 +33,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from proto.pdserve.v1 import generate_pb2 as gpb
+from router.errors import DoorError
 from router.openai_request import BadRequest, OpenAICall, chat_call, completion_call
 from router.openai_response import (
     Chunks,
@@ -42,7 +43,7 @@ from router.openai_response import (
     error_body,
     error_reply,
 )
-from router.service import DoorError, GenerationService
+from router.service import GenerationService
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
+from router.errors import DoorError
 from router.openai_request import BadRequest
-from router.service import DoorError
 from serving.overload import RETRY_AFTER_KEY
 
 HTTP_STATUS = {

@@ -25,7 +25,7 @@ from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.config import RouterConfig
-from router.errors import WorkerFailure
+from router.errors import DoorError, WorkerFailure
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
 from router.relay import relay
 from router.room import RoomRun
@@ -37,17 +37,6 @@ from serving.status import abort_with_status
 
 log = logging.getLogger(__name__)
 ROOM_BITS = 63
-
-
-class DoorError(Exception):
-    """A call ended with a gRPC status on a door that is not gRPC (see :class:`LocalContext`)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str,
-                 trailing: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-        self.trailing = trailing
 
 
 class LocalContext:

@@ -11,10 +11,10 @@ import pytest
 
 from engine.chat import IMAGE_BLOCK, chat_turn, conversation_prompt
 from engine.chat import chat_prompt as engine_chat_prompt
+from router.errors import DoorError
 from router.http_door import error_response
 from router.openai_request import BadRequest, chat_call, chat_prompt
 from router.openai_response import StopMatcher
-from router.service import DoorError
 from serving.overload import retry_metadata
 
 
