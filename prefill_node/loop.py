@@ -13,6 +13,8 @@ A room's life here:
 
 ``on_done(room, error)`` is called exactly once per submitted room (``error`` is None on success).
 The thread, its lock and its failure handling are :class:`serving.engine_thread.EngineThread`'s.
+:class:`PrefillThread` is what this loop shares with a pipeline's first stage
+(:mod:`prefill_node.pipeline.first`): the room table, abort, figures and the idle policy.
 """
 
 from __future__ import annotations
@@ -36,31 +38,17 @@ IDLE_POLL_S = 0.002  # how often gated rooms are polled while nothing else runs
 STEP_FAILURE = "prefill node error"  # the reason every room fails with when a step raises
 
 
-class PrefillLoop(EngineThread[None]):
-    """Owns an :class:`LLMEngine` and a bootstrap server; steps them on a background thread."""
+class PrefillThread(EngineThread[None]):
+    """The engine thread of a prefill process over a :class:`PrefillRooms` table: what the
+    whole-model loop and a pipeline's first stage share. Subclasses add ``submit`` and the
+    thread's ``step`` (and may override ``poll`` and ``idle_wait_s``)."""
 
-    def __init__(
-        self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
-        drafter: DraftRunner | None = None,
-    ) -> None:
+    def __init__(self, engine: LLMEngine, bootstrap: PrefillBootstrapServer,
+                 on_done: OnDone) -> None:
         super().__init__("prefill-loop", STEP_FAILURE)
         self.engine = engine
-        self.drafter = drafter
         self.bootstrap = bootstrap
         self.rooms = PrefillRooms(engine, bootstrap, on_done)
-        self._hidden = (0.0,) * engine.model_config.text.hidden_size
-
-    def submit(
-        self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
-        sampling: SamplingParams,
-    ) -> None:
-        """Validate and gate a room; raises ``InvalidRequestError`` or ``TransferError``."""
-        # The prefill computes the prompt and samples exactly one token, the decode's first.
-        first_only = replace(sampling, max_new_tokens=1)
-        with self.lock:
-            req = self.engine.new_request(token_ids, images, first_only, request_id=str(room))
-            self.rooms.add(room, req)
-            self.lock.notify()
 
     def abort(self, room: int, reason: str) -> bool:
         """Fail a room at any stage; True if it was live."""
@@ -90,7 +78,36 @@ class PrefillLoop(EngineThread[None]):
         """Gated rooms are polled every ``IDLE_POLL_S``; with none, sleep until woken."""
         return IDLE_POLL_S if self.rooms else None
 
+    def fail_all(self, reason: str) -> None:
+        self.rooms.finish_all(reason)
+
+
+class PrefillLoop(PrefillThread):
+    """The whole-model prefill: owns an :class:`LLMEngine` and a bootstrap server and steps them
+    on a background thread; with ``drafter``, the EAGLE draft's prompt KV travels too."""
+
+    def __init__(
+        self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
+        drafter: DraftRunner | None = None,
+    ) -> None:
+        super().__init__(engine, bootstrap, on_done)
+        self.drafter = drafter
+        self._hidden = (0.0,) * engine.model_config.text.hidden_size
+
+    def submit(
+        self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
+        sampling: SamplingParams,
+    ) -> None:
+        """Validate and gate a room; raises ``InvalidRequestError`` or ``TransferError``."""
+        # The prefill computes the prompt and samples exactly one token, the decode's first.
+        first_only = replace(sampling, max_new_tokens=1)
+        with self.lock:
+            req = self.engine.new_request(token_ids, images, first_only, request_id=str(room))
+            self.rooms.add(room, req)
+            self.lock.notify()
+
     def step(self) -> None:
+        """One prefill step (lock held): forward, push pages and aux rows, settle rooms."""
         out = self.engine.scheduler.schedule()
         if not out.items:
             return
@@ -102,9 +119,6 @@ class PrefillLoop(EngineThread[None]):
         failed = self.rooms.push(out, self._aux_rows(out, samples, seeds))
         finished = self.engine.scheduler.update(out, samples)
         self.rooms.settle(failed, finished)
-
-    def fail_all(self, reason: str) -> None:
-        self.rooms.finish_all(reason)
 
     def _aux_rows(self, out: SchedulerOutput, samples: list[tuple[int, float]],
                   seeds: dict[str, torch.Tensor]) -> dict[int, AuxRow]:

@@ -24,17 +24,16 @@ import grpc
 from engine.inputs import ImageInput, RequestState
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
-from prefill_node.loop import IDLE_POLL_S, STEP_FAILURE
+from prefill_node.loop import IDLE_POLL_S, PrefillThread
 from prefill_node.pipeline.first_runner import FirstStageRunner
 from prefill_node.pipeline.link import NextStageLink, pack_step_tensors
-from prefill_node.rooms import OnDone, PrefillRooms
+from prefill_node.rooms import OnDone
 from proto.convert import sampling_message
 from proto.pdserve.v1 import worker_pb2 as wpb
-from serving.engine_thread import EngineThread
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 
 
-class FirstStageLoop(EngineThread[None]):
+class FirstStageLoop(PrefillThread):
     """The engine thread of the first stage: its layers of the model, linked to the next stage.
     Serves the same calls as :class:`prefill_node.loop.PrefillLoop`."""
 
@@ -42,13 +41,10 @@ class FirstStageLoop(EngineThread[None]):
         self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
         runner: FirstStageRunner, link: NextStageLink,
     ) -> None:
-        super().__init__("prefill-loop", STEP_FAILURE)
-        self.engine = engine
-        self.bootstrap = bootstrap
+        super().__init__(engine, bootstrap, self._ended)
         self.runner = runner
         self.link = link
         self._on_done = on_done
-        self.rooms = PrefillRooms(engine, bootstrap, self._ended)
 
     def submit(
         self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
@@ -68,20 +64,6 @@ class FirstStageLoop(EngineThread[None]):
             ))
             self.lock.notify()
 
-    def abort(self, room: int, reason: str) -> bool:
-        """Fail a room at any stage; True if it was live."""
-        with self.lock:
-            return self.rooms.finish(room, reason)
-
-    def stats(self) -> dict[str, int]:
-        with self.lock:
-            return self.rooms.stats()
-
-    def num_queued(self) -> int:
-        """Rooms waiting for admission (see :meth:`PrefillLoop.num_queued`)."""
-        with self.lock:
-            return self.rooms.num_queued()
-
     # ---- the thread's hooks (lock held) --------------------------------------------------
 
     def poll(self) -> None:
@@ -94,9 +76,6 @@ class FirstStageLoop(EngineThread[None]):
                 self.rooms.finish_all(f"next pipeline stage {self.link.address}: {exc.code()}")
                 return
         self.rooms.open_gates(self.link.is_ready)
-
-    def has_work(self) -> bool:
-        return self.engine.scheduler.has_unfinished()
 
     def idle_wait_s(self) -> float | None:
         """Gated rooms and undelivered news are polled every ``IDLE_POLL_S``."""
@@ -115,9 +94,6 @@ class FirstStageLoop(EngineThread[None]):
         finished = self.engine.scheduler.update(out, reply.samples)
         self._fail_later(reply.failed)
         self.rooms.settle(failed, finished)  # finished: delivered by this stage and every later
-
-    def fail_all(self, reason: str) -> None:
-        self.rooms.finish_all(reason)
 
     def _fail_later(self, failed: list[tuple[int, str]]) -> None:
         """Fail the rooms a later stage failed."""
