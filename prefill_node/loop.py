@@ -19,6 +19,7 @@ The thread, its lock and its failure handling are :class:`serving.engine_thread.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -49,6 +50,11 @@ class PrefillThread(EngineThread[None]):
         self.engine = engine
         self.bootstrap = bootstrap
         self.rooms = PrefillRooms(engine, bootstrap, on_done)
+
+    @abstractmethod
+    def submit(self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
+               sampling: SamplingParams) -> None:
+        """Validate and gate a room; raises ``InvalidRequestError`` or ``TransferError``."""
 
     def abort(self, room: int, reason: str) -> bool:
         """Fail a room at any stage; True if it was live."""

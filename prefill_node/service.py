@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
-from typing import Protocol
 
 import grpc
 
 from engine.inputs import ImageInput, image_from_array
 from engine.request import SamplingParams
+from prefill_node.loop import PrefillThread
 from proto.convert import patches_array, sampling_kwargs
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
@@ -25,30 +24,14 @@ from serving.blocking import to_thread_atomic
 from serving.request_log import request_line
 from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.aux import AuxBuffer
-from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.faults import fault_figures
 
 DEFAULT_MAX_WAITING = 256
 
 
-class RoomLoop(Protocol):
-    """The engine thread the service drives: :class:`prefill_node.loop.PrefillLoop`, or the
-    first stage of a pipeline (:class:`prefill_node.pipeline.first.FirstStageLoop`)."""
-
-    bootstrap: PrefillBootstrapServer
-
-    def submit(self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
-               sampling: SamplingParams) -> None: ...
-
-    def abort(self, room: int, reason: str) -> bool: ...
-
-    def stats(self) -> dict[str, int]: ...
-
-    def num_queued(self) -> int: ...
-
-
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
-    """Serves ``PrefillWorker`` over a :class:`RoomLoop`."""
+    """Serves ``PrefillWorker`` over a :class:`PrefillThread`: the whole-model loop or the first
+    stage of a pipeline."""
 
     def __init__(self, max_waiting: int = DEFAULT_MAX_WAITING) -> None:
         self.admission = AdmissionGate(max_waiting, lambda: self.loop.num_queued(),
@@ -57,16 +40,16 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self.counters: Counter[str] = Counter(transfers_failed=0)
         self._pending: dict[int, asyncio.Future[str | None]] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
-        self._loop: RoomLoop | None = None
+        self._loop: PrefillThread | None = None
         self.bootstrap_address = ""
 
-    def bind(self, loop: RoomLoop, aio: asyncio.AbstractEventLoop, bootstrap: str) -> None:
+    def bind(self, loop: PrefillThread, aio: asyncio.AbstractEventLoop, bootstrap: str) -> None:
         """Attach the prefill loop (whose ``on_done`` is :meth:`on_done`), the asyncio loop
         and the bootstrap endpoint address reported in load reports."""
         self._loop, self._aio, self.bootstrap_address = loop, aio, bootstrap
 
     @property
-    def loop(self) -> RoomLoop:
+    def loop(self) -> PrefillThread:
         assert self._loop is not None, "PrefillService.bind() was not called"
         return self._loop
 
