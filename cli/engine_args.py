@@ -6,6 +6,8 @@ import argparse
 import socket
 from typing import TYPE_CHECKING
 
+from serving.admission import DEFAULT_MAX_WAITING
+
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from serving.auth import ServerSecurity
@@ -71,7 +73,7 @@ def worker_security(args: argparse.Namespace) -> ServerSecurity:
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     """Admission bound and handshake timeouts of a prefill or decode worker."""
-    p.add_argument("--max-waiting", type=int, default=256, metavar="N",
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
                    help="refuse new rooms with RESOURCE_EXHAUSTED (and a retry-after-ms hint) "
                         "while N already wait here (prefill: gated + queued; decode: waiting "
                         "for pages + queued)")

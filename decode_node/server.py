@@ -7,13 +7,14 @@ from pathlib import Path
 
 from decode_node.clients import BootstrapClients
 from decode_node.loop import DecodeLoop
-from decode_node.service import DEFAULT_MAX_WAITING, DecodeService
+from decode_node.service import DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from proto.pdserve.v1 import worker_pb2_grpc
+from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity

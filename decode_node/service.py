@@ -28,15 +28,15 @@ from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
-from serving.admission import AdmissionGate
+from serving.admission import DEFAULT_MAX_WAITING, AdmissionGate
 from serving.blocking import to_thread_atomic
 from serving.request_log import request_line
 from serving.status import STATUS_ERRORS, abort_with_status
+from transfer.aux import aux_figures
 from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.faults import fault_figures
 
 DEFAULT_MAX_NEW_TOKENS = 128
-DEFAULT_MAX_WAITING = 256
 
 
 def engine_inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:
@@ -168,10 +168,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                                      **self.counters}
         if self._clients is not None:
             figures["rooms_active"] = max(figures["rooms_active"], self._clients.num_rooms())
-            aux = self._clients.manager.aux
-            if aux is not None:
-                figures["aux_slots_total"] = aux.num_rows
-                figures["aux_slots_used"] = aux.num_rows - aux.num_free
+            figures.update(aux_figures(self._clients.manager.aux))
             figures.update(fault_figures(self._clients.manager.faults))
         return figures
 

@@ -12,8 +12,9 @@ from engine.draft_runner import DraftRunner
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from prefill_node.loop import PrefillLoop
-from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
+from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2_grpc
+from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
 from serving.metrics import TransferMetrics
 from serving.server import serve_until_signal, start_server

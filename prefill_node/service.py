@@ -19,14 +19,12 @@ from proto.convert import patches_array, sampling_kwargs
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
-from serving.admission import AdmissionGate
+from serving.admission import DEFAULT_MAX_WAITING, AdmissionGate
 from serving.blocking import to_thread_atomic
 from serving.request_log import request_line
 from serving.status import STATUS_ERRORS, abort_with_status
-from transfer.aux import AuxBuffer
+from transfer.aux import aux_figures
 from transfer.faults import fault_figures
-
-DEFAULT_MAX_WAITING = 256
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
@@ -120,13 +118,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         figures.update(aux_figures(self.loop.bootstrap.manager.aux))
         figures.update(fault_figures(self.loop.bootstrap.manager.faults))
         return figures
-
-
-def aux_figures(aux: AuxBuffer | None) -> dict[str, int]:
-    """``aux_slots_used`` / ``aux_slots_total`` of a transfer manager's aux buffer."""
-    if aux is None:
-        return {}
-    return {"aux_slots_total": aux.num_rows, "aux_slots_used": aux.num_rows - aux.num_free}
 
 
 def _inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:

@@ -20,6 +20,8 @@ import grpc
 
 from serving.overload import abort_overloaded
 
+DEFAULT_MAX_WAITING = 256  # a worker's bound when --max-waiting is not given
+
 
 class AdmissionGate:
     """At most ``max_waiting`` requests wait on a node. ``queued`` (blocking) is the node's

@@ -111,3 +111,11 @@ def _floats(values: Sequence[float], n: int) -> bytes:
     if len(values) != n:
         raise ValueError(f"hidden state has {len(values)} values, the aux row holds {n}")
     return array("f", values).tobytes()
+
+
+def aux_figures(aux: AuxBuffer | None) -> dict[str, int]:
+    """``aux_slots_used`` / ``aux_slots_total`` of a transfer manager's aux buffer (none without
+    one): the figures every node reports in ``Admin.GetStats``."""
+    if aux is None:
+        return {}
+    return {"aux_slots_total": aux.num_rows, "aux_slots_used": aux.num_rows - aux.num_free}

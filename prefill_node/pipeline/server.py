@@ -29,10 +29,11 @@ from prefill_node.pipeline.later import LaterStage
 from prefill_node.pipeline.layout import StageLayout, load_later_stage
 from prefill_node.pipeline.link import NextStageLink
 from prefill_node.pipeline.service import LaterStageService, LaterStageWorkerFace
-from prefill_node.service import DEFAULT_MAX_WAITING, PrefillService
+from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import StatsSource
+from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import Metadata, ServerSecurity, internal_metadata
 from serving.metrics import TransferMetrics
 from serving.server import Registration, serve_until_signal, start_server

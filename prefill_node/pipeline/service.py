@@ -9,10 +9,10 @@ import asyncio
 import grpc
 
 from prefill_node.pipeline.later import LaterStage
-from prefill_node.service import aux_figures
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.status import STATUS_ERRORS, abort_with_status
+from transfer.aux import aux_figures
 from transfer.faults import fault_figures
 
 
