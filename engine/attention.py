@@ -11,6 +11,7 @@ methods.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +20,68 @@ import torch.nn.functional as F
 from engine.kv_cache import KVPool
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionBatch:
-    """Per-forward inputs of attention, built once and shared by every layer."""
+    """Per-forward inputs of attention, built once and shared by every layer.
 
-    q_lens: list[int]  # new tokens per sequence
-    kv_lens: list[int]  # tokens in the pool per sequence after this forward's writes
-    page_tables: list[list[int]]  # pages of each sequence, in token order
+    Tensors live on the pool's device. ``page_table`` has at least ``ceil(max_kv / page_size)``
+    columns; row ``b``'s first ``ceil(kv_lens[b] / page_size)`` entries are its pages in token
+    order, the rest any in-range page (they are never read unmasked). ``max_q`` and ``max_kv``
+    are host copies of the maxima, so no backend has to read the device to size its work.
+    """
+
+    q_lens: torch.Tensor  # [B] int32, new tokens per sequence
+    kv_lens: torch.Tensor  # [B] int32, tokens in the pool per sequence after this forward's writes
+    q_starts: torch.Tensor  # [B + 1] int32, row offset of each sequence's tokens (cumsum of q_lens)
+    page_table: torch.Tensor  # [B, P] int32
     slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
+    max_q: int
+    max_kv: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.q_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every sequence has ``max_q`` new tokens (decode, verify, draft extend)."""
+        return self.num_tokens == self.num_seqs * self.max_q
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        page_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> AttentionBatch:
+        """A batch from host-side lengths and a ``[B, P]`` page table on the target device."""
+        device = page_table.device
+        q = torch.tensor(q_lens, dtype=torch.int32)
+        starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        torch.cumsum(q, 0, out=starts[1:])
+        lens = torch.tensor([q_lens, kv_lens], dtype=torch.int32).to(device, non_blocking=True)
+        return cls(lens[0], lens[1], starts.to(device, non_blocking=True),
+                   page_table.to(torch.int32), slot_mapping, max(q_lens), max(kv_lens))
+
+    @classmethod
+    def from_lists(
+        cls,
+        q_lens: Sequence[int],
+        kv_lens: Sequence[int],
+        page_tables: Sequence[Sequence[int]],
+        slot_mapping: torch.Tensor,
+    ) -> AttentionBatch:
+        """A batch from per-sequence page lists (padded with page 0), on ``slot_mapping``'s
+        device."""
+        width = max(1, max(len(pt) for pt in page_tables))
+        rows = [list(pt) + [0] * (width - len(pt)) for pt in page_tables]
+        table = torch.tensor(rows, dtype=torch.int32).to(slot_mapping.device)
+        return cls.build(q_lens, kv_lens, table, slot_mapping)
 
 
 class AttentionBackend(ABC):
@@ -63,32 +118,31 @@ class TorchPagedAttention(AttentionBackend):
 
     def prepare(self, batch: AttentionBatch) -> None:
         ps = self.pool.page_size
-        bsz = len(batch.q_lens)
-        max_q = max(batch.q_lens)
-        max_pages = -(-max(batch.kv_lens) // ps)
+        bsz, max_q = batch.num_seqs, batch.max_q
+        max_pages = -(-batch.max_kv // ps)
         span = max_pages * ps
         self.bsz, self.max_q = bsz, max_q
-        self.pages = torch.tensor([(pt + [0] * max_pages)[:max_pages] for pt in batch.page_tables])
-        self.pages = self.pages.flatten()  # [B * max_pages]
+        device = batch.slot_mapping.device
+        self.pages = batch.page_table[:, :max_pages].flatten()  # [B * max_pages]
         self.slot_mapping = batch.slot_mapping
-        kv_len = torch.tensor(batch.kv_lens).view(bsz, 1, 1)
-        keys = torch.arange(span).view(1, 1, span)
+        kv_len = batch.kv_lens.view(bsz, 1, 1)
+        keys = torch.arange(span, device=device).view(1, 1, span)
         if max_q == 1:
             self.q_index = None
             self.out_index = None
             self.mask = (keys < kv_len).unsqueeze(1)  # [B, 1, 1, S]
             return
-        q_len = torch.tensor(batch.q_lens).view(bsz, 1, 1)
-        rows = torch.arange(max_q).view(1, max_q, 1)
+        q_len = batch.q_lens.view(bsz, 1, 1)
+        rows = torch.arange(max_q, device=device).view(1, max_q, 1)
         # mask: [B, 1, max_q, S] causal inside each sequence; padded rows see key 0 only
         self.mask = ((keys <= kv_len - q_len + rows) & (keys < kv_len)).unsqueeze(1)
-        if all(q == max_q for q in batch.q_lens):  # verify, draft extend, one prefill chunk
+        if batch.uniform:  # verify, draft extend, one prefill chunk
             self.q_index = self.out_index = None  # the rows are already [B, max_q] in order
             return
-        starts = torch.tensor(batch.q_lens).cumsum(0) - q_len.view(-1)
         r = rows.view(1, max_q)
-        self.q_index = starts.view(bsz, 1) + torch.minimum(r, q_len.view(bsz, 1) - 1)
-        valid = (r < q_len.view(bsz, 1)).flatten()
+        q_len2 = batch.q_lens.view(bsz, 1)
+        self.q_index = batch.q_starts[:-1].view(bsz, 1) + torch.minimum(r, q_len2 - 1)
+        valid = (r < q_len2).flatten()
         self.out_index = valid.nonzero().squeeze(1)
 
     def forward(

@@ -60,7 +60,7 @@ class DraftRunner:
             ids.append(prompt[end] if end < len(prompt) else next(bonus)[0])
             if item.needs_sample:
                 last.append((item.request, len(ids) - 1))
-        batch = AttentionBatch([it.num_tokens for it in out.items],
+        batch = AttentionBatch.from_lists([it.num_tokens for it in out.items],
                                [it.start + it.num_tokens for it in out.items],
                                [it.request.page_ids for it in out.items], fwd.slots)
         feats = self.forward(torch.tensor(ids), fwd.hidden, fwd.mrope, batch)

@@ -69,6 +69,11 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in layer_ids]
 
     @property
+    def device(self) -> torch.device:
+        """Where the buffers live."""
+        return self.k[0].device
+
+    @property
     def num_layers(self) -> int:
         return len(self.layer_ids)
 

@@ -69,7 +69,7 @@ class ModelRunner:
         mrope = mrope_from_1d(pos_t, deltas_t)  # [3, T]
         embeds = self.model.embed(ids_t)  # [T, H]
         mrope = self._prompt_positions(out.items, mrope, embeds, ids_t)
-        batch = AttentionBatch(
+        batch = AttentionBatch.from_lists(
             q_lens=[it.num_tokens for it in out.items],
             kv_lens=[it.start + it.num_tokens for it in out.items],
             page_tables=[it.request.page_ids for it in out.items],

@@ -243,7 +243,8 @@ class EagleEngine:
             for p in pos[row : row + q].tolist():
                 slots.append(r.page_ids[p // ps] * ps + p % ps)
             row += q
-        return AttentionBatch(q_lens, kv_lens, [r.page_ids for r in reqs], torch.tensor(slots))
+        tables = [r.page_ids for r in reqs]
+        return AttentionBatch.from_lists(q_lens, kv_lens, tables, torch.tensor(slots))
 
     def _log(self, phase: str, out: SchedulerOutput, mrope: torch.Tensor) -> None:
         if self.position_log is not None:

@@ -116,5 +116,5 @@ class SpecGraphRunner:
     def _batch(self, rnd: RoundInputs) -> AttentionBatch:
         b, pad = self.bufs, self.bs - len(rnd.reqs)
         tables = [r.page_ids for r in rnd.reqs] + [[self.engine.scratch_page]] * pad
-        return AttentionBatch([self.n] * self.bs, b.seq_lens[: self.bs].tolist(), tables,
+        return AttentionBatch.from_lists([self.n] * self.bs, b.seq_lens[: self.bs].tolist(), tables,
                               b.out_cache_loc[: self.bs * self.n])

@@ -168,7 +168,7 @@ class LaterStage:
             pages = self._rooms[it.room].pages
             slots.extend(pages[i // ps] * ps + i % ps for i in range(it.start,
                                                                     it.start + it.num_tokens))
-        self.attn.prepare(AttentionBatch(
+        self.attn.prepare(AttentionBatch.from_lists(
             q_lens=[it.num_tokens for it in items],
             kv_lens=[it.start + it.num_tokens for it in items],
             page_tables=[self._rooms[it.room].pages for it in items],
