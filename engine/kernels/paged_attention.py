@@ -1,0 +1,286 @@
+"""Triton kernels of paged attention: K/V are read through the page table, never gathered.
+
+Layout (see :mod:`engine.kv_cache`): a layer's K or V buffer is ``[num_pages, page_size,
+kv_heads, D]``; key ``n`` of sequence ``b`` lives at slot ``page_table[b, n // page_size] *
+page_size + n % page_size``. Query ``i`` of sequence ``b`` (``q_len`` new tokens on top of
+``kv_len - q_len`` cached ones) sees keys ``0 .. kv_len - q_len + i``.
+
+Two entry points, both launched with grids that depend only on the batch size, ``max_q`` and
+head counts; every sequence's length is read inside the kernels, so a captured CUDA graph
+replays correctly with new ``kv_lens`` and page tables:
+
+- :func:`extend_attention`: ragged prefill chunks, mixed batches and verify windows. One
+  program per (block of ``BLOCK_Q`` queries, sequence, kv head); the query heads of a kv head
+  are stacked into the rows of one tile (row ``r`` is query ``r // GROUP_PAD``, head
+  ``r % GROUP_PAD``), so each K/V tile is loaded once for the whole group.
+- :func:`decode_attention`: one query per sequence. One program per (sequence, kv head,
+  split); the key range is cut into ``num_splits`` parts whose partial results a second kernel
+  merges by their log-sum-exp.
+
+Scores and the online softmax are float32 (base-2 exponentials, the scale folded with
+``log2(e)``); K/V stay in the pool's dtype. ``D`` is padded to a power of two >= 16 with masks.
+The kernels are built when this module is imported: with ``TRITON_INTERPRET=1`` set then, they
+run on CPU tensors through the interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRETED = bool(triton.knobs.runtime.interpret)
+_LOG2E = 1.4426950408889634
+_MIN_DOT = 16  # smallest tile side tl.dot accepts
+_ROWS = 64  # query rows (tokens x group heads) per extend program
+_BLOCK_N = 64  # keys per inner step
+
+
+@triton.jit
+def _attend(  # type: ignore[no-untyped-def]  # a Triton function: no Python annotations
+    acc, m_i, l_i,  # running state: [M, D_PAD] f32, [M] f32, [M] f32
+    q,  # [M, D_PAD] in the pool's dtype
+    last,  # [M] int32, last key index each row may see
+    k_ptr, v_ptr, pt_row, kvh, lo, hi, kv_len, scale,
+    stride_ks, stride_kh,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Fold keys ``lo .. hi-1`` (below ``kv_len``) into the online-softmax state; with
+    ``DOT_F32`` both products take float32 operands."""
+    if DOT_F32:
+        q = q.to(tl.float32)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < D
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_len
+        page = tl.load(pt_row + n // PAGE_SIZE, mask=n_ok, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE
+        off = slot * stride_ks + kvh * stride_kh  # [BLOCK_N] int64
+        kt = tl.load(k_ptr + off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                     other=0.0)  # [D_PAD, BLOCK_N]
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision="ieee") * scale  # [M, BLOCK_N] f32, log2 domain
+        s = tl.where(n_ok[None, :] & (n[None, :] <= last[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [BLOCK_N, D_PAD]
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _extend_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, v_ptr, o_ptr, q_starts, kv_lens, page_table, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_pt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    qb = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(q_starts + b)
+    q_len = tl.load(q_starts + b + 1) - q_start
+    kv_len = tl.load(kv_lens + b)
+    ctx = kv_len - q_len  # keys cached before this forward
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    qi = qb * BLOCK_Q + r // GROUP_PAD  # query index inside the sequence
+    g = r % GROUP_PAD
+    row_ok = (qi < q_len) & (g < GROUP)
+    d = tl.arange(0, D_PAD)
+    io_mask = row_ok[:, None] & (d < D)[None, :]
+    tok = (q_start + qi).to(tl.int64)
+    head = kvh * GROUP + g
+    q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + d[None, :],
+                mask=io_mask, other=0.0)
+    # keys past the last query of this block are never seen; an empty block loops zero times
+    hi = tl.minimum(kv_len, ctx + (qb + 1) * BLOCK_Q)
+    hi = tl.where(qb * BLOCK_Q < q_len, hi, 0)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, ctx + qi, k_ptr, v_ptr, page_table + b * stride_pt,
+                            kvh, 0, hi, kv_len, scale, stride_ks, stride_kh,
+                            D, D_PAD, BLOCK_N, PAGE_SIZE, DOT_F32)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(o_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=io_mask)
+
+
+@triton.jit
+def _decode_kernel(  # type: ignore[no-untyped-def]
+    q_ptr, k_ptr, v_ptr, o_ptr, part_o, part_lse, kv_lens, page_table, scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_pt, num_heads,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_lens + b)
+    g = tl.arange(0, GROUP_PAD)
+    g_ok = g < GROUP
+    d = tl.arange(0, D_PAD)
+    io_mask = g_ok[:, None] & (d < D)[None, :]
+    head = kvh * GROUP + g
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qt + (head * stride_qh)[:, None] + d[None, :],
+                mask=io_mask, other=0.0)
+    # split s covers keys [s * per_split, (s + 1) * per_split), whole BLOCK_N steps
+    per_split = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_len)
+    acc = tl.zeros([GROUP_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_PAD], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    last = tl.full([GROUP_PAD], 0, dtype=tl.int32) + kv_len - 1
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, last, k_ptr, v_ptr, page_table + b * stride_pt,
+                            kvh, lo, hi, kv_len, scale, stride_ks, stride_kh,
+                            D, D_PAD, BLOCK_N, PAGE_SIZE, DOT_F32)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(o_ptr + b.to(tl.int64) * stride_ot + (head * stride_oh)[:, None] + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        row = (b * num_heads + head).to(tl.int64) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_o + row[:, None] * D_PAD + d[None, :], out, mask=g_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(part_lse + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _merge_kernel(  # type: ignore[no-untyped-def]
+    o_ptr, part_o, part_lse, stride_ot, stride_oh, num_heads,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    s_ok = s < NUM_SPLITS
+    d = tl.arange(0, D_PAD)
+    row = (b * num_heads + h).to(tl.int64) * NUM_SPLITS + s
+    lse = tl.load(part_lse + row, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no keys at all: the output is 0
+    w = tl.exp2(lse - top)  # [SPLITS_PAD], 0 for empty splits
+    part = tl.load(part_o + row[:, None] * D_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(w[:, None] * part, 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(o_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + d,
+             out.to(o_ptr.dtype.element_ty), mask=d < D)
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.device.type != "cuda" and not _INTERPRETED:
+        raise RuntimeError(
+            f"Triton paged attention needs CUDA tensors (got {q.device}), or TRITON_INTERPRET=1 "
+            "set before engine.kernels.paged_attention is imported; use TorchPagedAttention"
+        )
+
+
+def _dot_f32(q: torch.Tensor) -> bool:
+    """Whether to upcast the products' operands: only in the interpreter, whose ``tl.dot``
+    multiplies bfloat16 tiles as their raw 16-bit patterns (Triton 3.9)."""
+    return _INTERPRETED and q.dtype == torch.bfloat16
+
+
+def _pad_dim(d: int) -> int:
+    return max(_MIN_DOT, triton.next_power_of_2(d))
+
+
+def _kv_strides(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple[int, int]:
+    """Slot and head strides of a ``[num_pages, page_size, kv_heads, D]`` buffer pair."""
+    if k_buf.stride() != v_buf.stride() or not k_buf.is_contiguous():
+        raise ValueError("K and V buffers must be contiguous with equal strides")
+    return k_buf.stride(1), k_buf.stride(2)
+
+
+def extend_block_q(max_q: int, group: int) -> int:
+    """Queries per extend program: ``_ROWS`` rows of (query, head), no more queries than
+    ``max_q`` needs, and at least the ``_MIN_DOT`` rows a tile must have."""
+    group_pad = triton.next_power_of_2(group)
+    block = min(triton.next_power_of_2(max_q), max(1, _ROWS // group_pad))
+    return max(block, _MIN_DOT // group_pad, 1)
+
+
+def extend_attention(
+    q: torch.Tensor,  # [T, heads, D], pool dtype, last dim contiguous
+    k_buf: torch.Tensor,  # [num_pages, page_size, kv_heads, D]
+    v_buf: torch.Tensor,  # [num_pages, page_size, kv_heads, D]
+    out: torch.Tensor,  # [T, heads, D], written
+    q_starts: torch.Tensor,  # [B + 1] int32
+    kv_lens: torch.Tensor,  # [B] int32
+    page_table: torch.Tensor,  # [B, P] int32, contiguous
+    max_q: int,
+) -> None:
+    """Causal attention of ragged query runs over their paged keys (prefill, extend, verify).
+
+    The grid is ``(ceil(max_q / BLOCK_Q), B, kv_heads)``: it depends on nothing else, so a
+    uniform batch (verify) is graph-capturable. Rows of a sequence past its ``q_len`` are
+    neither read nor written.
+    """
+    _check_device(q)
+    _, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_buf.shape
+    group = heads // kv_heads
+    stride_ks, stride_kh = _kv_strides(k_buf, v_buf)
+    block_q = extend_block_q(max_q, group)
+    grid = (triton.cdiv(max_q, block_q), page_table.shape[0], kv_heads)
+    _extend_kernel[grid](
+        q, k_buf, v_buf, out, q_starts, kv_lens, page_table, _LOG2E / math.sqrt(dim),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_ks, stride_kh,
+        page_table.stride(0),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q,
+        D=dim, D_PAD=_pad_dim(dim), BLOCK_N=_BLOCK_N, PAGE_SIZE=page_size,
+        DOT_F32=_dot_f32(q),
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, heads, D], pool dtype, last dim contiguous
+    k_buf: torch.Tensor,  # [num_pages, page_size, kv_heads, D]
+    v_buf: torch.Tensor,  # [num_pages, page_size, kv_heads, D]
+    out: torch.Tensor,  # [B, heads, D], written
+    kv_lens: torch.Tensor,  # [B] int32
+    page_table: torch.Tensor,  # [B, P] int32, contiguous
+    num_splits: int,
+) -> None:
+    """Attention of one query per sequence over all of its ``kv_len`` keys, split-K.
+
+    Grids ``(B, kv_heads, num_splits)`` and, when ``num_splits > 1``, ``(B, heads)`` for the
+    merge; the float32 partial results live in scratch tensors allocated here.
+    """
+    _check_device(q)
+    bsz, heads, dim = q.shape
+    _, page_size, kv_heads, _ = k_buf.shape
+    group = heads // kv_heads
+    d_pad = _pad_dim(dim)
+    stride_ks, stride_kh = _kv_strides(k_buf, v_buf)
+    part_o = part_lse = out  # unused placeholders when there is one split
+    if num_splits > 1:
+        part_o = torch.empty(bsz, heads, num_splits, d_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(bsz, heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(bsz, kv_heads, num_splits)](
+        q, k_buf, v_buf, out, part_o, part_lse, kv_lens, page_table, _LOG2E / math.sqrt(dim),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_ks, stride_kh,
+        page_table.stride(0), heads,
+        GROUP=group, GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
+        NUM_SPLITS=num_splits, D=dim, D_PAD=d_pad, BLOCK_N=_BLOCK_N, PAGE_SIZE=page_size,
+        DOT_F32=_dot_f32(q),
+    )
+    if num_splits > 1:
+        _merge_kernel[(bsz, heads)](
+            out, part_o, part_lse, out.stride(0), out.stride(1), heads,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            D=dim, D_PAD=d_pad,
+        )
