@@ -17,12 +17,18 @@ import torch
 
 @dataclass(frozen=True)
 class BufferInfo:
-    """What the transfer layer registers for one buffer entry."""
+    """What the transfer layer registers for one buffer entry.
+
+    ``device`` names where the bytes at ``ptr`` live, as torch spells it: ``"cpu"`` for host
+    memory, ``"cuda:N"`` or ``"npu:N"`` for an accelerator's memory; the transfer manager picks
+    the engine's registration path from it.
+    """
 
     ptr: int  # base address of the buffer
     nbytes: int  # total bytes of the buffer
     bytes_per_page: int  # bytes of one page of this buffer
     layer_id: int  # global layer id of this entry
+    device: str = "cpu"  # where the buffer lives: "cpu", "cuda:N", "npu:N"
 
 
 def slot_of(page: int, page_size: int, offset: int) -> int:
@@ -90,11 +96,13 @@ class KVPool:
         return [*self.layer_ids, *self.layer_ids]
 
     def buffer_infos(self) -> list[BufferInfo]:
-        """Base address, byte length, bytes per page and layer id of every entry."""
+        """Base address, byte length, bytes per page, layer id and device of every entry."""
         out = []
         for buf, lid in zip(self.entries(), self.entry_layer_ids(), strict=True):
             nbytes = buf.numel() * buf.element_size()
-            out.append(BufferInfo(buf.data_ptr(), nbytes, nbytes // self.num_pages, lid))
+            out.append(
+                BufferInfo(buf.data_ptr(), nbytes, nbytes // self.num_pages, lid, str(buf.device))
+            )
         return out
 
     def flat_k(self, layer: int) -> torch.Tensor:

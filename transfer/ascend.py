@@ -3,9 +3,18 @@
 - Engine: the Ascend build of the transfer engine (``mooncake-transfer-engine-npu``) with the
   ``ascend`` protocol and an NPU device name; ``torch_npu`` is imported lazily, the device is
   selected and HCCL initialized (when a process group exists) before the engine starts.
-- Registration: every buffer (KV and aux) in ONE ``batch_register_memory`` call. The Ascend
-  engine aligns registrations to 2 MiB, so ranges are widened to that alignment and overlapping
-  or touching ranges merged first (:func:`merge_aligned_ranges`).
+- Registration: one ``batch_register_memory`` call per memory location, so one call for a pool
+  on the host and two for a pool on an NPU (the host batch, holding the aux buffer, which is
+  always host memory, then the NPU batch of KV buffers). The engine takes a batch's location as
+  an argument: ``"npu:N"`` registers device memory, the wildcard ``"*"`` makes the engine probe
+  the pointer, which host memory is registered with.
+  Host ranges: the Ascend engine aligns host registrations to 2 MiB, so they are widened to that
+  alignment and overlapping or touching ranges merged first (:func:`merge_aligned_ranges`).
+  NPU ranges: registered exactly as given, one per buffer (:func:`exact_ranges`). Device memory
+  is registered per allocation: widening could reach device memory the process never allocated
+  or that holds another tensor, and merging neighbours could join two allocations into one
+  registration. A KV pool on an NPU needs the npu build (``mooncake-transfer-engine-npu``);
+  :func:`transfer.memory.check_registrable` refuses it otherwise before any engine call.
 - Layout: NPU KV pools use the same ``[num_pages, page_size, kv_heads, head_dim]`` entries, so
   pairing and grouping are inherited unchanged.
 
@@ -16,12 +25,14 @@ host buffers on machines without NPUs).
 from __future__ import annotations
 
 import importlib
+from itertools import pairwise
 from typing import Any
 
-from transfer.errors import BackendUnavailableError, EngineCallError
+from transfer.errors import BackendUnavailableError, EngineCallError, TransferError
+from transfer.memory import HOST, WILDCARD_LOCATION, MemoryRange, check_registrable
 from transfer.mooncake import P2P_HANDSHAKE, MooncakeKVManager, create_mooncake_engine
 
-ASCEND_ALIGN = 2 << 20  # the Ascend engine registers memory in 2 MiB granules
+ASCEND_ALIGN = 2 << 20  # the Ascend engine registers host memory in 2 MiB granules
 
 
 def merge_aligned_ranges(
@@ -41,6 +52,19 @@ def merge_aligned_ranges(
         else:
             merged.append([start, end])
     return [(start, end - start) for start, end in merged]
+
+
+def exact_ranges(ranges: list[MemoryRange]) -> list[MemoryRange]:
+    """Device ``ranges`` sorted by address and unchanged; overlapping ones are refused (two KV
+    buffers never share bytes)."""
+    out = sorted(ranges, key=lambda r: r.ptr)
+    for a, b in pairwise(out):
+        if b.ptr < a.ptr + a.nbytes:
+            raise TransferError(
+                f"{a.device} buffers overlap: [{a.ptr:#x}, +{a.nbytes}) and [{b.ptr:#x}, "
+                f"+{b.nbytes}); every KV buffer entry must be its own memory"
+            )
+    return out
 
 
 def _load_npu_runtime() -> Any:
@@ -97,9 +121,21 @@ class AscendKVManager(MooncakeKVManager):
             hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server
         )
 
-    def _register_ranges(self, ranges: list[tuple[int, int]]) -> None:
-        merged = merge_aligned_ranges(ranges)
-        ret = self.engine.batch_register_memory([p for p, _ in merged], [n for _, n in merged])
-        if ret != 0:
-            raise EngineCallError(f"batch_register_memory of {len(merged)} ranges returned {ret}")
-        self._ranges.extend(merged)
+    def _register_ranges(self, ranges: list[MemoryRange]) -> None:
+        check_registrable(ranges)
+        host = [(r.ptr, r.nbytes) for r in ranges if r.kind == HOST]
+        batches = [(WILDCARD_LOCATION, [MemoryRange(p, n) for p, n in merge_aligned_ranges(host)])]
+        for device in sorted({r.device for r in ranges if r.kind != HOST}):
+            batches.append((device, exact_ranges([r for r in ranges if r.device == device])))
+        for location, batch in batches:
+            if not batch:
+                continue
+            ret = self.engine.batch_register_memory(
+                [r.ptr for r in batch], [r.nbytes for r in batch], location=location
+            )
+            if ret != 0:
+                raise EngineCallError(
+                    f"batch_register_memory of {len(batch)} ranges at location {location!r} "
+                    f"returned {ret}"
+                )
+            self._ranges.extend(batch)

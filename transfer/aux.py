@@ -5,6 +5,10 @@ A row holds the first generated token, its logprob, the last hidden state for th
 decode can detect a row that belongs to another room. Rows have a fixed size (a multiple of 64
 bytes) and live in one host buffer that is registered with the engine once; slots are owned by
 one room at a time through :meth:`AuxBuffer.alloc` / :meth:`AuxBuffer.free`.
+
+The buffer stays in host memory whatever device holds the KV pool, by design: a row is a small
+per-room record that the host writes (prefill) and reads (decode) directly, so the KV moves
+device to device while the aux row moves host to host, both through the same engine.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 A manager owns the local side of the transfer: the KV buffer entries and aux buffer it registered
 with its engine (once), and the push of pages into a peer's buffers. ``send_kvcache`` is defined
 here, once, with one keyword signature; backends only supply the engine calls
-(:meth:`KVManager._register_ranges`, :meth:`KVManager._write`). Unknown keywords are accepted and
+(:meth:`KVManager._register_ranges`, :meth:`KVManager._write`). Every registered range carries
+the device its bytes live on (:class:`~transfer.memory.MemoryRange`): KV buffers wherever the
+pool put them (host, GPU or NPU), the aux buffer always on the host. KV then moves device to
+device and aux rows host to host, both through the same engine. Unknown keywords are accepted and
 ignored, so a caller passing what one backend needs can never crash another.
 
 Invariant: every check (page lists, layer pairing, bytes per page) runs before the first byte
@@ -23,6 +26,7 @@ from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
 from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
 from transfer.faults import FaultInjector
 from transfer.layers import check_bytes_per_page, pair_entries
+from transfer.memory import MemoryRange
 from transfer.messages import Registration
 
 if TYPE_CHECKING:
@@ -48,6 +52,7 @@ class KVManager(ABC):
         self.kv_ptrs: list[int] = []
         self.kv_bytes_per_page: list[int] = []
         self.kv_layer_ids: list[int] | None = None
+        self.kv_devices: list[str] = []  # where each KV entry lives: "cpu", "cuda:N", "npu:N"
         self.num_pages = 0
         self.aux: AuxBuffer | None = None
         self._registered = False
@@ -61,8 +66,12 @@ class KVManager(ABC):
         """This manager's engine address as peers name it (``host:port``)."""
 
     @abstractmethod
-    def _register_ranges(self, ranges: list[tuple[int, int]]) -> None:
-        """Register ``(address, length)`` ranges with the engine; raise on failure."""
+    def _register_ranges(self, ranges: list[MemoryRange]) -> None:
+        """Register ``ranges`` with the engine, each as memory of its device; raise on failure.
+
+        A range whose device the engine cannot register raises :class:`TransferError` before
+        the first engine call.
+        """
 
     @abstractmethod
     def _write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
@@ -73,21 +82,24 @@ class KVManager(ABC):
     ) -> None:
         """Register the KV buffer entries (and the aux buffer) with the engine, exactly once.
 
-        ``use_layer_ids=False`` publishes no layer ids, so pairing is positional.
+        Each entry is registered as memory of its ``device``; nothing is recorded unless every
+        range registered. ``use_layer_ids=False`` publishes no layer ids, so pairing is
+        positional.
         """
         if self._registered:
             raise TransferError("buffers are already registered; a manager registers once")
         if not kv:
             raise TransferError("no KV buffer entries to register")
+        ranges = [MemoryRange(b.ptr, b.nbytes, b.device) for b in kv]
+        if aux is not None:  # aux rows are small per-room records the host reads and writes
+            ranges.append(MemoryRange(aux.ptr, aux.nbytes))
+        self._register_ranges(ranges)
         self.kv_ptrs = [b.ptr for b in kv]
         self.kv_bytes_per_page = [b.bytes_per_page for b in kv]
         self.kv_layer_ids = [b.layer_id for b in kv] if use_layer_ids else None
+        self.kv_devices = [b.device for b in kv]
         self.num_pages = min(b.nbytes // b.bytes_per_page for b in kv)
         self.aux = aux
-        ranges = [(b.ptr, b.nbytes) for b in kv]
-        if aux is not None:
-            ranges.append((aux.ptr, aux.nbytes))
-        self._register_ranges(ranges)
         self._registered = True
 
     def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,

@@ -3,6 +3,13 @@
 TCP by default with the peer-to-peer handshake (metadata server ``P2PHANDSHAKE``: no metadata
 service, a peer is named ``host:rpc_port``); RDMA with ``protocol="rdma"`` and a device name.
 Push model: the prefill writes into pages the decode reserved. Each buffer is registered once.
+
+Memory: the CUDA build (``mooncake-transfer-engine``, extra ``cuda``) registers GPU memory as
+well as host memory; the non-CUDA build (``mooncake-transfer-engine-non-cuda``, extra
+``mooncake``) registers host memory only, and a KV pool on a GPU is refused with an error naming
+the extra before the engine is called (:func:`transfer.memory.check_registrable`). GPU ranges
+are registered with their device as the location (``"cuda:N"``, the name the engine itself gives
+a device pointer), host ranges with the wildcard so the engine finds their NUMA node.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from typing import Any
 
 from transfer.base import KVManager
 from transfer.errors import BackendUnavailableError, EngineCallError
+from transfer.memory import MemoryRange, check_registrable
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
 
@@ -25,7 +33,7 @@ def create_mooncake_engine(
     except ImportError as exc:
         raise BackendUnavailableError(
             "MooncakeKVManager needs the Mooncake transfer engine: "
-            "pip install mooncake-transfer-engine-non-cuda (or the CUDA build)"
+            "pip install 'pdserve[mooncake]' (host memory) or 'pdserve[cuda]' (GPU memory too)"
         ) from exc
     engine = TransferEngine()
     ret = engine.initialize(hostname, metadata_server, protocol, device_name)
@@ -56,7 +64,7 @@ class MooncakeKVManager(KVManager):
         self.engine = engine if engine is not None else self._create_engine(
             hostname, protocol, device_name, metadata_server
         )
-        self._ranges: list[tuple[int, int]] = []
+        self._ranges: list[MemoryRange] = []  # what this manager registered, for close()
 
     def _create_engine(
         self, hostname: str, protocol: str, device_name: str, metadata_server: str
@@ -69,18 +77,22 @@ class MooncakeKVManager(KVManager):
     def session_id(self) -> str:
         return f"{self.hostname}:{self.engine.get_rpc_port()}"
 
-    def _register_ranges(self, ranges: list[tuple[int, int]]) -> None:
-        for ptr, length in ranges:
-            ret = self.engine.register_memory(ptr, length)
+    def _register_ranges(self, ranges: list[MemoryRange]) -> None:
+        check_registrable(ranges)
+        for r in ranges:
+            ret = self.engine.register_memory(r.ptr, r.nbytes, location=r.location)
             if ret != 0:
-                raise EngineCallError(f"register_memory({ptr:#x}, {length}) returned {ret}")
-            self._ranges.append((ptr, length))
+                raise EngineCallError(
+                    f"register_memory({r.ptr:#x}, {r.nbytes}, location={r.location!r}) "
+                    f"of {r.device} memory returned {ret}"
+                )
+            self._ranges.append(r)
 
     def _write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
         return int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
 
     def close(self) -> None:
         """Unregister every range this manager registered."""
-        for ptr, _ in self._ranges:
-            self.engine.unregister_memory(ptr)
+        for r in self._ranges:
+            self.engine.unregister_memory(r.ptr)
         self._ranges.clear()

@@ -29,9 +29,11 @@ def test_merge_aligned_ranges() -> None:
 class _RecordingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[list[int], list[int]]] = []
+        self.locations: list[str] = []
 
-    def batch_register_memory(self, ptrs: list[int], lens: list[int]) -> int:
+    def batch_register_memory(self, ptrs: list[int], lens: list[int], location: str) -> int:
         self.calls.append((ptrs, lens))
+        self.locations.append(location)
         return 0
 
     def get_rpc_port(self) -> int:
@@ -45,6 +47,7 @@ def test_registration_is_one_batch_of_merged_ranges() -> None:
     aux = AuxBuffer(4, 8)
     mgr.register(pool.buffer_infos(), aux)
     assert len(engine.calls) == 1
+    assert engine.locations == ["*"]  # host memory: the engine probes the pointer
     ptrs, lens = engine.calls[0]
     spans = list(zip(ptrs, lens, strict=True))
     assert all(p % ASCEND_ALIGN == 0 and n % ASCEND_ALIGN == 0 for p, n in spans)
