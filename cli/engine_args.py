@@ -18,9 +18,23 @@ WORKER_SERVICES = ("pdserve.v1.PrefillWorker", "pdserve.v1.DecodeWorker", "pdser
                    "pdserve.v1.PipelineStage")
 
 
+DEVICE_HELP = ("auto | cpu | cuda | npu (cuda:N / npu:N for one device); auto takes CUDA if "
+               "torch sees a GPU, else an Ascend NPU if torch_npu sees one, else the CPU")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # engine.device.DTYPE_CHOICES
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """``--device``, ``--dtype`` and ``--no-graphs`` (also on ``pdserve launch``, for workers)."""
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights and KV cache; auto: bfloat16 on cuda/npu, float32 on cpu")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of through captured CUDA graphs")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (default: the built-in tiny model)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_args(p)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None,
                    help="KV pool pages (default: as many as --kv-budget-mb buys)")
@@ -32,12 +46,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from engine.config import EngineConfig  # torch: only for commands that run an engine
+    """The engine settings of the flags, with ``--device`` and ``--dtype`` resolved on this
+    machine (``auto`` becomes a concrete name, so every consumer of the config, the P/D model
+    identity included, sees what really runs); a device this machine cannot run raises
+    ``DeviceError`` (one ``error:`` line, exit 2)."""
+    from engine.config import EngineConfig
+    from engine.device import dtype_name, resolve_device, resolve_dtype  # torch: engine commands
 
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     return EngineConfig(
         page_size=args.page_size, num_pages=args.num_pages, kv_budget_bytes=args.kv_budget_mb << 20,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, dtype=args.dtype,
+        max_model_len=args.max_model_len, dtype=dtype_name(dtype), device=str(device),
+        graphs=not args.no_graphs,
     )
 
 

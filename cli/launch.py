@@ -14,6 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
+from cli.engine_args import add_device_args
 from cli.models import cache_dir, ensure_model
 
 STATE_FILE = "launch.json"
@@ -34,6 +35,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-resources", default="{}", metavar="JSON")
     p.add_argument("--worker-args", default="", metavar="'FLAGS'",
                    help="engine flags passed to every worker, e.g. '--num-pages 512'")
+    add_device_args(p)  # passed to every worker as given: each resolves auto on its own node
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="EAGLE draft for every worker ('auto': MODEL/draft, if present)")
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K")
@@ -44,7 +46,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """Start the cluster; without ``--detach``, serve until SIGINT/SIGTERM and stop it."""
     from deploy import ray_launcher as rl
+    from engine.device import parse_device_name
 
+    parse_device_name(args.device)  # a misspelt device fails here, not in every worker
     model_dir = ensure_model(args.model)
     opts = rl.LaunchOptions(
         model=str(model_dir), prefill=args.prefill, decode=args.decode, port=args.port,
@@ -53,6 +57,7 @@ def run_launch(args: argparse.Namespace) -> int:
         decode_resources=_resources(args.decode_resources),
         worker_args=args.worker_args.split(), detached=args.detach,
         draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
+        device=args.device, dtype=args.dtype, graphs=not args.no_graphs,
     )
     started_head = False
     if args.detach and not args.address:

@@ -95,6 +95,9 @@ class LaunchOptions:
     worker_args: list[str] = field(default_factory=list)  # engine flags for both worker roles
     draft: str | None = None  # EAGLE draft directory for both roles
     num_draft_tokens: int = 3
+    device: str = "auto"  # --device of both worker roles, resolved by each worker on its node
+    dtype: str = "auto"
+    graphs: bool = True  # False: --no-graphs
     detached: bool = False
 
 
@@ -136,7 +139,7 @@ def launch(opts: LaunchOptions) -> Cluster:
                                     opts.prefill_resources),
                                    ("decode", opts.decode, opts.decode_gpus,
                                     opts.decode_resources)):
-        args = [*model, *opts.worker_args, *draft_args(role, opts)]
+        args = worker_argv(role, opts)
         for i in range(count):
             actor = _ACTOR.options(name=f"{role}-{i}", num_gpus=gpus, resources=res,
                                    **lifetime).remote(role, args, host)
@@ -160,6 +163,19 @@ def launch(opts: LaunchOptions) -> Cluster:
         stop([a for _, a in workers] + [router])
         raise
     return Cluster(router, [a for _, a in workers], router_address)
+
+
+def worker_argv(role: str, opts: LaunchOptions) -> list[str]:
+    """The ``pdserve ROLE`` flags of a worker (its server flags come from :class:`ServerActor`):
+    model, device flags, then ``worker_args`` (so a flag given there wins), then the draft's."""
+    return ["--model", opts.model, *device_args(opts), *opts.worker_args, *draft_args(role, opts)]
+
+
+def device_args(opts: LaunchOptions) -> list[str]:
+    """``--device`` / ``--dtype`` / ``--no-graphs`` as given: each worker resolves ``auto`` on
+    the node Ray placed it on."""
+    return ["--device", opts.device, "--dtype", opts.dtype,
+            *([] if opts.graphs else ["--no-graphs"])]
 
 
 def draft_args(role: str, opts: LaunchOptions) -> list[str]:

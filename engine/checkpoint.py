@@ -63,13 +63,16 @@ def layer_of(name: str) -> int | None:
     return int(index) if index.isdigit() else None
 
 
-def read_state_dict(model_dir: Path, layers: range | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint under their canonical names; with ``layers``, the decoder
-    layers outside it are not read at all (a pipeline stage's share)."""
+def read_state_dict(
+    model_dir: Path, layers: range | None = None, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint under their canonical names, read straight onto ``device``
+    (no host copy of the whole checkpoint first); with ``layers``, the decoder layers outside it
+    are not read at all (a pipeline stage's share)."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     canonical = canonical_name(name)
                     layer = layer_of(canonical)
@@ -83,10 +86,11 @@ def read_state_dict(model_dir: Path, layers: range | None = None) -> dict[str, t
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    layers: range | None = None,
+    model_dir: str | Path, dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu", layers: range | None = None,
 ) -> tuple[ModelConfig, Qwen2VLModel]:
-    """Build the model of ``model_dir`` and load its weights (strict: every tensor must match).
+    """Build the model of ``model_dir`` and load its weights (strict: every tensor must match)
+    onto ``device`` in ``dtype``. The weights go from the files to the device directly.
 
     With ``layers`` only those decoder layers are read and built (see :func:`keep_layers`): a
     pipeline stage holds its share of the weights and never the rest."""
@@ -96,7 +100,7 @@ def load_model(
         model = Qwen2VLModel(cfg)
     if layers is not None:
         keep_layers(model, layers)
-    state = read_state_dict(path, layers)
+    state = read_state_dict(path, layers, device)
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")

@@ -213,8 +213,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget per step, and the prefill chunk size
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     lookahead_tokens: int = 0  # KV a request may write past its tokens (speculative decoding)
+    # weights and KV pool: float32 | bfloat16 | float16, or "auto" (bfloat16 on an accelerator,
+    # float32 on the CPU); the device: cpu | cuda[:N] | npu[:N], or "auto" (engine/device.py)
     dtype: str = "float32"
     device: str = "cpu"
+    graphs: bool = True  # on CUDA, run decode steps through captured CUDA graphs
     # the decoder layers this engine holds (weights and KV pool): None for all; a pipeline's
     # first stage holds its share only and runs through prefill_node.pipeline.first_runner
     layers: range | None = None

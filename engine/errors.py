@@ -25,3 +25,9 @@ class InvalidRequestError(EngineError):
 
 class OutOfPagesError(EngineError):
     """The page allocator has fewer free pages than asked for."""
+
+
+class DeviceError(ConfigError):
+    """A ``--device`` / ``--dtype`` this machine cannot run: an unknown name, a missing runtime
+    (a CUDA build of torch, ``torch_npu``) or no visible device. The message is one line that
+    names what to install or check."""

@@ -8,14 +8,14 @@ pieces; this class is what ``pdserve generate`` and the benchmarks use.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-
-import torch
 
 from engine.attention import TorchPagedAttention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig
+from engine.device import DTYPES as DTYPES  # re-exported: its former home
+from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
 from engine.image_processor import (
     ImageProcessorConfig,
@@ -32,8 +32,6 @@ from engine.request import FinishReason, Request, SamplingParams
 from engine.sampling import Sampler, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -65,15 +63,21 @@ class GenerationResult:
 
 
 class LLMEngine:
-    """A Qwen2-VL-architecture model serving requests from one process."""
+    """A Qwen2-VL-architecture model serving requests from one process.
+
+    ``config.device`` and ``config.dtype`` are resolved once (``auto`` included, see
+    :mod:`engine.device`; a device this machine cannot run raises ``DeviceError``) into
+    :attr:`device` and :attr:`dtype`, and :attr:`config` holds the resolved names. The weights,
+    the KV pool and the request generators live on that device; a step copies its sampled tokens
+    to the host once.
+    """
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
-        if config.dtype not in DTYPES:
-            raise InvalidRequestError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype}")
-        dtype = DTYPES[config.dtype]
-        self.model_config, self.model = load_model(model_dir, dtype, config.device,
-                                                   config.layers)
+        config = config or EngineConfig()
+        self.device = resolve_device(config.device)
+        self.dtype = dtype = resolve_dtype(config.dtype, self.device)
+        self.config = config = replace(config, device=str(self.device), dtype=dtype_name(dtype))
+        self.model_config, self.model = load_model(model_dir, dtype, self.device, config.layers)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.image_config = ImageProcessorConfig.from_dir(model_dir)
         text = self.model_config.text
@@ -86,7 +90,7 @@ class LLMEngine:
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)
         self.scratch_page = num_pages
         self.pool = KVPool(num_pages + 1, config.page_size, text.num_key_value_heads, text.head_dim,
-                           list(layers), dtype, config.device)
+                           list(layers), dtype, self.device)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=num_pages,
@@ -129,7 +133,7 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         sampling.validate(self.model_config.text.vocab_size)
         state = build_state(token_ids, images, self.model_config)
-        state.generator = make_generator(sampling.seed)
+        state.generator = make_generator(sampling.seed, self.device)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
         return Request(request_id, list(token_ids), sampling, payload=state)

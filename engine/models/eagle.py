@@ -110,13 +110,17 @@ class EagleDraft(nn.Module):
         return self.norm.forward(x)
 
 
-def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype) -> EagleDraft:
-    """Load and check an EAGLE draft directory against the target's text config."""
+def load_draft(
+    path: str | Path, target: TextConfig, dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+) -> EagleDraft:
+    """Load and check an EAGLE draft directory against the target's text config; its weights go
+    straight onto ``device`` (the target's) in ``dtype``."""
     from engine.checkpoint import read_state_dict
 
     cfg = DraftConfig.from_dir(path)
     cfg.check_target(target)
-    state = read_state_dict(Path(path))
+    state = read_state_dict(Path(path), device=device)
     with torch.device("meta"):
         draft = EagleDraft(cfg)
     expected = set(draft.state_dict())
@@ -128,7 +132,7 @@ def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype) -> Eagl
         draft.load_state_dict(state, assign=True)
     except RuntimeError as exc:
         raise CheckpointError(f"{path}: draft tensor shapes do not match: {exc}") from exc
-    draft = draft.to(dtype=dtype).eval().requires_grad_(False)
+    draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
     draft.fuse()
     return draft
 

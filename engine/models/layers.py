@@ -29,16 +29,45 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class DeviceCopies:
+    """A constant tensor made once on the host, and its copy on each device asked for, made the
+    first time that device asks: a forward on an accelerator reads a cached device tensor and
+    creates nothing on the host."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self._copies = {host.device: host}
+        self._host = host
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        copy = self._copies.get(device)
+        if copy is None:
+            copy = self._copies[device] = self._host.to(device)
+        return copy
+
+
+_SWAPS: dict[int, DeviceCopies] = {}  # half width -> the swap index
+
+
+def _swap_index(half: int, device: torch.device) -> torch.Tensor:
+    """``[2 * half]`` indices on ``device`` that swap the two halves of the last dimension."""
+    swaps = _SWAPS.get(half)
+    if swaps is None:
+        swaps = _SWAPS[half] = DeviceCopies(torch.cat((
+            torch.arange(half, 2 * half, device="cpu"), torch.arange(half, device="cpu"))))
+    return swaps.on(device)
+
+
 class RotaryTables:
     """Rotary embedding of ``T`` tokens: ``x -> x * cos + rotate_half(x) * sin`` where
     ``rotate_half([x1, x2]) = [-x2, x1]``. The sign is folded into ``signed_sin`` and the half swap
-    is one index_select, so a rotation is four ops with bit-identical results."""
+    is one index_select, so a rotation is four ops with bit-identical results. Every tensor is on
+    the device of ``cos`` (the swap index is made once per width and device)."""
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         half = cos.shape[-1] // 2
         self.cos = cos.unsqueeze(1)
         self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
-        self.swap = torch.cat((torch.arange(half, 2 * half), torch.arange(half)))
+        self.swap = _swap_index(half, cos.device)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, heads, D]``."""
@@ -55,22 +84,25 @@ class MropeRotary:
 
     Frequency ``j`` of the ``head_dim / 2`` rotary frequencies takes its position from axis
     ``axis_of[j]``: the first ``mrope_section[0]`` from the temporal axis, the next
-    ``mrope_section[1]`` from height, the rest from width.
+    ``mrope_section[1]`` from height, the rest from width. The tables are computed on the
+    positions' device (the constants are copied there once) and stay float32 until the end,
+    whatever the model's dtype.
     """
 
     def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
-        self.inv_freq = inverse_frequencies(head_dim, theta)  # [D/2]
-        self.axis_of = torch.cat(
+        self.inv_freq = DeviceCopies(inverse_frequencies(head_dim, theta))  # [D/2]
+        self.axis_of = DeviceCopies(torch.cat(
             [
                 torch.full((n,), axis, dtype=torch.long, device="cpu")
                 for axis, n in enumerate(mrope_section)
             ]
-        )  # [D/2]
+        ))  # [D/2]
 
     def __call__(self, mrope_positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
         """``mrope_positions`` ``[3, T]`` -> rotation tables for ``T`` tokens."""
-        pos = mrope_positions.index_select(0, self.axis_of).t().float()  # [T, D/2]
-        freqs = pos * self.inv_freq
+        device = mrope_positions.device
+        pos = mrope_positions.index_select(0, self.axis_of.on(device)).t().float()  # [T, D/2]
+        freqs = pos * self.inv_freq.on(device)
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return RotaryTables(emb.cos().to(dtype), emb.sin().to(dtype))
 

@@ -133,13 +133,20 @@ class Qwen2VLModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (every tensor a forward makes is put there too)."""
+        return self.model.embed_tokens.weight.device
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, hidden]``."""
         return F.embedding(input_ids, self.model.embed_tokens.weight)
 
     def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        """Image patches -> one embedding per image token ``[sum(t*h*w/m^2), hidden]``."""
-        return self.visual(patches.to(self.dtype), grids).to(self.dtype)
+        """Image patches (on any device; host ones are copied to the model's) -> one embedding
+        per image token ``[sum(t*h*w/m^2), hidden]``, on the model's device."""
+        patches = patches.to(device=self.device, dtype=self.dtype)
+        return self.visual(patches, grids).to(self.dtype)
 
     def forward(
         self, embeds: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend

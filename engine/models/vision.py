@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import VisionConfig
-from engine.models.layers import RotaryTables, activation, inverse_frequencies
+from engine.models.layers import DeviceCopies, RotaryTables, activation, inverse_frequencies
 
 Grid = tuple[int, int, int]
 
@@ -101,7 +101,8 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
-        self.inv_freq = inverse_frequencies(cfg.head_dim // 2, cfg.rope_theta)  # [D/4]
+        # [D/4], float32
+        self.inv_freq = DeviceCopies(inverse_frequencies(cfg.head_dim // 2, cfg.rope_theta))
 
     def forward(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """``patches`` ``[N, C*T*P*P]``, ``grids`` one ``(t, h, w)`` per image -> ``[N/m^2, H]``."""
@@ -116,17 +117,19 @@ class VisionTower(nn.Module):
         return self.merger(x)
 
     def _rotary(self, grids: Sequence[Grid]) -> RotaryTables:
-        """2-D rotary tables from the (row, col) of each patch, in merge-block order."""
+        """2-D rotary tables from the (row, col) of each patch, in merge-block order, computed
+        on the weights' device."""
         m = self.cfg.spatial_merge_size
+        dev = self.patch_embed.proj.weight.device
         rows = []
         for t, h, w in grids:
-            hpos = torch.arange(h, device="cpu").view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-            wpos = torch.arange(w, device="cpu").view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+            hpos = torch.arange(h, device=dev).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+            wpos = torch.arange(w, device=dev).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
             hw = torch.stack(
                 [hpos.transpose(1, 2).flatten(), wpos.transpose(1, 2).flatten()], dim=-1
             )
             rows.append(hw.repeat(t, 1))
         pos = torch.cat(rows).float()  # [N, 2]
-        freqs = (pos.unsqueeze(-1) * self.inv_freq).flatten(1)  # [N, D/2]: h freqs, then w
-        emb = torch.cat((freqs, freqs), dim=-1).to(self.patch_embed.proj.weight.device)
+        freqs = (pos.unsqueeze(-1) * self.inv_freq.on(dev)).flatten(1)  # [N, D/2]: h, then w
+        emb = torch.cat((freqs, freqs), dim=-1)
         return RotaryTables(emb.cos(), emb.sin())

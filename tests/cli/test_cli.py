@@ -1,5 +1,6 @@
 """The ``pdserve`` console script, run as a real subprocess: ``make-tiny-model`` and ``generate``
-(token ids, precomputed patches, PNG images, JSON output), and one-line errors with exit code 2."""
+(token ids, precomputed patches, PNG images, JSON output, bfloat16 on the CPU), and one-line
+errors with exit code 2 (bad input, devices this machine cannot run)."""
 
 from __future__ import annotations
 
@@ -228,3 +229,39 @@ def test_config_json_that_is_a_list_is_a_one_line_error(
     (other / "config.json").write_text("[]")
     proc = pdserve(cache_dir, "generate", "--model", str(other), "--token-ids", "1,2")
     assert_one_line_error(proc, "config")
+
+
+def test_generate_bfloat16_on_the_cpu_equals_the_in_process_engine(tmp_path: Path) -> None:
+    out = ok(pdserve(tmp_path / "cache", "generate", "--device", "cpu", "--dtype", "bfloat16",
+                     "--token-ids", "1,2,3", "--json", "--max-new-tokens", "6", "--ignore-eos"))
+    [row] = json_lines(out)
+    builtin = REPO / "engine" / "builtin" / "tiny-qwen2-vl"
+    engine = LLMEngine(builtin, EngineConfig(num_pages=64, dtype="bfloat16"))
+    assert engine.model.dtype == torch.bfloat16
+    [want] = engine.generate([Prompt(token_ids=[1, 2, 3])],
+                             SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert row["token_ids"] == want.token_ids and row["logprobs"] == want.logprobs
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(cache_dir: Path) -> None:
+    proc = pdserve(cache_dir, "generate", "--device", "cuda", "--token-ids", "1,2")
+    assert_one_line_error(proc, "--device cuda: ")
+    assert ("install a CUDA build of torch" in proc.stderr) == (torch.version.cuda is None)
+
+
+def test_device_npu_without_torch_npu_is_a_one_line_error(cache_dir: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed")
+    proc = pdserve(cache_dir, "generate", "--device", "npu", "--token-ids", "1,2")
+    assert_one_line_error(proc, "install torch_npu")
+
+
+@pytest.mark.parametrize("command", [["decode", "--port", "0"], ["launch", "--port", "0"]])
+def test_unknown_device_is_a_one_line_error_on_servers_and_launch(cache_dir: Path,
+                                                                   command: list[str]) -> None:
+    """(generate: the tests above; prefill builds its config like decode.)"""
+    proc = pdserve(cache_dir, *command, "--device", "tpu")
+    assert_one_line_error(proc, "choose one of auto, cpu, cuda, npu")

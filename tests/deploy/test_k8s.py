@@ -215,6 +215,7 @@ def test_every_command_line_parses(rendered: dict[str, list[Obj]], variant: str)
         assert args.advertise_host == POD_IP  # the downward API value, not a name
         assert args.transfer_backend == backend
         assert args.page_size == int(env["PAGE_SIZE"])
+        assert (args.device, args.dtype) == (env["DEVICE"], env["DTYPE"])
 
 
 def check_router_targets(args: Any, objs: Sequence[Obj]) -> None:
@@ -276,17 +277,22 @@ def test_model_volume(rendered: dict[str, list[Obj]], variant: str) -> None:
             assert init_args[1:] == ["make-tiny-model", model_path], name
 
 
-@pytest.mark.parametrize("overlay,resource,tag", [("cpu", None, "cpu"),
-                                                  ("nvidia", "nvidia.com/gpu", "cuda"),
-                                                  ("ascend", "huawei.com/Ascend910", "ascend")])
+@pytest.mark.parametrize("overlay,resource,tag,device,dtype", [
+    ("cpu", None, "cpu", "cpu", "float32"),
+    ("nvidia", "nvidia.com/gpu", "cuda", "cuda", "bfloat16"),
+    ("ascend", "huawei.com/Ascend910", "ascend", "npu", "bfloat16")])
 def test_overlay_devices(rendered: dict[str, list[Obj]], overlay: str, resource: str | None,
-                         tag: str) -> None:
-    for name, deploy in by_kind(rendered[f"overlays/{overlay}"], "Deployment").items():
+                         tag: str, device: str, dtype: str) -> None:
+    objs = rendered[f"overlays/{overlay}"]
+    for name, deploy in by_kind(objs, "Deployment").items():
         spec = pod_spec(deploy)
         container = main_container(deploy)
         assert container["image"] == f"pdserve:{tag}", name
         limits = container["resources"]["limits"]
         worker = name != "pdserve-router"
+        if worker:  # the engine runs where the overlay reserved a device, in its dtype
+            args = parse(argv(container, container_env(container, objs)))
+            assert (args.device, args.dtype) == (device, dtype), name
         if resource is None or not worker:
             assert not any("/" in k for k in limits), f"{name}: no device expected"
             continue

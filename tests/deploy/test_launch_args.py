@@ -1,0 +1,31 @@
+"""``pdserve launch`` hands its ``--device`` / ``--dtype`` / ``--no-graphs`` to every worker
+unresolved (each worker resolves ``auto`` on its own node), before ``--worker-args`` so a flag
+given there wins; the workers' own parser accepts the command line the launcher builds."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.main import build_parser
+from deploy.ray_launcher import LaunchOptions, worker_argv
+
+
+@pytest.mark.parametrize("flags", [[], ["--device", "cuda:1", "--dtype", "bfloat16",
+                                        "--no-graphs"]])
+def test_launch_device_flags_reach_the_workers(flags: list[str]) -> None:
+    parser = build_parser()
+    launch = parser.parse_args(["launch", *flags])
+    opts = LaunchOptions(model="m", device=launch.device, dtype=launch.dtype,
+                         graphs=not launch.no_graphs, draft="d")
+    for role in ("prefill", "decode"):
+        worker = parser.parse_args([role, *worker_argv(role, opts)])
+        assert (worker.model, worker.draft) == ("m", "d")
+        assert (worker.device, worker.dtype, worker.no_graphs) == (
+            launch.device, launch.dtype, launch.no_graphs)
+
+
+def test_worker_args_override_the_launch_device_flags() -> None:
+    opts = LaunchOptions(model="m", device="cuda", dtype="bfloat16",
+                         worker_args=["--dtype", "float16", "--num-pages", "32"])
+    worker = build_parser().parse_args(["decode", *worker_argv("decode", opts)])
+    assert (worker.device, worker.dtype, worker.num_pages) == ("cuda", "float16", 32)
