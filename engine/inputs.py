@@ -3,6 +3,10 @@
 :class:`RequestState` is the engine's per-request payload (``Request.payload``): the images'
 patches and grids, the prompt's 3-D rope table and mrope delta, the vision embeddings while the
 prompt is being prefilled, and the request's random generator.
+
+Devices: patches and the rope table stay on the host (the model copies patches to its device when
+it encodes them; rope table columns are copied into each forward's positions); the vision
+embeddings and the generator live on the engine's device.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ The returned log-probability of each chosen token is always under the model's ow
 generator are sampled one by one with that generator, so a seeded request's token depends only on
 its own logits and seed, never on the rest of the batch; rows without one share a single
 ``torch.multinomial`` call on the global RNG.
+
+Everything runs on the logits' device (a request's generator must live there too: see
+:func:`make_generator`), and :meth:`Sampler.sample` copies its result to the host once: tokens
+and log-probabilities travel together in one tensor, which is the step's only device -> host
+synchronisation.
 """
 
 from __future__ import annotations
@@ -15,7 +20,8 @@ from engine.request import SamplingParams
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """A generator seeded with ``seed`` (None when ``seed`` is None: use the global RNG)."""
+    """A generator on ``device`` (the engine's: where the logits are sampled) seeded with
+    ``seed``; None when ``seed`` is None (use the global RNG)."""
     if seed is None:
         return None
     gen = torch.Generator(device=device)
@@ -55,8 +61,8 @@ class Sampler:
             chosen = self._sample_rows(logits[idx], [params[i] for i in sampled_rows],
                                        [generators[i] for i in sampled_rows])
             tokens[idx] = chosen
-        token_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [n]
-        return tokens.tolist(), token_lp.tolist()
+        token_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [n] float32
+        return _to_host(tokens, token_lp)
 
     def _sample_rows(
         self,
@@ -120,7 +126,16 @@ def _multinomial(probs: torch.Tensor, generators: list[torch.Generator | None]) 
         idx = torch.tensor(free_rows, device=probs.device)
         out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
     for i, gen in enumerate(generators):
-        if gen is not None:
+        if gen is not None:  # stays on the device: no .item()
             row = probs[i].to(gen.device)
-            out[i] = torch.multinomial(row, 1, generator=gen).item()
+            out[i : i + 1] = torch.multinomial(row, 1, generator=gen)
     return out
+
+
+def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """``tokens`` ``[n]`` int64 and ``logprobs`` ``[n]`` float32 as Python lists, in one
+    device -> host copy: the log-probabilities ride along as their float32 bit patterns in an
+    int64 row, so both come back exactly."""
+    bits = logprobs.contiguous().view(torch.int32).to(torch.int64)  # [n]
+    host = torch.stack((tokens, bits)).cpu()  # [2, n]: the one copy
+    return host[0].tolist(), host[1].to(torch.int32).view(torch.float32).tolist()
