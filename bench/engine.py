@@ -4,6 +4,8 @@
 
 Prints decode tokens/s of both and the ratio per batch size (greedy, float32, CPU). Both see the
 same random prompts of exactly ``--prompt-len`` tokens and produce exactly ``--new`` tokens.
+Beside them, the engine's host time per decode step (``host ms``: step wall time minus the
+model's forward and LM head, :mod:`bench.host_time`) over ``--new`` steps of the same batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench.host_time import measure_host_time
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
@@ -27,9 +30,13 @@ def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int
     return torch.randint(0, vocab - 16, (batch, length), generator=gen).tolist()
 
 
+def _engine(model_dir: Path) -> LLMEngine:
+    return LLMEngine(model_dir, EngineConfig(num_pages=2048, page_size=16, max_num_seqs=256,
+                                             max_num_batched_tokens=4096))
+
+
 def run_ours(model_dir: Path, ids: list[list[int]], new: int) -> float:
-    engine = LLMEngine(model_dir, EngineConfig(num_pages=2048, page_size=16, max_num_seqs=256,
-                                               max_num_batched_tokens=4096))
+    engine = _engine(model_dir)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     engine.generate([Prompt(token_ids=ids[0])], params)  # warm-up
     start = time.perf_counter()
@@ -73,15 +80,18 @@ def main() -> None:
             ids = prompts(bs, args.prompt_len, vocab)
             ours = run_ours(model_dir, ids, args.new)
             ref = run_transformers(model_dir, ids, args.new)
+            host = measure_host_time(_engine(model_dir), ids, args.new)
             rows.append({"batch": bs, "pdserve_tok_s": round(ours, 1),
-                         "transformers_tok_s": round(ref, 1), "ratio": round(ours / ref, 2)})
+                         "transformers_tok_s": round(ref, 1), "ratio": round(ours / ref, 2),
+                         "host_ms": round(host.host_ms, 3)})
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'batch':>5} {'pdserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>6}")
+    print(f"{'batch':>5} {'pdserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
+          f"{'host ms':>8}")
     for r in rows:
         print(f"{r['batch']:>5} {r['pdserve_tok_s']:>14} {r['transformers_tok_s']:>19} "
-              f"{r['ratio']:>6}")
+              f"{r['ratio']:>6} {r['host_ms']:>8}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def run(model_dir: Path, prompts: list[Prompt], params: SamplingParams, k: int |
     engine = LLMEngine(model_dir, config)
     runner: LLMEngine | EagleEngine = engine
     if k:
-        draft = load_draft(model_dir / "draft", engine.model_config.text, torch.float32)
+        draft = load_draft(model_dir / "draft", engine.model_config.text, engine.dtype,
+                           device=engine.device)
         runner = EagleEngine(engine, draft, k)
     runner.generate(prompts[:1], params)  # warm-up
     start = time.perf_counter()

@@ -181,7 +181,8 @@ class RemoteQueues:
         req.output_token_ids.append(row.first_token)
         req.output_logprobs.append(row.logprob)
         req.payload = RequestState(images=[], mrope_table=None, delta=row.mrope_delta,
-                                   image_prefix=None, generator=make_generator(req.sampling.seed))
+                                   image_prefix=None, generator=make_generator(req.sampling.seed,
+                                                                          self.engine.device))
         reason = self._first_token_finishes(req)
         if reason is not None:
             req.finish_reason = reason

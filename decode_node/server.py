@@ -40,7 +40,8 @@ async def serve_decode(
     spec = None
     buffers = engine.pool.buffer_infos()
     if draft is not None:
-        head = load_draft(draft, engine.model_config.text, engine.model.dtype)
+        head = load_draft(draft, engine.model_config.text, engine.model.dtype,
+                          device=engine.device)
         spec = EagleEngine(engine, head, num_draft_tokens)
         buffers = spec.drafter.buffer_infos()
     manager = make_kv_manager(

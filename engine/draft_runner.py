@@ -25,7 +25,7 @@ class DraftRunner:
         self.engine, self.draft = engine, draft
         pool = engine.pool
         self.pool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
-                           [draft.cfg.layer_id], pool.dtype)
+                           [draft.cfg.layer_id], pool.dtype, pool.device)
         self.attn = TorchPagedAttention(self.pool)
 
     def buffer_infos(self) -> list[BufferInfo]:
@@ -49,7 +49,8 @@ class DraftRunner:
         token on the prompt's last chunk), at row ``p``'s own position and KV slot.
 
         Returns, per request whose prompt ended in this step, the feature of its last row (it
-        predicts the first draft token).
+        predicts the first draft token). The draft pool mirrors the target's pages, so the
+        target's attention batch (slots, page tables, lengths) serves the draft unchanged.
         """
         ids: list[int] = []
         bonus = iter(samples)
@@ -60,8 +61,6 @@ class DraftRunner:
             ids.append(prompt[end] if end < len(prompt) else next(bonus)[0])
             if item.needs_sample:
                 last.append((item.request, len(ids) - 1))
-        batch = AttentionBatch.from_lists([it.num_tokens for it in out.items],
-                               [it.start + it.num_tokens for it in out.items],
-                               [it.request.page_ids for it in out.items], fwd.slots)
-        feats = self.forward(torch.tensor(ids), fwd.hidden, fwd.mrope, batch)
+        ids_t = torch.tensor(ids, device=self.pool.device)
+        feats = self.forward(ids_t, fwd.hidden, fwd.mrope, fwd.batch)
         return {r.request_id: feats[row] for r, row in last}

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.attention import TorchPagedAttention
+from engine.attention_select import make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig
 from engine.device import DTYPES as DTYPES  # re-exported: its former home
@@ -104,7 +104,7 @@ class LLMEngine:
             ),
             PageAllocator(num_pages),
         )
-        self.runner = ModelRunner(self.model, TorchPagedAttention(self.pool))
+        self.runner = ModelRunner(self.model, make_attention(self.pool))
         self.sampler = Sampler()
         self._next_id = 0
 

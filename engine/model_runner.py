@@ -1,10 +1,12 @@
 """Turns one scheduler step into one model forward and returns the logits to sample from.
 
-Per step it builds, for the flat batch of ``T`` scheduled tokens: token ids ``[T]``, the 1-D
-positions ``[T]`` (absolute token index), the mrope positions ``[3, T]`` derived from them (the
-prompt's rope table for prompt tokens of image requests), the KV slots ``[T]``, and the attention
-batch. Vision embeddings are computed when a request's first prompt chunk runs and dropped when
-its prompt is done.
+Per step it gathers, for the flat batch of ``T`` scheduled tokens, from the persistent batch
+(:class:`engine.input_batch.InputBatch`, rows given by the scheduler): token ids ``[T]``, the
+1-D positions ``[T]`` (absolute token index), the KV slots ``[T]`` and the page tables; then the
+mrope positions ``[3, T]`` derived from the positions (the prompt's rope table for prompt tokens
+of image requests) and the attention batch. Python work per step is O(items), never O(tokens).
+Vision embeddings are computed when a request's first prompt chunk runs and dropped when its
+prompt is done.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, AttentionBatch
+from engine.input_batch import InputBatch
 from engine.inputs import RequestState
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
@@ -28,17 +31,21 @@ class StepForward:
     hidden: torch.Tensor  # [T, H] final-normed hidden states
     mrope: torch.Tensor  # [3, T] the positions the forward used
     slots: torch.Tensor  # [T] KV slots written
-    sample_rows: list[int]  # rows whose logits are sampled, in item order
+    sample_rows: torch.Tensor | slice  # [S] int64 rows whose logits are sampled, in item order
+    # (``slice(None)`` when every row is, in order): index ``hidden`` with it
+    batch: AttentionBatch  # the forward's attention inputs (a draft over the same rows reuses it)
 
 
 class ModelRunner:
-    """Runs the model over scheduled items; owns no request state."""
+    """Runs the model over scheduled items; its persistent batch mirrors the running requests'
+    page tables (the scheduler's ``page_ids`` stay the source of truth)."""
 
     def __init__(self, model: Qwen2VLModel, attn: AttentionBackend) -> None:
         self.model = model
         self.attn = attn
         self.page_size = attn.pool.page_size
         self.image_token_id = model.cfg.image_token_id
+        self.batch = InputBatch(self.page_size, attn.pool.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -50,33 +57,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> StepForward:
         """Forward the step's tokens; the hidden states and positions of every token."""
-        ids: list[int] = []
-        pos: list[int] = []
-        deltas: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        ps = self.page_size
-        for item in out.items:
-            req, s, n = item.request, item.start, item.num_tokens
-            ids.extend(_token_slice(item))
-            pos.extend(range(s, s + n))
-            deltas.extend([_state(item).delta] * n)
-            pages = req.page_ids
-            slots.extend(pages[i // ps] * ps + i % ps for i in range(s, s + n))
-            if item.needs_sample:
-                sample_rows.append(len(ids) - 1)
-        ids_t, pos_t, deltas_t, slots_t = torch.tensor([ids, pos, deltas, slots]).unbind(0)
-        mrope = mrope_from_1d(pos_t, deltas_t)  # [3, T]
-        embeds = self.model.embed(ids_t)  # [T, H]
-        mrope = self._prompt_positions(out.items, mrope, embeds, ids_t)
-        batch = AttentionBatch.from_lists(
-            q_lens=[it.num_tokens for it in out.items],
-            kv_lens=[it.start + it.num_tokens for it in out.items],
-            page_tables=[it.request.page_ids for it in out.items],
-            slot_mapping=slots_t,
-        )
+        step = self.batch.prepare(out.items)
+        mrope = mrope_from_1d(step.positions, step.deltas)  # [3, T]
+        embeds = self.model.embed(step.input_ids)  # [T, H]
+        mrope = self._prompt_positions(out.items, mrope, embeds, step.input_ids)
+        batch = step.attention
         hidden = self.forward_embeds(embeds, mrope, batch)
-        return StepForward(ids_t, hidden, mrope, slots_t, sample_rows)
+        return StepForward(step.input_ids, hidden, mrope, batch.slot_mapping, step.sample_rows,
+                           batch)
 
     @torch.inference_mode()
     def forward_embeds(
@@ -98,10 +86,13 @@ class ModelRunner:
         offset = 0
         copied = False
         for item in items:
-            state = _state(item)
-            prompt_len = item.request.num_prompt_tokens
+            prompt_len = len(item.request.prompt_token_ids)
             s, n = item.start, item.num_tokens
-            if state.mrope_table is not None and s < prompt_len:
+            if s >= prompt_len:  # past the prompt: positions from the 1-D ones
+                offset += n
+                continue
+            state = _state(item)
+            if state.mrope_table is not None:
                 k = min(n, prompt_len - s)
                 if not copied:
                     mrope, copied = mrope.contiguous(), True
@@ -135,15 +126,3 @@ def _state(item: ScheduledItem) -> RequestState:
     state = item.request.payload
     assert isinstance(state, RequestState), "requests must carry a RequestState payload"
     return state
-
-
-def _token_slice(item: ScheduledItem) -> list[int]:
-    """Token ids ``[start, start + num_tokens)`` of the item's request, without copying it all."""
-    req, s, e = item.request, item.start, item.start + item.num_tokens
-    prompt = req.prompt_token_ids
-    if e <= len(prompt):
-        return prompt[s:e]
-    out = req.output_token_ids
-    if s >= len(prompt):
-        return out[s - len(prompt) : e - len(prompt)]
-    return prompt[s:] + out[: e - len(prompt)]

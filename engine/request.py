@@ -104,7 +104,9 @@ class Request:
       * ``page_ids`` hold the KV of tokens ``[0, num_computed_tokens)`` in order (token ``i`` lives
         in ``page_ids[i // page_size]``), and may cover a few tokens beyond while a step runs;
       * ``len(output_logprobs) == len(output_token_ids)`` for tokens the engine sampled;
-      * once ``finish_reason`` is set the request never runs again.
+      * once ``finish_reason`` is set the request never runs again;
+      * ``batch_row`` is the request's row in the runner's persistent batch while it runs (given
+        at admission, taken back when it finishes or is aborted), -1 otherwise.
 
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
     Requests compare by identity.
@@ -119,6 +121,7 @@ class Request:
     page_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     payload: object | None = None
+    batch_row: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,6 +17,11 @@ number of pages running requests may still need. A request is admitted only if
     tokens:    [ computed .......... | chunk ]   (schedule() allocates pages covering the chunk)
     worst:     ceil((prompt + max_new_tokens) / page_size) pages, reserved at admission
 
+Batch rows: admission also gives a request a free row in ``[0, max_num_seqs)``
+(``Request.batch_row``), the index of its state in the model runner's persistent batch
+(``engine/input_batch.py``); finishing or aborting it returns the row. So the rows held are
+exactly the running requests' rows, and a row is reused only after its last holder finished.
+
 No torch here.
 """
 
@@ -108,6 +113,7 @@ class Scheduler:
         self._reserved = 0
         self._held = 0
         self._eos = frozenset(config.eos_token_ids)
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))  # pop() gives row 0 first
         self._initial_free = allocator.num_free
 
     # ---- queries -------------------------------------------------------------------------------
@@ -156,6 +162,8 @@ class Scheduler:
             raise InvalidRequestError(f"duplicate request id {rid!r}")
         if req.is_finished:
             raise InvalidRequestError(f"request {rid!r} is already finished")
+        if req.batch_row != -1:
+            raise InvalidRequestError(f"request {rid!r} already holds batch row {req.batch_row}")
         if req.num_prompt_tokens == 0:
             raise InvalidRequestError(f"request {rid!r} has an empty prompt")
         req.sampling.validate(cfg.vocab_size)
@@ -209,17 +217,22 @@ class Scheduler:
         for req in self._running.values():
             if budget == 0:
                 break
-            if prefill_only and not req.is_prefill:
+            start = req.num_computed_tokens
+            prompt_len = len(req.prompt_token_ids)
+            if prefill_only and start >= prompt_len:
                 continue
-            if req.num_computed_tokens < req.num_tokens:
-                budget -= self._schedule_chunk(req, budget, items)
+            gap = prompt_len + len(req.output_token_ids) - start
+            if gap > 0:
+                budget -= self._schedule_chunk(req, start, min(gap, budget), gap, items)
         while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
             req = next(iter(self._waiting.values()))
             if not self._try_admit(req):
                 break  # FIFO: nobody overtakes the head of the queue
             if prefill_only and not req.is_prefill:
                 continue  # admitted with its prompt already computed: the decoder runs it
-            budget -= self._schedule_chunk(req, budget, items)
+            gap = req.num_tokens - req.num_computed_tokens
+            budget -= self._schedule_chunk(req, req.num_computed_tokens, min(gap, budget), gap,
+                                           items)
         return SchedulerOutput(items)
 
     def _try_admit(self, req: Request) -> bool:
@@ -232,17 +245,20 @@ class Scheduler:
         self._worst[req.request_id] = worst
         self._reserved += worst
         self._held += held
+        req.batch_row = self._free_rows.pop()
         return True
 
-    def _schedule_chunk(self, req: Request, budget: int, items: list[ScheduledItem]) -> int:
-        start = req.num_computed_tokens
-        n = min(req.num_tokens - start, budget)
-        self._allocate_pages(req, start + n)
-        items.append(ScheduledItem(req, start, n, start + n == req.num_tokens))
+    def _schedule_chunk(
+        self, req: Request, start: int, n: int, gap: int, items: list[ScheduledItem]
+    ) -> int:
+        """Schedule ``n`` of the ``gap`` tokens from ``start`` on; returns ``n``."""
+        if (start + n) > len(req.page_ids) * self.config.page_size:
+            self._allocate_pages(req, start + n)
+        items.append(ScheduledItem(req, start, n, n == gap))
         return n
 
     def _allocate_pages(self, req: Request, end: int) -> None:
-        missing = cdiv(end, self.config.page_size) - len(req.page_ids)
+        missing = -(-end // self.config.page_size) - len(req.page_ids)
         if missing > 0:
             after = req.page_ids[-1] if req.page_ids else None
             req.page_ids.extend(self.allocator.allocate(missing, after=after))
@@ -263,12 +279,12 @@ class Scheduler:
         for item in output.items:
             req = item.request
             sample = next(samples) if item.needs_sample else None
-            if req.is_finished:
+            if req.finish_reason is not None:
                 continue
             if item.start != req.num_computed_tokens:
                 raise ValueError(f"stale item for request {req.request_id!r}")
             req.num_computed_tokens += item.num_tokens
-            if sample is not None and self._append_token(req, *sample):
+            if sample is not None and self._append_token(req, sample[0], sample[1]):
                 finished.append(req)
         return finished
 
@@ -299,7 +315,7 @@ class Scheduler:
         params = req.sampling
         if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
             reason = FinishReason.STOP
-        elif req.num_output_tokens >= params.max_new_tokens:
+        elif len(req.output_token_ids) >= params.max_new_tokens:
             reason = FinishReason.LENGTH
         else:
             return False
@@ -320,6 +336,8 @@ class Scheduler:
         if self._running.pop(rid, None) is not None:
             self._reserved -= self._worst.pop(rid)
             self._held -= len(req.page_ids)
+            self._free_rows.append(req.batch_row)
+            req.batch_row = -1
         else:
             del self._waiting[rid]
         req.finish_reason = reason
@@ -335,6 +353,8 @@ class Scheduler:
         assert self._reserved == sum(self._worst[r.request_id] for r in running)
         assert set(self._worst) == set(self._running)
         assert self.allocator.num_free >= self.num_owed_pages, "running requests could starve"
+        rows = sorted([r.batch_row for r in running] + self._free_rows)
+        assert rows == list(range(self.config.max_num_seqs)), "batch rows leaked or shared"
         for req in running:
             assert not req.is_finished
             assert len(req.page_ids) >= cdiv(req.num_computed_tokens, self.config.page_size)
@@ -345,5 +365,6 @@ class Scheduler:
         """Assert the scheduler is empty and every page it took is back in the allocator."""
         assert not self._waiting and not self._running, "requests left in the scheduler"
         assert self._reserved == 0 and self._held == 0 and not self._worst
+        assert len(self._free_rows) == self.config.max_num_seqs, "batch rows leaked"
         assert self.allocator.num_free == self._initial_free, "KV pages leaked"
         self.allocator.check_integrity()

@@ -57,7 +57,7 @@ async def serve_prefill(
     buffers = engine.pool.buffer_infos()
     if draft is not None:  # the draft's prompt KV is computed here and travels in its band
         drafter = DraftRunner(engine, load_draft(draft, engine.model_config.text,
-                                                 engine.model.dtype))
+                                                 engine.model.dtype, device=engine.device))
         buffers = drafter.buffer_infos()
     manager = make_kv_manager(
         transfer_backend, buffers,

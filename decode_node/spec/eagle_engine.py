@@ -21,6 +21,10 @@ bonus token ``b`` (the last committed token) sits at index ``S`` without KV; ``K
 Every forward's mrope positions come from :func:`engine.mrope.mrope_from_1d` applied to that
 forward's final 1-D positions (the prompt's rope table for prompt rows), so their column count
 always equals the forward's token count.
+
+A round's page tables, slots and deltas come from the engine runner's persistent batch
+(:meth:`SpecGraphRunner.round_inputs`, once per round); each draft decode step only adds its
+row positions and their slots (array operations, one copy to the device).
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decode_node.spec.accept import accept_greedy, accept_sampled
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
+from engine.input_batch import attention_batch, to_device
 from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle import EagleDraft
@@ -139,46 +145,50 @@ class EagleEngine:
         starts = [r.num_computed_tokens for r in reqs]
         for r, s in zip(reqs, starts, strict=True):
             sched.grow(r, s + n)
-        deltas = torch.tensor([_state(r).delta for r in reqs])
-        drafts, qs = self._draft_decode(reqs, starts, deltas)
-        rnd = RoundInputs(reqs, starts, deltas)
+        rnd = self.graph.round_inputs(reqs, starts)
+        drafts, qs = self._draft_decode(rnd)
         rows = [r.request_id for r in reqs for _ in range(n)]
         # verify: [b, d_1..d_K] at S..S+K, through the static buffers
+        device = self.graph.bufs.device
         ids = torch.tensor([[r.output_token_ids[-1], *d] for r, d in zip(reqs, drafts,
-                                                                         strict=True)]).flatten()
+                                                                         strict=True)],
+                           device=device).flatten()
         hidden = self.graph.verify(rnd, ids)
         self._log_rows("verify", rows, *self._graph_positions(len(reqs)))
         logits = self.engine.model.logits(hidden).view(len(reqs), n, -1)
         committed = [self._accept(r, d, q, lg) for r, d, q, lg in zip(reqs, drafts, qs, logits,
                                                                        strict=True)]
         # draft extend over the verified window, at the same positions; select_index rows
-        ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed]).flatten()
+        ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed],
+                           device=device).flatten()
         seeds = self.graph.draft_extend(rnd, ext, hidden, [len(c) - 1 for c in committed])
         self._log_rows("draft_extend", rows, *self._graph_positions(len(reqs)))
         tokens, seed_qs = self._pick(seeds, reqs)
         return self._commit(reqs, starts, committed, logits, tokens, seed_qs, seeds)
 
     def _draft_decode(
-        self, reqs: list[Request], starts: list[int], deltas: torch.Tensor
+        self, rnd: RoundInputs
     ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
         """``K - 1`` draft forwards; returns each request's drafts ``d_1..d_K`` and their
         distributions."""
+        reqs = rnd.reqs
         states = [self.states[r.request_id] for r in reqs]
         drafts = [[st.token] for st in states]
         qs: list[list[torch.Tensor | None]] = [[st.q] for st in states]
         feats = torch.stack([st.feature for st in states])  # [B, H]
-        pos = torch.tensor(starts)  # [B]: step i runs at S + i
+        starts = np.array(rnd.starts, dtype=np.int64)
         for i in range(self.k - 1):
-            cur = torch.tensor([d[-1] for d in drafts])
-            mrope = mrope_from_1d(pos, deltas)  # derived from the final positions of this step
-            batch = self._batch(reqs, [1] * len(reqs), [s + i + 1 for s in starts], pos)
+            pos_np = starts + i  # [B]: step i runs at S + i
+            batch = self._batch(rnd, pos_np)
+            cur, pos = to_device([np.array([d[-1] for d in drafts], dtype=np.int64), pos_np],
+                                 batch.slot_mapping.device)
+            mrope = mrope_from_1d(pos, rnd.deltas)  # derived from the final positions of this step
             feats = self._draft_forward(cur, feats, mrope, batch)
             self._log_rows("draft_decode", [r.request_id for r in reqs], mrope, pos)
             tokens, step_qs = self._pick(feats, reqs)
             for d, q_list, tok, q in zip(drafts, qs, tokens, step_qs, strict=True):
                 d.append(tok)
                 q_list.append(q)
-            pos = pos + 1  # advance after the forward
         return drafts, qs
 
     def _accept(self, req: Request, drafts: list[int], qs: list[torch.Tensor | None],
@@ -232,19 +242,13 @@ class EagleEngine:
                 qs[i] = q
         return tokens, qs
 
-    def _batch(self, reqs: list[Request], q_lens: list[int], kv_lens: list[int],
-               pos: torch.Tensor) -> AttentionBatch:
-        """Attention inputs for rows at 1-D positions ``pos``: a token's KV slot is its absolute
-        index (kept apart from its rope position)."""
-        ps = self.engine.config.page_size
-        slots = []
-        row = 0
-        for r, q in zip(reqs, q_lens, strict=True):
-            for p in pos[row : row + q].tolist():
-                slots.append(r.page_ids[p // ps] * ps + p % ps)
-            row += q
-        tables = [r.page_ids for r in reqs]
-        return AttentionBatch.from_lists(q_lens, kv_lens, tables, torch.tensor(slots))
+    def _batch(self, rnd: RoundInputs, pos: np.ndarray) -> AttentionBatch:
+        """Attention inputs for one draft token per request at absolute index ``pos`` ``[B]``:
+        its KV slot is that index through the request's pages (kept apart from its rope
+        position)."""
+        batch, n = self.engine.runner.batch, len(rnd.reqs)
+        (slots,) = to_device([batch.slots(rnd.rows, pos)], rnd.page_table.device)
+        return attention_batch([1] * n, (pos + 1).tolist(), rnd.page_table[:n], slots)
 
     def _log(self, phase: str, out: SchedulerOutput, mrope: torch.Tensor) -> None:
         if self.position_log is not None:

@@ -10,6 +10,11 @@ Padded rows: ``N`` tokens at position 0 whose K/V go to the engine's scratch pag
 to a request), attention over ``N`` keys of that page, outputs discarded. On CPU and NPU the
 forward runs eagerly on the buffers (capturing CUDA graphs is for a CUDA device, not built yet),
 which is what lets the padding logic be tested here.
+
+A round's per-request inputs (:class:`RoundInputs`: the verify window's positions and KV slots,
+the padded page tables, mrope deltas) are gathered once per round from the engine runner's
+persistent batch (:class:`engine.input_batch.InputBatch`) with array operations, and reach the
+buffers' device in one copy; the verify and the draft extend of the round share them.
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decode_node.spec.fill import fill_draft_extend_prepare_buffers
 from decode_node.spec.graph_buffers import SpecGraphBuffers
 from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
+from engine.input_batch import attention_batch, to_device
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 
@@ -31,11 +38,19 @@ CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 @dataclass(frozen=True)
 class RoundInputs:
-    """One round's per-request values, in batch order."""
+    """One round's per-request values, in batch order, for ``B`` requests padded to ``bs``
+    (tensors on the buffers' device)."""
 
     reqs: list[Request]
     starts: list[int]  # S per request
-    deltas: torch.Tensor  # [B] mrope deltas
+    rows: np.ndarray  # [B] the requests' persistent-batch rows
+    bs: int  # the padded (captured) batch size
+    deltas: torch.Tensor  # [B] int64 mrope deltas
+    page_table: torch.Tensor  # [bs, ceil((max S + N) / page_size)] int32; pad rows: scratch
+    positions: torch.Tensor  # [B*N] int64, S + j: the verify window
+    slots: torch.Tensor  # [B*N] int64, KV slot of each window token
+    seq_lens: torch.Tensor  # [B] int64, S + N
+    temperatures: torch.Tensor  # [B] float32
 
 
 class SpecGraphRunner:
@@ -49,15 +64,32 @@ class SpecGraphRunner:
         max_bs = engine.scheduler.config.max_num_seqs
         self.capture_sizes = sorted({*(s for s in capture_sizes if s < max_bs), max_bs})
         self.bufs = SpecGraphBuffers.allocate(max_bs, n, engine.model_config.text.hidden_size,
-                                              hidden_dtype=engine.model.dtype)
+                                              engine.pool.device, engine.model.dtype)
         self.pad_slot = engine.scratch_page * page_size
         self.bs = 0  # padded size of the last fill
+
+    def round_inputs(self, reqs: list[Request], starts: list[int]) -> RoundInputs:
+        """Gather a round's inputs for ``reqs`` at ``starts`` (each must hold the pages of its
+        window ``S..S+K``)."""
+        n, batch = self.n, self.engine.runner.batch
+        ends = [s + n for s in starts]
+        rows = batch.rows(reqs, ends)
+        bs = self.bufs.padded_size(len(reqs), self.capture_sizes)
+        real = batch.table(rows, max(ends))
+        table = np.full((bs, real.shape[1]), self.engine.scratch_page, dtype=np.int32)
+        table[: len(reqs)] = real
+        pos = (np.array(starts, dtype=np.int64)[:, None] + np.arange(n)).reshape(-1)  # [B*N]
+        temps = np.array([r.sampling.temperature for r in reqs], dtype=np.float32)
+        host = [batch.deltas(rows), table, pos, batch.slots(np.repeat(rows, n), pos),
+                np.array(ends, dtype=np.int64), temps]
+        return RoundInputs(reqs, starts, rows, bs, *to_device(host, self.bufs.device))
 
     def verify(self, rnd: RoundInputs, ids: torch.Tensor) -> torch.Tensor:
         """The target over ``ids`` ``[B*N]`` (``[b, d_1..d_K]`` per request) at ``S..S+K``;
         returns the real rows' hidden states ``[B*N, H]``."""
-        self._fill(rnd, ids, torch.zeros(ids.shape[0], self.bufs.hidden_size,
-                                         dtype=self.bufs.hidden_states.dtype), [0] * len(rnd.reqs))
+        b = self.bufs
+        self._fill(rnd, ids, torch.zeros(ids.shape[0], b.hidden_size, device=b.device,
+                                         dtype=b.hidden_states.dtype), [0] * len(rnd.reqs))
         b, rows = self.bufs, self.bs * self.n
         embeds = self.engine.model.embed(b.input_ids[:rows])
         hidden = self.engine.runner.forward_embeds(embeds, b.mrope_positions[:, :rows],
@@ -83,38 +115,30 @@ class SpecGraphRunner:
     def _fill(self, rnd: RoundInputs, ids: torch.Tensor, hidden: torch.Tensor,
               num_correct: list[int]) -> None:
         raw_bs, n = len(rnd.reqs), self.n
-        self.bs = self.bufs.padded_size(raw_bs, self.capture_sizes)
-        starts = torch.tensor(rnd.starts)
-        pos = (starts.unsqueeze(1) + torch.arange(n)).flatten()  # [B*N]: S + j
-        correct = torch.tensor(num_correct)
+        self.bs = rnd.bs
+        correct = np.array(num_correct, dtype=np.int64)
+        correct_t, accept_t, req_indices = to_device(
+            [correct, correct + 1, np.arange(raw_bs, dtype=np.int64)], self.bufs.device)
         fill_draft_extend_prepare_buffers(
             self.bufs,
             src_input_ids=ids,
-            src_positions=pos,
-            src_out_cache_loc=self._slots(rnd, pos),
+            src_positions=rnd.positions,
+            src_out_cache_loc=rnd.slots,
             src_hidden_states=hidden,
-            src_seq_lens=starts + n,
-            src_req_indices=torch.arange(raw_bs),
-            src_num_correct_drafts=correct,
-            src_num_accept_tokens=correct + 1,
-            src_temperatures=torch.tensor([r.sampling.temperature for r in rnd.reqs],
-                                          dtype=torch.float32),
+            src_seq_lens=rnd.seq_lens,
+            src_req_indices=req_indices,
+            src_num_correct_drafts=correct_t,
+            src_num_accept_tokens=accept_t,
+            src_temperatures=rnd.temperatures,
             src_mrope_deltas=rnd.deltas,
             raw_bs=raw_bs, bs=self.bs, num_tokens_per_bs=n, num_front_tokens=0,
             seq_len_fill_value=n, pad_slot=self.pad_slot,
         )
 
-    def _slots(self, rnd: RoundInputs, pos: torch.Tensor) -> torch.Tensor:
-        """KV slot of each real row: its absolute index, through its request's pages."""
-        ps = self.engine.config.page_size
-        slots = []
-        for i, r in enumerate(rnd.reqs):
-            for p in pos[i * self.n : (i + 1) * self.n].tolist():
-                slots.append(r.page_ids[p // ps] * ps + p % ps)
-        return torch.tensor(slots)
-
     def _batch(self, rnd: RoundInputs) -> AttentionBatch:
-        b, pad = self.bufs, self.bs - len(rnd.reqs)
-        tables = [r.page_ids for r in rnd.reqs] + [[self.engine.scratch_page]] * pad
-        return AttentionBatch.from_lists([self.n] * self.bs, b.seq_lens[: self.bs].tolist(), tables,
-                              b.out_cache_loc[: self.bs * self.n])
+        """Attention over the filled buffers: real rows see ``S + N`` keys, padded rows ``N``
+        keys of the scratch page (host lengths, so nothing reads the device)."""
+        pad = self.bs - len(rnd.reqs)
+        kv_lens = [s + self.n for s in rnd.starts] + [self.n] * pad
+        return attention_batch([self.n] * self.bs, kv_lens, rnd.page_table,
+                                    self.bufs.out_cache_loc[: self.bs * self.n])

@@ -16,9 +16,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention import TorchPagedAttention
+from engine.input_batch import attention_batch, to_device, token_positions
 from engine.page_allocator import OutOfPagesError, PageAllocator
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
@@ -163,17 +165,16 @@ class LaterStage:
         self, items: list[wpb.StageItem], hidden: torch.Tensor, mrope: torch.Tensor
     ) -> torch.Tensor:
         ps = self.page_size
-        slots: list[int] = []
-        for it in items:
-            pages = self._rooms[it.room].pages
-            slots.extend(pages[i // ps] * ps + i % ps for i in range(it.start,
-                                                                    it.start + it.num_tokens))
-        self.attn.prepare(AttentionBatch.from_lists(
-            q_lens=[it.num_tokens for it in items],
-            kv_lens=[it.start + it.num_tokens for it in items],
-            page_tables=[self._rooms[it.room].pages for it in items],
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        ))
+        pages = [self._rooms[it.room].pages for it in items]
+        table = np.zeros((len(items), max(1, *map(len, pages))), dtype=np.int32)  # [B, P]
+        for row, p in enumerate(pages):
+            table[row, : len(p)] = p
+        q_lens = [it.num_tokens for it in items]
+        kv_lens = [it.start + it.num_tokens for it in items]
+        item, pos = token_positions([it.start for it in items], q_lens)
+        slots = table[item, pos // ps].astype(np.int64) * ps + pos % ps  # [T]
+        table_t, slots_t = to_device([table, slots], self.share.pool.device)
+        self.attn.prepare(attention_batch(q_lens, kv_lens, table_t, slots_t))
         model = self.share.model
         x = hidden.to(model.dtype)
         return model.forward_layers(x, mrope, self.attn, self.share.layers,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
+from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVPool, pages_for_budget
-from engine.llm_engine import DTYPES
 from engine.models.qwen2_vl import Qwen2VLModel
 
 
@@ -59,13 +59,14 @@ class LaterStageModel:
 def stage_pool(config: EngineConfig, model_config: ModelConfig, layers: range,
                num_pages: int | None = None) -> KVPool:
     """A KV pool for ``layers`` only (``num_pages`` defaults to what the budget buys)."""
-    text, dtype = model_config.text, DTYPES[config.dtype]
+    device = resolve_device(config.device)
+    text, dtype = model_config.text, resolve_dtype(config.dtype, device)
     pages = num_pages or config.num_pages or pages_for_budget(
         config.kv_budget_bytes, len(layers), config.page_size, text.num_key_value_heads,
         text.head_dim, dtype,
     )
     return KVPool(pages, config.page_size, text.num_key_value_heads, text.head_dim,
-                  list(layers), dtype, config.device)
+                  list(layers), dtype, device)
 
 
 def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout
@@ -73,5 +74,7 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout
     """Load this stage's layers of the checkpoint (and nothing of the others) and build its
     pool."""
     layers = layout.layers(ModelConfig.from_dir(model_dir).text.num_hidden_layers)
-    model_config, model = load_model(model_dir, DTYPES[config.dtype], config.device, layers)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_config, model = load_model(model_dir, dtype, device, layers)
     return LaterStageModel(model_config, model, layers, stage_pool(config, model_config, layers))

@@ -21,8 +21,9 @@ from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
+from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVPool, pages_for_budget
-from engine.llm_engine import DTYPES, LLMEngine
+from engine.llm_engine import LLMEngine
 from prefill_node.pipeline.first import FirstStageLoop
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage
@@ -80,7 +81,8 @@ async def serve_first_stage(args: StageArgs) -> None:
     # pages as if every layer were held: the first stage admits no more than any later holds
     num_pages = config.num_pages or pages_for_budget(
         config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
-        text.num_key_value_heads, text.head_dim, DTYPES[config.dtype])
+        text.num_key_value_heads, text.head_dim,
+        resolve_dtype(config.dtype, resolve_device(config.device)))
     engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages))
     runner = first_stage_runner(engine)
     ends = await _open_endpoints(args, layers, engine.pool, text.hidden_size)
