@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention import AttentionBatch
+from engine.attention_select import make_attention
 from engine.kv_cache import BufferInfo, KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepForward
@@ -26,7 +27,7 @@ class DraftRunner:
         pool = engine.pool
         self.pool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
                            [draft.cfg.layer_id], pool.dtype, pool.device)
-        self.attn = TorchPagedAttention(self.pool)
+        self.attn = make_attention(self.pool)
 
     def buffer_infos(self) -> list[BufferInfo]:
         """The target's KV buffer entries followed by the draft's (what the transfer layer

@@ -11,9 +11,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.attention_select import make_attention
+from engine.attention import AttentionBackend
+from engine.attention_select import backend_name, make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.device import DTYPES as DTYPES  # re-exported: its former home
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
@@ -62,6 +64,16 @@ class GenerationResult:
     finish_reason: FinishReason
 
 
+def decode_graphs_for(engine: LLMEngine, attn: AttentionBackend, *, enabled: bool
+                      ) -> DecodeGraphs:
+    """Static decode buffers sized for ``engine``: its batch limit, its longest request, its
+    scratch page; ``enabled=False`` runs them eagerly (what tests use on a CPU)."""
+    sched = engine.scheduler.config
+    return DecodeGraphs(engine.model, attn, max_bs=sched.max_num_seqs,
+                        max_pages=-(-sched.max_model_len // sched.page_size),
+                        pad_page=engine.scratch_page, enabled=enabled)
+
+
 class LLMEngine:
     """A Qwen2-VL-architecture model serving requests from one process.
 
@@ -104,7 +116,10 @@ class LLMEngine:
             ),
             PageAllocator(num_pages),
         )
-        self.runner = ModelRunner(self.model, make_attention(self.pool))
+        attn = make_attention(self.pool)
+        self.runner = ModelRunner(self.model, attn)
+        if config.graphs and self.device.type == "cuda" and backend_name(self.pool) == "triton":
+            self.runner.decode_graphs = decode_graphs_for(self, attn, enabled=True)
         self.sampler = Sampler()
         self._next_id = 0
 

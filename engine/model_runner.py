@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, AttentionBatch
+from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.inputs import RequestState
 from engine.models.qwen2_vl import Qwen2VLModel
@@ -46,6 +47,8 @@ class ModelRunner:
         self.page_size = attn.pool.page_size
         self.image_token_id = model.cfg.image_token_id
         self.batch = InputBatch(self.page_size, attn.pool.device)
+        # decode steps through static buffers (CUDA graphs); None: every step runs eagerly
+        self.decode_graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -59,10 +62,15 @@ class ModelRunner:
         """Forward the step's tokens; the hidden states and positions of every token."""
         step = self.batch.prepare(out.items)
         mrope = mrope_from_1d(step.positions, step.deltas)  # [3, T]
-        embeds = self.model.embed(step.input_ids)  # [T, H]
-        mrope = self._prompt_positions(out.items, mrope, embeds, step.input_ids)
         batch = step.attention
-        hidden = self.forward_embeds(embeds, mrope, batch)
+        graphs = self.decode_graphs
+        if graphs is not None and _pure_decode(out.items, batch, graphs):
+            hidden = graphs.run(step.input_ids, mrope, batch.kv_lens, batch.max_kv,
+                                batch.page_table, batch.slot_mapping)
+        else:
+            embeds = self.model.embed(step.input_ids)  # [T, H]
+            mrope = self._prompt_positions(out.items, mrope, embeds, step.input_ids)
+            hidden = self.forward_embeds(embeds, mrope, batch)
         return StepForward(step.input_ids, hidden, mrope, batch.slot_mapping, step.sample_rows,
                            batch)
 
@@ -126,3 +134,10 @@ def _state(item: ScheduledItem) -> RequestState:
     state = item.request.payload
     assert isinstance(state, RequestState), "requests must carry a RequestState payload"
     return state
+
+
+def _pure_decode(items: list[ScheduledItem], batch: AttentionBatch, graphs: DecodeGraphs) -> bool:
+    """Whether every item decodes one token past its prompt and the batch fits the graphs."""
+    if batch.max_q != 1 or not graphs.fits(batch.num_seqs, batch.max_kv):
+        return False
+    return all(it.start >= len(it.request.prompt_token_ids) for it in items)

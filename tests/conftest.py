@@ -58,6 +58,14 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_model(hf_dir: Path):  # noqa: ANN201 - transformers model
+    """transformers' model of :func:`hf_dir`: the oracle of the generation tests."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(hf_dir).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny_model import write_tiny_model
 

@@ -7,9 +7,12 @@ replay it unchanged. The mrope buffer is refilled from the final positions on ev
 replay never sees positions of an earlier round.
 
 Padded rows: ``N`` tokens at position 0 whose K/V go to the engine's scratch page (never handed
-to a request), attention over ``N`` keys of that page, outputs discarded. On CPU and NPU the
-forward runs eagerly on the buffers (capturing CUDA graphs is for a CUDA device, not built yet),
-which is what lets the padding logic be tested here.
+to a request), attention over ``N`` keys of that page, outputs discarded. On CUDA with graphs on
+(and the Triton attention, whose launches never depend on the keys' count) each forward is
+captured once per padded size (:class:`engine.cuda_graph.GraphCache`) and replayed; on CPU and
+NPU it runs eagerly on the same buffers, which is what lets the padding logic be tested here.
+The attention lengths and page tables live in static buffers of this runner, refilled before
+every forward like the token buffers.
 
 A round's per-request inputs (:class:`RoundInputs`: the verify window's positions and KV slots,
 the padded page tables, mrope deltas) are gathered once per round from the engine runner's
@@ -28,8 +31,10 @@ import torch
 from decode_node.spec.fill import fill_draft_extend_prepare_buffers
 from decode_node.spec.graph_buffers import SpecGraphBuffers
 from engine.attention import AttentionBatch
+from engine.attention_select import backend_name
+from engine.cuda_graph import GraphCache
 from engine.draft_runner import DraftRunner
-from engine.input_batch import attention_batch, to_device
+from engine.input_batch import to_device
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 
@@ -67,6 +72,16 @@ class SpecGraphRunner:
                                               engine.pool.device, engine.model.dtype)
         self.pad_slot = engine.scratch_page * page_size
         self.bs = 0  # padded size of the last fill
+        device = engine.pool.device
+        enabled = engine.config.graphs and backend_name(engine.pool) == "triton"
+        self.graphs = GraphCache(device, self.capture_sizes, enabled)
+        sched = engine.scheduler.config
+        self.max_pages = -(-(sched.max_model_len + sched.lookahead_tokens) // page_size)
+        # static attention inputs: [max_bs] lengths, [max_bs + 1] row offsets, page tables
+        self.kv_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        self.q_lens = torch.full((max_bs,), n, dtype=torch.int32, device=device)
+        self.q_starts = torch.arange(0, (max_bs + 1) * n, n, dtype=torch.int32, device=device)
+        self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device)
 
     def round_inputs(self, reqs: list[Request], starts: list[int]) -> RoundInputs:
         """Gather a round's inputs for ``reqs`` at ``starts`` (each must hold the pages of its
@@ -90,11 +105,13 @@ class SpecGraphRunner:
         b = self.bufs
         self._fill(rnd, ids, torch.zeros(ids.shape[0], b.hidden_size, device=b.device,
                                          dtype=b.hidden_states.dtype), [0] * len(rnd.reqs))
-        b, rows = self.bufs, self.bs * self.n
-        embeds = self.engine.model.embed(b.input_ids[:rows])
-        hidden = self.engine.runner.forward_embeds(embeds, b.mrope_positions[:, :rows],
-                                                   self._batch(rnd))
-        return hidden[: len(rnd.reqs) * self.n]
+        b, rows, batch = self.bufs, self.bs * self.n, self._batch(rnd)
+
+        def forward() -> torch.Tensor:
+            embeds = self.engine.model.embed(b.input_ids[:rows])
+            return self.engine.runner.forward_embeds(embeds, b.mrope_positions[:, :rows], batch)
+
+        return self.graphs.run("verify", self.bs, forward)[: len(rnd.reqs) * self.n]
 
     def draft_extend(self, rnd: RoundInputs, ids: torch.Tensor, hidden: torch.Tensor,
                      accepted: list[int]) -> torch.Tensor:
@@ -102,9 +119,13 @@ class SpecGraphRunner:
         ``hidden``: the verify's states) at the same positions; returns the feature of each
         request's ``select_index`` row (its last accepted token) ``[B, H]``."""
         self._fill(rnd, ids, hidden, accepted)
-        b, rows = self.bufs, self.bs * self.n
-        feats = self.drafter.forward(b.input_ids[:rows], b.hidden_states[:rows],
-                                     b.mrope_positions[:, :rows], self._batch(rnd))
+        b, rows, batch = self.bufs, self.bs * self.n, self._batch(rnd)
+
+        def forward() -> torch.Tensor:
+            return self.drafter.forward(b.input_ids[:rows], b.hidden_states[:rows],
+                                        b.mrope_positions[:, :rows], batch)
+
+        feats = self.graphs.run("draft_extend", self.bs, forward)
         return feats[b.select_index[: len(rnd.reqs)]]
 
     def positions(self, raw_bs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,9 +157,15 @@ class SpecGraphRunner:
         )
 
     def _batch(self, rnd: RoundInputs) -> AttentionBatch:
-        """Attention over the filled buffers: real rows see ``S + N`` keys, padded rows ``N``
-        keys of the scratch page (host lengths, so nothing reads the device)."""
-        pad = self.bs - len(rnd.reqs)
-        kv_lens = [s + self.n for s in rnd.starts] + [self.n] * pad
-        return attention_batch([self.n] * self.bs, kv_lens, rnd.page_table,
-                                    self.bufs.out_cache_loc[: self.bs * self.n])
+        """Attention over the filled buffers, from this runner's static inputs: real rows see
+        ``S + N`` keys, padded rows ``N`` keys of the scratch page. A captured graph keeps the
+        capacity as its key bound; an eager forward uses the round's own (a host value: nothing
+        reads the device)."""
+        bs, n = self.bs, self.n
+        width = rnd.page_table.shape[1]
+        self.page_table[:bs, :width].copy_(rnd.page_table)
+        self.kv_lens[:bs].copy_(self.bufs.seq_lens[:bs])
+        bound = self.max_pages * self.engine.config.page_size if self.graphs.captures else (
+            max(rnd.starts) + n)
+        return AttentionBatch(self.q_lens[:bs], self.kv_lens[:bs], self.q_starts[: bs + 1],
+                              self.page_table[:bs], self.bufs.out_cache_loc[: bs * n], n, bound)

@@ -19,13 +19,6 @@ NEW_TOKENS = 32
 PATCH_DIM = 3 * 2 * 14 * 14
 
 
-@pytest.fixture(scope="module")
-def hf_model(hf_dir: Path):  # noqa: ANN201 - transformers model
-    from transformers import Qwen2VLForConditionalGeneration
-
-    return Qwen2VLForConditionalGeneration.from_pretrained(hf_dir).eval()
-
-
 def image(grid: tuple[int, int, int], seed: int) -> ImageInput:
     gen = torch.Generator().manual_seed(seed)
     n = grid[0] * grid[1] * grid[2]
