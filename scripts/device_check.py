@@ -5,6 +5,8 @@
 
 (``scripts/device_check.sh`` runs it with a hard time limit.) Sections, correctness first:
 
+* ``0_kernels``: the Triton paged attention equals the torch backend on the device (prefill,
+  mixed, decode, verify; float32 and bfloat16; Qwen2-VL-2B's head shapes);
 * ``a_fp32_vs_transformers``: ``pdserve generate --device D --dtype float32`` equals
   transformers' ``generate`` on a tiny transformers-written checkpoint, text and image prompts;
 * ``b_bf16_vs_transformers``: bf16 greedy tokens equal transformers bf16 on the first 16 tokens of
@@ -46,11 +48,13 @@ from typing import Any
 import torch
 from device_check_context import Context
 from device_check_correctness import check_bf16, check_eagle, check_fp32, check_graphs
+from device_check_kernels import check_kernels
 from device_check_speed import check_speed
 
 Section = Callable[[Context, dict[str, Any]], None]
 # (report key, body, seconds it needs at least: full run, --quick), in running order
 SECTIONS: tuple[tuple[str, Section, float, float], ...] = (
+    ("0_kernels", check_kernels, 20.0, 1.0),
     ("a_fp32_vs_transformers", check_fp32, 60.0, 5.0),
     ("b_bf16_vs_transformers", check_bf16, 20.0, 3.0),
     ("c_graphs_on_off", check_graphs, 30.0, 3.0),

@@ -1,10 +1,9 @@
 """What every section of ``scripts/device_check.py`` shares: the device, the time budget, a
-scratch folder, the tiny transformers-written checkpoint (built once), and engine configs that
-name ``graphs`` only when :class:`engine.config.EngineConfig` has that field."""
+scratch folder, the tiny transformers-written checkpoint (built once), and engine configs on the
+device."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -16,9 +15,6 @@ import torch
 from device_check_models import TinyPrompts, tiny_cases, write_tiny_hf
 
 from engine.config import EngineConfig
-
-GRAPHS_AVAILABLE = "graphs" in {f.name for f in dataclasses.fields(EngineConfig)}
-NO_GRAPHS_FLAG = "graphs flag not available (EngineConfig has no graphs field)"
 
 
 @dataclass
@@ -55,8 +51,5 @@ class Context:
             torch.cuda.empty_cache()
 
     def engine_config(self, **kwargs: Any) -> EngineConfig:  # noqa: ANN401
-        """An :class:`EngineConfig` on this device; ``graphs`` is dropped where the field does
-        not exist (see :data:`GRAPHS_AVAILABLE`)."""
-        if not GRAPHS_AVAILABLE:
-            kwargs.pop("graphs", None)
+        """An :class:`EngineConfig` on this device."""
         return EngineConfig(device=self.device, **kwargs)
