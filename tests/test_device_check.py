@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("a_fp32_vs_transformers", "b_bf16_vs_transformers", "c_graphs_on_off",
+SECTIONS = ("0_kernels", "a_fp32_vs_transformers", "b_bf16_vs_transformers", "c_graphs_on_off",
             "d_eagle_vs_plain", "e_speed")
 
 
