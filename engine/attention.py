@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,14 +60,25 @@ class AttentionBatch:
         page_table: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> AttentionBatch:
-        """A batch from host-side lengths and a ``[B, P]`` page table on the target device."""
+        """A batch from host-side lengths and a ``[B, P]`` page table on the target device.
+
+        The lengths and row offsets are laid out in one host array (numpy: far cheaper than
+        torch for a few dozen values) that reaches the device in one copy; on CPU the tensors
+        share its memory.
+        """
+        b = len(q_lens)
+        host = np.empty(3 * b + 1, dtype=np.int32)  # q_lens [B], kv_lens [B], q_starts [B + 1]
+        host[:b] = q_lens
+        host[b : 2 * b] = kv_lens
+        host[2 * b] = 0
+        np.cumsum(host[:b], out=host[2 * b + 1 :])
+        lens = torch.from_numpy(host)
         device = page_table.device
-        q = torch.tensor(q_lens, dtype=torch.int32)
-        starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q, 0, out=starts[1:])
-        lens = torch.tensor([q_lens, kv_lens], dtype=torch.int32).to(device, non_blocking=True)
-        return cls(lens[0], lens[1], starts.to(device, non_blocking=True),
-                   page_table.to(torch.int32), slot_mapping, max(q_lens), max(kv_lens))
+        if device.type != "cpu":
+            lens = lens.to(device, non_blocking=True)
+        q, kv, starts = lens.split([b, b, b + 1])
+        return cls(q, kv, starts, page_table.to(torch.int32), slot_mapping, max(q_lens),
+                   max(kv_lens))
 
     @classmethod
     def from_lists(
@@ -115,27 +127,29 @@ class TorchPagedAttention(AttentionBackend):
         # [num_slots, kv_heads, D] views of each layer's buffers, for writes by slot
         self.flat_k = [pool.flat_k(i) for i in range(pool.num_layers)]
         self.flat_v = [pool.flat_v(i) for i in range(pool.num_layers)]
+        self._keys: torch.Tensor | None = None  # the last key positions [1, 1, 1, S] built
 
     def prepare(self, batch: AttentionBatch) -> None:
         ps = self.pool.page_size
         bsz, max_q = batch.num_seqs, batch.max_q
         max_pages = -(-batch.max_kv // ps)
-        span = max_pages * ps
         self.bsz, self.max_q = bsz, max_q
-        device = batch.slot_mapping.device
-        self.pages = batch.page_table[:, :max_pages].flatten()  # [B * max_pages]
+        table = batch.page_table
+        if table.shape[1] != max_pages:
+            table = table[:, :max_pages]
+        self.pages = table.reshape(-1)  # [B * max_pages]
         self.slot_mapping = batch.slot_mapping
-        kv_len = batch.kv_lens.view(bsz, 1, 1)
-        keys = torch.arange(span, device=device).view(1, 1, span)
+        keys = self._key_positions(max_pages * ps, batch.kv_lens)  # [1, 1, 1, S]
+        kv_len = batch.kv_lens.view(bsz, 1, 1, 1)
         if max_q == 1:
             self.q_index = None
             self.out_index = None
-            self.mask = (keys < kv_len).unsqueeze(1)  # [B, 1, 1, S]
+            self.mask = keys < kv_len  # [B, 1, 1, S]
             return
-        q_len = batch.q_lens.view(bsz, 1, 1)
-        rows = torch.arange(max_q, device=device).view(1, max_q, 1)
+        q_len = batch.q_lens.view(bsz, 1, 1, 1)
+        rows = torch.arange(max_q, device=keys.device).view(1, 1, max_q, 1)
         # mask: [B, 1, max_q, S] causal inside each sequence; padded rows see key 0 only
-        self.mask = ((keys <= kv_len - q_len + rows) & (keys < kv_len)).unsqueeze(1)
+        self.mask = (keys <= kv_len - q_len + rows) & (keys < kv_len)
         if batch.uniform:  # verify, draft extend, one prefill chunk
             self.q_index = self.out_index = None  # the rows are already [B, max_q] in order
             return
@@ -144,6 +158,17 @@ class TorchPagedAttention(AttentionBackend):
         self.q_index = batch.q_starts[:-1].view(bsz, 1) + torch.minimum(r, q_len2 - 1)
         valid = (r < q_len2).flatten()
         self.out_index = valid.nonzero().squeeze(1)
+
+    def _key_positions(self, span: int, kv_lens: torch.Tensor) -> torch.Tensor:
+        """``0 .. span - 1`` as ``[1, 1, 1, span]``, in ``kv_lens``' dtype and device. Kept
+        between forwards: consecutive decode steps mostly share their span (it grows a page at
+        a time), so most steps build no tensor here."""
+        keys = self._keys
+        if (keys is None or keys.shape[3] != span or keys.dtype != kv_lens.dtype
+                or keys.device != kv_lens.device):
+            keys = torch.arange(span, dtype=kv_lens.dtype, device=kv_lens.device)
+            keys = self._keys = keys.view(1, 1, 1, span)
+        return keys
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int

@@ -86,4 +86,4 @@ def mrope_from_1d(positions: torch.Tensor, deltas: torch.Tensor | int) -> torch.
     ``positions`` is the forward's final 1-D position tensor ``[T]``; ``deltas`` is one delta per
     row ``[T]`` (or one int for all rows). Derive this *after* ``positions`` is final.
     """
-    return (positions + deltas).unsqueeze(0).expand(3, -1)
+    return torch.add(positions, deltas).expand(3, -1)  # [T] -> [3, T]: a stride-0 view

@@ -213,8 +213,10 @@ class Scheduler:
         ``prefill_only`` leaves decoding requests out (a speculative decoder runs them).
         """
         budget = self.config.max_num_batched_tokens
+        page_size = self.config.page_size
         items: list[ScheduledItem] = []
-        for req in self._running.values():
+        add = items.append
+        for req in self._running.values():  # the hot loop: _schedule_chunk inlined
             if budget == 0:
                 break
             start = req.num_computed_tokens
@@ -223,7 +225,11 @@ class Scheduler:
                 continue
             gap = prompt_len + len(req.output_token_ids) - start
             if gap > 0:
-                budget -= self._schedule_chunk(req, start, min(gap, budget), gap, items)
+                n = gap if gap < budget else budget
+                if start + n > len(req.page_ids) * page_size:
+                    self._allocate_pages(req, start + n)
+                add(ScheduledItem(req, start, n, n == gap))
+                budget -= n
         while budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
             req = next(iter(self._waiting.values()))
             if not self._try_admit(req):
@@ -276,6 +282,7 @@ class Scheduler:
             )
         finished: list[Request] = []
         samples = iter(sampled)
+        eos = self._eos
         for item in output.items:
             req = item.request
             sample = next(samples) if item.needs_sample else None
@@ -284,7 +291,16 @@ class Scheduler:
             if item.start != req.num_computed_tokens:
                 raise ValueError(f"stale item for request {req.request_id!r}")
             req.num_computed_tokens += item.num_tokens
-            if sample is not None and self._append_token(req, sample[0], sample[1]):
+            if sample is None:
+                continue
+            token, params = sample[0], req.sampling
+            # the common case, inlined: a token that stops nothing (see _append_token)
+            if (len(req.output_token_ids) + 1 < params.max_new_tokens
+                    and token not in params.stop_token_ids
+                    and (params.ignore_eos or token not in eos)):
+                req.output_token_ids.append(token)
+                req.output_logprobs.append(sample[1])
+            elif self._append_token(req, token, sample[1]):
                 finished.append(req)
         return finished
 
