@@ -308,25 +308,6 @@ def token_positions(starts: Sequence[int], nums: Sequence[int]) -> tuple[np.ndar
     return item, np.arange(item.shape[0], dtype=np.int64) + offset[item]
 
 
-def attention_batch(
-    q_lens: list[int], kv_lens: list[int], page_table: torch.Tensor, slot_mapping: torch.Tensor
-) -> AttentionBatch:
-    """``AttentionBatch.build`` with the same arguments and result, its lengths gathered in
-    numpy and sent in one copy (build turns Python lists into tensors, several times slower on
-    a step's scale)."""
-    q, kv, q_starts = to_device(_length_arrays(q_lens, kv_lens), page_table.device)
-    return AttentionBatch(q, kv, q_starts, page_table.to(torch.int32), slot_mapping,
-                          max(q_lens), max(kv_lens))
-
-
-def _length_arrays(q_lens: list[int], kv_lens: list[int]) -> list[np.ndarray]:
-    """``q_lens`` and ``kv_lens`` ``[B]`` and the row offsets ``[B + 1]`` (int32)."""
-    q = np.array(q_lens, dtype=np.int32)
-    q_starts = np.zeros(len(q_lens) + 1, dtype=np.int32)
-    q.cumsum(out=q_starts[1:])
-    return [q, np.array(kv_lens, dtype=np.int32), q_starts]
-
-
 def _grown(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """A zero array of ``shape`` (at least ``a``'s in every dimension) with ``a`` in its
     corner."""

@@ -39,7 +39,7 @@ from decode_node.spec.accept import accept_greedy, accept_sampled
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
-from engine.input_batch import attention_batch, to_device
+from engine.input_batch import to_device
 from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle import EagleDraft
@@ -248,7 +248,7 @@ class EagleEngine:
         position)."""
         batch, n = self.engine.runner.batch, len(rnd.reqs)
         (slots,) = to_device([batch.slots(rnd.rows, pos)], rnd.page_table.device)
-        return attention_batch([1] * n, (pos + 1).tolist(), rnd.page_table[:n], slots)
+        return AttentionBatch.build([1] * n, (pos + 1).tolist(), rnd.page_table[:n], slots)
 
     def _log(self, phase: str, out: SchedulerOutput, mrope: torch.Tensor) -> None:
         if self.position_log is not None:

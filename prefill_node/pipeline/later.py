@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import TorchPagedAttention
-from engine.input_batch import attention_batch, to_device, token_positions
+from engine.attention import AttentionBatch
+from engine.attention_select import make_attention
+from engine.input_batch import to_device, token_positions
 from engine.page_allocator import OutOfPagesError, PageAllocator
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
@@ -58,7 +59,7 @@ class LaterStage:
         self.page_size = page_size
         self.link = link
         self.allocator = PageAllocator(share.pool.num_pages)
-        self.attn = TorchPagedAttention(share.pool)
+        self.attn = make_attention(share.pool)
         self.sampler = Sampler()
         self._hidden_size = share.model_config.text.hidden_size
         self._zeros = (0.0,) * self._hidden_size
@@ -174,7 +175,7 @@ class LaterStage:
         item, pos = token_positions([it.start for it in items], q_lens)
         slots = table[item, pos // ps].astype(np.int64) * ps + pos % ps  # [T]
         table_t, slots_t = to_device([table, slots], self.share.pool.device)
-        self.attn.prepare(attention_batch(q_lens, kv_lens, table_t, slots_t))
+        self.attn.prepare(AttentionBatch.build(q_lens, kv_lens, table_t, slots_t))
         model = self.share.model
         x = hidden.to(model.dtype)
         return model.forward_layers(x, mrope, self.attn, self.share.layers,
