@@ -74,3 +74,38 @@ def measure_host_time(engine: LLMEngine, prompts: list[list[int]], steps: int) -
         engine.abort(r.request_id)
     step_ms, model_ms = 1e3 * wall / steps, 1e3 * acc[0] / steps
     return HostTime(len(prompts), steps, step_ms, model_ms, step_ms - model_ms)
+
+
+def main() -> None:
+    """``python -m bench.host_time [--model DIR] [--batch-sizes 1,32] [--steps 50] [--repeat 2]``:
+    host ms per decode step of 128-token prompts, one JSON line per measurement."""
+    import argparse
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from bench.engine import prompts
+    from engine.config import EngineConfig
+    from engine.tiny_model import write_tiny_model
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--model", help="checkpoint directory (default: a fresh tiny model)")
+    parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else write_tiny_model(Path(tmp) / "tiny")
+        vocab = json.loads((model_dir / "config.json").read_text())
+        vocab = (vocab.get("text_config") or vocab)["vocab_size"]
+        for bs in (int(b) for b in args.batch_sizes.split(",")):
+            engine = LLMEngine(model_dir, EngineConfig(num_pages=2048, page_size=16,
+                                                       max_num_seqs=256,
+                                                       max_num_batched_tokens=4096))
+            for _ in range(args.repeat):
+                print(json.dumps(measure_host_time(engine, prompts(bs, 128, vocab), args.steps)
+                                 .as_dict()))
+
+
+if __name__ == "__main__":
+    main()
