@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from engine.device import DTYPES
 from engine.image_processor import ImageProcessorConfig, process_image
 from engine.inputs import ImageInput
 from engine.mrope import num_image_tokens
@@ -54,7 +55,6 @@ TINY_VISION: dict[str, Any] = {
     "spatial_merge_size": 2,
     "temporal_patch_size": 2,
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def special_config(vocab_size: int) -> dict[str, Any]:

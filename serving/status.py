@@ -9,6 +9,7 @@ exception                       status                  why
 =============================== ======================= ==========================================
 ``InvalidRequestError``         ``INVALID_ARGUMENT``    the request itself is refused
 ``OutOfPagesError``             ``RESOURCE_EXHAUSTED``  the node has no KV pages for it now
+``DeviceError``                 ``FAILED_PRECONDITION`` (start-up only) a device this machine lacks
 ``ConfigError``                 ``INVALID_ARGUMENT``    (start-up only) a bad model directory
 ``CheckpointError``             ``INVALID_ARGUMENT``    (start-up only) bad weight files
 ``EngineError``                 ``INVALID_ARGUMENT``    any other input the engine refuses
@@ -49,6 +50,7 @@ import grpc
 from engine.errors import (
     CheckpointError,
     ConfigError,
+    DeviceError,
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
@@ -70,6 +72,7 @@ Code = grpc.StatusCode
 STATUS_TABLE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequestError, Code.INVALID_ARGUMENT),
     (OutOfPagesError, Code.RESOURCE_EXHAUSTED),
+    (DeviceError, Code.FAILED_PRECONDITION),
     (ConfigError, Code.INVALID_ARGUMENT),
     (CheckpointError, Code.INVALID_ARGUMENT),
     (EngineError, Code.INVALID_ARGUMENT),

@@ -12,6 +12,7 @@ import pytest
 from engine.errors import (
     CheckpointError,
     ConfigError,
+    DeviceError,
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
@@ -34,6 +35,7 @@ Code = grpc.StatusCode
 EXPECTED: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequestError: Code.INVALID_ARGUMENT,
     OutOfPagesError: Code.RESOURCE_EXHAUSTED,
+    DeviceError: Code.FAILED_PRECONDITION,
     ConfigError: Code.INVALID_ARGUMENT,
     CheckpointError: Code.INVALID_ARGUMENT,
     EngineError: Code.INVALID_ARGUMENT,
