@@ -16,7 +16,6 @@ from engine.attention_select import backend_name, make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs
-from engine.device import DTYPES as DTYPES  # re-exported: its former home
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import InvalidRequestError
 from engine.image_processor import (

@@ -146,7 +146,6 @@ def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], l
     return host[0].tolist(), host[1].to(torch.int32).view(torch.float32).tolist()
 
 
-
 def _pick_on_device(
     logits: torch.Tensor, logprobs: torch.Tensor, picked: Picked
 ) -> tuple[list[int], list[float]]:
