@@ -172,8 +172,10 @@ def test_vision_tower_forward_stays_on_its_device() -> None:
                        hidden_act="quick_gelu", rope_theta=10000.0)
     with torch.device(META):
         tower = VisionTower(cfg)
-    patches = torch.empty(2 * 16, cfg.patch_dim, device=META)
-    out = tower(patches, [(1, 4, 4), (1, 4, 4)])  # a host tensor mixed in would raise here
+    grids = [(1, 4, 4), (1, 4, 4)]
+    tables = tower._rotary(grids)  # built where the weights are, not on the host
+    assert {tables.cos.device, tables.signed_sin.device, tables.swap.device} == {META}
+    out = tower(torch.empty(2 * 16, cfg.patch_dim, device=META), grids)
     assert out.device == META and tuple(out.shape) == (8, 64)
 
 
