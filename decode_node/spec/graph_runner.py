@@ -32,13 +32,11 @@ from decode_node.spec.fill import fill_draft_extend_prepare_buffers
 from decode_node.spec.graph_buffers import SpecGraphBuffers
 from engine.attention import AttentionBatch
 from engine.attention_select import backend_name
-from engine.cuda_graph import GraphCache
+from engine.cuda_graph import DEFAULT_CAPTURE_SIZES, GraphCache, capture_sizes_for
 from engine.draft_runner import DraftRunner
 from engine.input_batch import to_device
 from engine.llm_engine import LLMEngine
 from engine.request import Request
-
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 @dataclass(frozen=True)
@@ -60,14 +58,14 @@ class RoundInputs:
 
 class SpecGraphRunner:
     def __init__(self, engine: LLMEngine, drafter: DraftRunner, k: int,
-                 capture_sizes: Sequence[int] = CAPTURE_SIZES) -> None:
+                 capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES) -> None:
         n = k + 1
         page_size = engine.config.page_size
         if n > page_size:
             raise ValueError(f"num_draft_tokens + 1 = {n} must fit one page ({page_size} tokens)")
         self.engine, self.drafter, self.n = engine, drafter, n
         max_bs = engine.scheduler.config.max_num_seqs
-        self.capture_sizes = sorted({*(s for s in capture_sizes if s < max_bs), max_bs})
+        self.capture_sizes = capture_sizes_for(max_bs, capture_sizes)
         self.bufs = SpecGraphBuffers.allocate(max_bs, n, engine.model_config.text.hidden_size,
                                               engine.pool.device, engine.model.dtype)
         self.pad_slot = engine.scratch_page * page_size
