@@ -54,6 +54,9 @@ class VisionConfig:
     temporal_patch_size: int
     hidden_act: str
     rope_theta: float
+    # Qwen2.5-VL: temporal rope positions per second of video (a video's temporal grid step
+    # advances tokens_per_second * second_per_grid positions); None for Qwen2-VL (one per step)
+    tokens_per_second: float | None = None
 
     @property
     def head_dim(self) -> int:

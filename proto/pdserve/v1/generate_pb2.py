@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12!\n\x06images\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Image\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12+\n\x07patches\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ImagePatchesH\x00\x42\x08\n\x06source\"=\n\x0cImagePatches\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\"\xb5\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xa4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\"\x15\n\x13GetModelInfoRequest\"o\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x0c\n\x04mode\x18\x05 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12!\n\x06images\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Image\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12!\n\x06videos\x18\x06 \x03(\x0b\x32\x11.pdserve.v1.VideoB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12+\n\x07patches\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ImagePatchesH\x00\x42\x08\n\x06source\"\x82\x01\n\x05Video\x12)\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.VideoFramesH\x00\x12+\n\x07patches\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ImagePatchesH\x00\x12\x17\n\x0fsecond_per_grid\x18\x03 \x01(\x02\x42\x08\n\x06source\"*\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"=\n\x0cImagePatches\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\"\xb6\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penalty\"\xa4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\"j\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xa4\x01\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x1c\n\x14\x63hat_template_source\x18\x07 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,27 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=42
-  _globals['_GENERATEREQUEST']._serialized_end=228
-  _globals['_TOKENIDS']._serialized_start=230
-  _globals['_TOKENIDS']._serialized_end=253
-  _globals['_IMAGE']._serialized_start=255
-  _globals['_IMAGE']._serialized_end=336
-  _globals['_IMAGEPATCHES']._serialized_start=338
-  _globals['_IMAGEPATCHES']._serialized_end=399
-  _globals['_SAMPLINGPARAMS']._serialized_start=402
-  _globals['_SAMPLINGPARAMS']._serialized_end=583
-  _globals['_GENERATERESPONSE']._serialized_start=586
-  _globals['_GENERATERESPONSE']._serialized_end=750
-  _globals['_USAGE']._serialized_start=752
-  _globals['_USAGE']._serialized_end=858
-  _globals['_GETMODELINFOREQUEST']._serialized_start=860
-  _globals['_GETMODELINFOREQUEST']._serialized_end=881
-  _globals['_MODELINFO']._serialized_start=883
-  _globals['_MODELINFO']._serialized_end=994
-  _globals['_ABORTREQUEST']._serialized_start=996
-  _globals['_ABORTREQUEST']._serialized_end=1030
-  _globals['_ABORTRESPONSE']._serialized_start=1032
-  _globals['_ABORTRESPONSE']._serialized_end=1047
-  _globals['_GENERATION']._serialized_start=1050
-  _globals['_GENERATION']._serialized_end=1269
+  _globals['_GENERATEREQUEST']._serialized_end=263
+  _globals['_TOKENIDS']._serialized_start=265
+  _globals['_TOKENIDS']._serialized_end=288
+  _globals['_IMAGE']._serialized_start=290
+  _globals['_IMAGE']._serialized_end=371
+  _globals['_VIDEO']._serialized_start=374
+  _globals['_VIDEO']._serialized_end=504
+  _globals['_VIDEOFRAMES']._serialized_start=506
+  _globals['_VIDEOFRAMES']._serialized_end=548
+  _globals['_IMAGEPATCHES']._serialized_start=550
+  _globals['_IMAGEPATCHES']._serialized_end=611
+  _globals['_SAMPLINGPARAMS']._serialized_start=614
+  _globals['_SAMPLINGPARAMS']._serialized_end=1052
+  _globals['_GENERATERESPONSE']._serialized_start=1055
+  _globals['_GENERATERESPONSE']._serialized_end=1219
+  _globals['_USAGE']._serialized_start=1221
+  _globals['_USAGE']._serialized_end=1327
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1329
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1350
+  _globals['_MODELINFO']._serialized_start=1353
+  _globals['_MODELINFO']._serialized_end=1517
+  _globals['_ABORTREQUEST']._serialized_start=1519
+  _globals['_ABORTREQUEST']._serialized_end=1553
+  _globals['_ABORTRESPONSE']._serialized_start=1555
+  _globals['_ABORTRESPONSE']._serialized_end=1570
+  _globals['_GENERATION']._serialized_start=1573
+  _globals['_GENERATION']._serialized_end=1792
 # @@protoc_insertion_point(module_scope)
