@@ -117,14 +117,14 @@ class ImageProcessorConfig:
         """
         path = Path(model_dir) / PREPROCESSOR_FILE
         try:
-            values = _read_preprocessor_json(path) if path.is_file() else {}
+            values = read_preprocessor_json(path) if path.is_file() else {}
             values.update(overrides)
             return cls(**values)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad image processor settings in {path}: {exc}") from exc
 
 
-def _read_preprocessor_json(path: Path) -> dict[str, Any]:
+def read_preprocessor_json(path: Path) -> dict[str, Any]:
     """The ImageProcessorConfig fields found in a transformers ``preprocessor_config.json``."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -152,7 +152,7 @@ def _read_preprocessor_json(path: Path) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=16)
-def _normalize_lut(cfg: ImageProcessorConfig) -> np.ndarray:
+def normalize_lut(cfg: ImageProcessorConfig) -> np.ndarray:
     """``[C, 256]`` float32: the normalized value of each 8-bit level in each channel.
 
     Reproduces transformers' arithmetic exactly: float64 rescale, cast to float32, then
@@ -226,7 +226,7 @@ def decode_image(data: bytes, cfg: ImageProcessorConfig) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
-        _check_source_size(img.width, img.height, cfg)
+        check_source_size(img.width, img.height, cfg)
         img.load()
         return ImageOps.exif_transpose(img)
     except InvalidRequestError:
@@ -235,7 +235,8 @@ def decode_image(data: bytes, cfg: ImageProcessorConfig) -> Image.Image:
         raise InvalidRequestError(f"cannot decode image: {exc}") from exc
 
 
-def _check_source_size(width: int, height: int, cfg: ImageProcessorConfig) -> None:
+def check_source_size(width: int, height: int, cfg: ImageProcessorConfig) -> None:
+    """Refuse (InvalidRequestError) a decoded picture of a size the processor will not take."""
     if width <= 0 or height <= 0:
         raise InvalidRequestError(f"image size must be positive, got {width}x{height}")
     if width * height > cfg.max_source_pixels:
@@ -259,7 +260,7 @@ def process_image(data: bytes | Image.Image, cfg: ImageProcessorConfig) -> Proce
     img = decode_image(data, cfg) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if not isinstance(img, Image.Image):
         raise InvalidRequestError(f"expected image bytes or a PIL image, got {type(data)}")
-    _check_source_size(img.width, img.height, cfg)
+    check_source_size(img.width, img.height, cfg)
     img = to_rgb(img)
     height, width = smart_resize(img.height, img.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     img = img.resize((width, height), resample=Image.Resampling(cfg.resample))
@@ -277,7 +278,7 @@ def _patchify(pixels: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarray:
     blocks = pixels.reshape(bh, m, p, bw, m, p, chans)
     blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)  # [bh, bw, mh, mw, C, ph, pw]
     channel = np.arange(chans).reshape(1, 1, 1, 1, chans, 1, 1)
-    values = _normalize_lut(cfg)[channel, blocks]  # gather = normalize + copy, float32
+    values = normalize_lut(cfg)[channel, blocks]  # gather = normalize + copy, float32
     values = np.broadcast_to(values[:, :, :, :, :, None], (*values.shape[:5], t, p, p))
     return values.reshape(bh * bw * m * m, chans * t * p * p)
 
@@ -337,16 +338,33 @@ def expand_image_placeholders(
 
     Raises InvalidRequestError when the prompt's placeholder count differs from the image count.
     """
-    positions = [i for i, tok in enumerate(token_ids) if tok == image_pad_id]
+    return _expand_placeholders(token_ids, image_pad_id, token_counts, "image")
+
+
+def expand_video_placeholders(
+    token_ids: list[int], video_pad_id: int, token_counts: list[int]
+) -> list[int]:
+    """Replace the i-th ``video_pad_id`` token (``<|video_pad|>``) with ``token_counts[i]``
+    copies of it.
+
+    Raises InvalidRequestError when the prompt's placeholder count differs from the video count.
+    """
+    return _expand_placeholders(token_ids, video_pad_id, token_counts, "video")
+
+
+def _expand_placeholders(
+    token_ids: list[int], pad_id: int, token_counts: list[int], kind: str
+) -> list[int]:
+    positions = [i for i, tok in enumerate(token_ids) if tok == pad_id]
     if len(positions) != len(token_counts):
         raise InvalidRequestError(
-            f"prompt has {len(positions)} image placeholders but {len(token_counts)} images"
+            f"prompt has {len(positions)} {kind} placeholders but {len(token_counts)} {kind}s"
         )
     out: list[int] = []
     prev = 0
     for pos, count in zip(positions, token_counts, strict=True):
         out.extend(token_ids[prev:pos])
-        out.extend([image_pad_id] * count)
+        out.extend([pad_id] * count)
         prev = pos + 1
     out.extend(token_ids[prev:])
     return out

@@ -1,8 +1,9 @@
-"""Turning a user's prompt (token ids and images) into what the model runner consumes.
+"""Turning a user's prompt (token ids, images and videos) into what the model runner consumes.
 
-:class:`RequestState` is the engine's per-request payload (``Request.payload``): the images'
-patches and grids, the prompt's 3-D rope table and mrope delta, the vision embeddings while the
-prompt is being prefilled, and the request's random generator.
+:class:`RequestState` is the engine's per-request payload (``Request.payload``): the visual
+inputs' patches and grids (images and videos together, in prompt order), the prompt's 3-D rope
+table and mrope delta, the vision embeddings while the prompt is being prefilled, and the
+request's random generator.
 
 Devices: patches and the rope table stay on the host (the model copies patches to its device when
 it encodes them; rope table columns are copied into each forward's positions); the vision
@@ -11,6 +12,7 @@ embeddings and the generator live on the engine's device.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,7 +21,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.mrope import Grid, num_image_tokens, rope_index
+from engine.mrope import Grid, num_image_tokens, rope_index, vision_blocks
 
 
 @dataclass(frozen=True)
@@ -35,25 +37,50 @@ def image_from_array(patches: np.ndarray, grid_thw: Grid) -> ImageInput:
     return ImageInput(torch.from_numpy(np.array(patches, dtype=np.float32)), grid_thw)
 
 
+@dataclass(frozen=True)
+class VideoInput:
+    """One video as the vision tower takes it: patches ``[t*h*w, C*T*P*P]`` of its frames (``t``
+    temporal patches of ``temporal_patch_size`` frames each) and its grid; ``second_per_grid`` is
+    the seconds one temporal patch spans (Qwen2.5-VL spaces temporal positions by it)."""
+
+    patches: torch.Tensor
+    grid_thw: Grid
+    second_per_grid: float = 1.0
+
+
+def video_from_array(
+    patches: np.ndarray, grid_thw: Grid, second_per_grid: float = 1.0
+) -> VideoInput:
+    """A :class:`VideoInput` owning a float32 copy of ``patches``."""
+    return VideoInput(torch.from_numpy(np.array(patches, dtype=np.float32)), grid_thw,
+                      float(second_per_grid))
+
+
 @dataclass(eq=False)
 class RequestState:
     """Engine-side data of one request (the scheduler never reads it)."""
 
-    images: list[ImageInput]
+    images: list[ImageInput | VideoInput]  # visual inputs in prompt order; emptied after prefill
     mrope_table: torch.Tensor | None  # [3, L] prompt positions; None for text-only prompts
     delta: int  # mrope delta: tokens past the prompt sit at n + delta
-    image_prefix: np.ndarray | None  # [L + 1] image tokens in prompt[:i]
+    image_prefix: np.ndarray | None  # [L + 1] vision (image and video) tokens in prompt[:i]
     generator: torch.Generator | None = None
-    image_embeds: torch.Tensor | None = field(default=None, repr=False)  # [n_img_tokens, H]
+    # [n_vision_tokens, H], in prompt order
+    image_embeds: torch.Tensor | None = field(default=None, repr=False)
 
 
 def build_state(
-    token_ids: Sequence[int], images: Sequence[ImageInput], cfg: ModelConfig
+    token_ids: Sequence[int],
+    images: Sequence[ImageInput],
+    cfg: ModelConfig,
+    videos: Sequence[VideoInput] = (),
 ) -> RequestState:
     """Validate a prompt against ``cfg`` and precompute its rope table.
 
-    Raises :class:`InvalidRequestError` for an empty prompt, ids outside the vocabulary, or image
-    tokens that do not match the images' grids.
+    Raises :class:`InvalidRequestError` for an empty prompt, ids outside the vocabulary, images
+    or videos with bad grids or patches, or image (video) tokens that do not match the images'
+    (videos') grids. The state's visual inputs are in prompt order, the order the vision tower
+    encodes them in and their tokens take their embeddings in.
     """
     if len(token_ids) == 0:
         raise InvalidRequestError("the prompt is empty")
@@ -64,29 +91,52 @@ def build_state(
         raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {vocab})")
     merge = cfg.vision.spatial_merge_size
     for i, image in enumerate(images):
-        _check_image(i, image, cfg)
-    has_image_tokens = bool((ids == cfg.image_token_id).any())
-    if not images and not has_image_tokens:
+        _check_visual("image", i, image, cfg)
+    for i, video in enumerate(videos):
+        _check_visual("video", i, video, cfg)
+        _check_seconds(i, video.second_per_grid)
+    vision = (ids == cfg.image_token_id) | (ids == cfg.video_token_id)
+    if not images and not videos and not vision.any():
         return RequestState(images=[], mrope_table=None, delta=0, image_prefix=None)
-    table, delta = rope_index(ids.tolist(), [im.grid_thw for im in images], cfg.image_token_id,
-                              merge)
-    prefix = np.concatenate(([0], np.cumsum(ids == cfg.image_token_id)))
-    return RequestState(images=list(images), mrope_table=table, delta=delta, image_prefix=prefix)
+    image_grids = [im.grid_thw for im in images]
+    video_grids = [v.grid_thw for v in videos]
+    table, delta = rope_index(
+        ids.tolist(), image_grids, cfg.image_token_id, merge,
+        video_grids=video_grids, video_token_id=cfg.video_token_id,
+        video_seconds=[v.second_per_grid for v in videos],
+        tokens_per_second=cfg.vision.tokens_per_second,
+    )
+    blocks = vision_blocks(ids.tolist(), image_grids, cfg.image_token_id, merge,
+                           video_grids=video_grids, video_token_id=cfg.video_token_id)
+    ordered = [images[b.index] if b.kind == "image" else videos[b.index] for b in blocks]
+    prefix = np.concatenate(([0], np.cumsum(vision)))
+    return RequestState(images=ordered, mrope_table=table, delta=delta, image_prefix=prefix)
 
 
-def _check_image(i: int, image: ImageInput, cfg: ModelConfig) -> None:
+def _check_visual(kind: str, i: int, item: ImageInput | VideoInput, cfg: ModelConfig) -> None:
     v = cfg.vision
-    t, h, w = image.grid_thw
+    t, h, w = item.grid_thw
     m = v.spatial_merge_size
     if min(t, h, w) < 1 or h % m or w % m:
         raise InvalidRequestError(
-            f"image {i}: grid {image.grid_thw} must be positive with h and w multiples of {m}"
+            f"{kind} {i}: grid {item.grid_thw} must be positive with h and w multiples of {m}"
         )
     shape = (t * h * w, v.patch_dim)
-    if tuple(image.patches.shape) != shape:
+    if tuple(item.patches.shape) != shape:
         raise InvalidRequestError(
-            f"image {i}: patches have shape {tuple(image.patches.shape)}, grid {image.grid_thw} "
+            f"{kind} {i}: patches have shape {tuple(item.patches.shape)}, grid {item.grid_thw} "
             f"needs {shape}"
         )
-    if num_image_tokens(image.grid_thw, m) == 0:
-        raise InvalidRequestError(f"image {i}: grid {image.grid_thw} has no tokens")
+    if num_image_tokens(item.grid_thw, m) == 0:
+        raise InvalidRequestError(f"{kind} {i}: grid {item.grid_thw} has no tokens")
+
+
+def _check_seconds(i: int, seconds: float) -> None:
+    try:
+        ok = math.isfinite(seconds) and seconds > 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise InvalidRequestError(
+            f"video {i}: second_per_grid must be a positive finite number, got {seconds!r}"
+        )

@@ -4,9 +4,9 @@ Per step it gathers, for the flat batch of ``T`` scheduled tokens, from the pers
 (:class:`engine.input_batch.InputBatch`, rows given by the scheduler): token ids ``[T]``, the
 1-D positions ``[T]`` (absolute token index), the KV slots ``[T]`` and the page tables; then the
 mrope positions ``[3, T]`` derived from the positions (the prompt's rope table for prompt tokens
-of image requests) and the attention batch. Python work per step is O(items), never O(tokens).
-Vision embeddings are computed when a request's first prompt chunk runs and dropped when its
-prompt is done.
+of image and video requests) and the attention batch. Python work per step is O(items), never
+O(tokens). Vision embeddings (images and videos, encoded together in prompt order) are computed
+when a request's first prompt chunk with vision tokens runs and dropped when its prompt is done.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class ModelRunner:
         self.attn = attn
         self.page_size = attn.pool.page_size
         self.image_token_id = model.cfg.image_token_id
+        self.video_token_id = model.cfg.video_token_id
         self.batch = InputBatch(self.page_size, attn.pool.device)
         # decode steps through static buffers (CUDA graphs); None: every step runs eagerly
         self.decode_graphs: DecodeGraphs | None = None
@@ -90,7 +91,8 @@ class ModelRunner:
         embeds: torch.Tensor,
         ids: torch.Tensor,
     ) -> torch.Tensor:
-        """Put image embeddings and the prompt's rope table in place for image prompt chunks."""
+        """Put vision embeddings and the prompt's rope table in place for image and video prompt
+        chunks."""
         offset = 0
         copied = False
         for item in items:
@@ -106,19 +108,21 @@ class ModelRunner:
                     mrope, copied = mrope.contiguous(), True
                 mrope[:, offset : offset + k] = state.mrope_table[:, s : s + k]
                 chunk = slice(offset, offset + k)
-                self._place_image_embeds(state, embeds[chunk], ids[chunk], s)
+                self._place_vision_embeds(state, embeds[chunk], ids[chunk], s)
                 if s + k == prompt_len:
                     state.image_embeds = None
                     state.images = []
             offset += n
         return mrope
 
-    def _place_image_embeds(
+    def _place_vision_embeds(
         self, state: RequestState, embeds: torch.Tensor, ids: torch.Tensor, start: int
     ) -> None:
+        """Image and video tokens of a chunk starting at prompt index ``start`` take their
+        embeddings, in prompt order."""
         if state.image_prefix is None:
             return
-        mask = ids == self.image_token_id
+        mask = (ids == self.image_token_id) | (ids == self.video_token_id)
         count = int(mask.sum())
         if not count:
             return

@@ -94,19 +94,23 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
 
 
-def write_tiny_draft(draft_dir: str | Path, seed: int = 1, vocab_size: int = TINY_VOCAB) -> Path:
-    """Write a random EAGLE draft for the tiny model to ``draft_dir``."""
+def write_random_draft(draft_dir: str | Path, target_text: dict[str, Any], seed: int = 1) -> Path:
+    """Write a random EAGLE draft shaped for a target whose text config (the ``text_config`` of
+    its ``config.json``) is ``target_text``, to ``draft_dir``."""
     path = Path(draft_dir)
     path.mkdir(parents=True, exist_ok=True)
-    target = tiny_config_dict(vocab_size)
-    layers = target["text_config"]["num_hidden_layers"]
-    raw = draft_config_dict(target["text_config"], layers)
+    raw = draft_config_dict(target_text, target_text["num_hidden_layers"])
     draft = EagleDraft(DraftConfig.from_dict(raw))
     init_weights(draft, seed)
     state = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return path
+
+
+def write_tiny_draft(draft_dir: str | Path, seed: int = 1, vocab_size: int = TINY_VOCAB) -> Path:
+    """Write a random EAGLE draft for the tiny model to ``draft_dir``."""
+    return write_random_draft(draft_dir, tiny_config_dict(vocab_size)["text_config"], seed)
 
 
 def write_tiny_model(model_dir: str | Path, seed: int = 0, vocab_size: int = TINY_VOCAB) -> Path:

@@ -1,5 +1,6 @@
-"""mrope: the prompt's 3-D rope index equals transformers' ``get_rope_index``; positions past the
-prompt are ``n + delta`` on all three axes; image/grid mismatches are clear request errors."""
+"""mrope: the prompt's 3-D rope index equals transformers' ``get_rope_index`` (images and videos,
+Qwen2-VL and Qwen2.5-VL); positions past the prompt are ``n + delta`` on all three axes;
+image/video/grid mismatches are clear request errors."""
 
 from __future__ import annotations
 
@@ -238,3 +239,159 @@ def test_mismatches_raise_invalid_request(name: str) -> None:
     ids, grids, word = MISMATCHES[name]
     with pytest.raises(InvalidRequestError, match=word):
         rope_index(ids, grids, IMG, MERGE)
+
+
+# ---- videos (Qwen2-VL and Qwen2.5-VL) ---------------------------------------------------------
+# A mixed layout has ("image", grid) and ("video", (grid, second_per_grid)) segments. The oracle
+# is transformers' unbound ``get_rope_index`` on a stand-in holding only a config; it groups
+# consecutive tokens of one type, so two blocks of one kind are always separated by text here.
+
+VID = HF_SPECIAL["video_token_id"]
+
+
+def hf_rope_oracle(tokens_per_second: float | None):  # noqa: ANN201 - transformers stand-in
+    """An object whose ``get_rope_index`` is transformers' for Qwen2-VL (``None``) or
+    Qwen2.5-VL (with ``tokens_per_second``)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2_5_VLModel, Qwen2VLModel
+
+    cls = Qwen2VLModel if tokens_per_second is None else Qwen2_5_VLModel
+    vision = SimpleNamespace(spatial_merge_size=MERGE, tokens_per_second=tokens_per_second)
+
+    class StandIn:
+        get_rope_index = cls.get_rope_index
+        get_vision_position_ids = cls.get_vision_position_ids
+        config = SimpleNamespace(vision_config=vision)
+
+    return StandIn()
+
+
+def V(t: int, h: int, w: int, seconds: float = 1.0) -> Segment:  # noqa: N802
+    return ("video", ((t, h, w), seconds))
+
+
+def check_mixed(layout: Sequence[Segment], tokens_per_second: float | None) -> None:
+    ids: list[int] = []
+    types: list[int] = []
+    images: list[Grid] = []
+    videos: list[Grid] = []
+    seconds: list[float] = []
+    for kind, value in layout:
+        if kind == "text":
+            assert isinstance(value, list)
+            ids += value
+            types += [0] * len(value)
+            continue
+        assert not types or types[-1] != (1 if kind == "image" else 2), "same kinds touch"
+        grid, secs = (value, 1.0) if kind == "image" else value  # type: ignore[misc]
+        n = num_image_tokens(grid, MERGE)  # type: ignore[arg-type]
+        ids += [IMG if kind == "image" else VID] * n
+        types += [1 if kind == "image" else 2] * n
+        (images if kind == "image" else videos).append(grid)  # type: ignore[arg-type]
+        if kind == "video":
+            seconds.append(secs)  # type: ignore[arg-type]
+    ours, delta = rope_index(ids, images, IMG, MERGE, video_grids=videos, video_token_id=VID,
+                             video_seconds=seconds, tokens_per_second=tokens_per_second)
+    kwargs: dict[str, torch.Tensor] = {}
+    if images:
+        kwargs["image_grid_thw"] = torch.tensor(images)
+    if videos:
+        kwargs["video_grid_thw"] = torch.tensor(videos)
+        if tokens_per_second is not None:
+            kwargs["second_per_grid_ts"] = torch.tensor(seconds, dtype=torch.float32)
+    want, want_delta = hf_rope_oracle(tokens_per_second).get_rope_index(
+        torch.tensor([ids]), torch.tensor([types]), **kwargs)
+    assert torch.equal(ours, want[:, 0]), f"positions differ for layout {layout}"
+    assert delta == int(want_delta.reshape(-1)[0])
+
+
+MIXED: dict[str, list[Segment]] = {
+    "one_video_t2": [T(3), ("text", [VS]), V(2, 4, 4, 0.5), ("text", [VE]), T(5, 1)],
+    "one_video_t3_long_temporal": [T(2), ("text", [VS]), V(3, 2, 2, 1.3), ("text", [VE]), T(4)],
+    "image_video_image": [
+        T(2), ("text", [VS]), I(1, 4, 6), ("text", [VE, VS]), V(3, 4, 4, 2 / 3),
+        ("text", [VE, VS]), I(1, 2, 8), ("text", [VE]), T(3, 1)],
+    "video_then_image_touching": [V(2, 2, 6, 0.7), I(1, 4, 4), T(3)],
+    "two_videos": [V(2, 4, 2, 0.25), ("text", [VE, VS]), V(3, 2, 2, 1.75), T(2, 2)],
+    "video_at_end": [T(4), ("text", [VS]), V(4, 2, 4, 0.1)],
+}
+
+
+@pytest.mark.parametrize("tokens_per_second", [None, 2.0, 25.0], ids=["qwen2", "tps2", "tps25"])
+@pytest.mark.parametrize("name", list(MIXED))
+def test_video_layouts_match_transformers(name: str, tokens_per_second: float | None) -> None:
+    check_mixed(MIXED[name], tokens_per_second)
+
+
+def test_qwen2_video_temporal_positions_step_by_one_and_text_continues_at_max_hw() -> None:
+    """A t=3 video of merged 1x1 frames at p=1: temporal 1, 2, 3; the text after it continues
+    at p + max(h, w) = 2, inside the video's temporal range (transformers' rule)."""
+    ids = [5, VID, VID, VID, 6]
+    pos, delta = rope_index(ids, [], IMG, MERGE, video_grids=[(3, 2, 2)], video_token_id=VID)
+    assert pos.tolist() == [[0, 1, 2, 3, 2], [0, 1, 1, 1, 2], [0, 1, 1, 1, 2]]
+    assert delta == 4 - 5
+
+
+media = st.one_of(
+    st.none(),
+    st.tuples(st.just("image"), st.integers(1, 2), st.integers(1, 4), st.integers(1, 4)),
+    st.tuples(st.just("video"), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+              st.floats(0.0625, 4.0, width=32)),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    segments=st.lists(st.tuples(st.integers(0, 8), media), min_size=1, max_size=5),
+    tokens_per_second=st.sampled_from([None, 1.0, 2.0, 4.0, 25.0, 2.5]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_video_layouts_match_transformers(
+    segments: list[tuple[int, tuple[object, ...] | None]],
+    tokens_per_second: float | None,
+    seed: int,
+) -> None:
+    """Random text runs with images (t in 1..2) and videos (t in 1..4, fractional seconds per
+    grid) between them, for Qwen2-VL and Qwen2.5-VL."""
+    layout: list[Segment] = []
+    last = ""
+    for i, (n, item) in enumerate(segments):
+        if n:
+            layout.append(T(n, seed + i))
+            last = "text"
+        if item is None:
+            continue
+        if item[0] == last:  # transformers would read two touching blocks of a kind as one
+            layout.append(SEP)
+        grid = (int(item[1]), 2 * int(item[2]), 2 * int(item[3]))  # type: ignore[call-overload]
+        if item[0] == "image":
+            layout.append(("image", grid))
+        else:
+            layout.append(("video", (grid, float(item[4]))))  # type: ignore[arg-type]
+        last = str(item[0])
+    if not layout:
+        return  # an empty prompt has no rope index
+    check_mixed(layout, tokens_per_second)
+
+
+VIDEO_MISMATCHES: dict[str, tuple[list[int], list[Grid], list[Grid], str]] = {
+    "video_tokens_but_no_videos": ([1, VID, 2], [], [], "video tokens"),
+    "videos_but_no_video_tokens": ([1, IMG, 2], [(1, 2, 2)], [(2, 2, 2)], "videos"),
+    "video_run_shorter_than_grid": ([1, VID, VID, 2], [], [(3, 2, 2)], "video tokens"),
+    "image_grid_for_video_tokens": ([1, *[VID] * 4], [(1, 4, 4)], [], "video tokens"),
+    "video_run_interrupted_by_image": ([VID, IMG, VID], [(1, 2, 2)], [(2, 2, 2)], "video"),
+}
+
+
+@pytest.mark.parametrize("name", list(VIDEO_MISMATCHES))
+def test_video_mismatches_raise_invalid_request(name: str) -> None:
+    ids, images, videos, word = VIDEO_MISMATCHES[name]
+    with pytest.raises(InvalidRequestError, match=word):
+        rope_index(ids, images, IMG, MERGE, video_grids=videos, video_token_id=VID)
+
+
+def test_seconds_must_match_the_videos() -> None:
+    with pytest.raises(InvalidRequestError, match="seconds"):
+        rope_index([VID], [], IMG, MERGE, video_grids=[(1, 2, 2)], video_token_id=VID,
+                   video_seconds=[1.0, 2.0], tokens_per_second=2.0)
