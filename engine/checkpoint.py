@@ -1,4 +1,4 @@
-"""Loading and saving Qwen2-VL checkpoints in the Hugging Face safetensors layout.
+"""Loading and saving Qwen2-VL and Qwen2.5-VL checkpoints in the Hugging Face safetensors layout.
 
 Accepts one ``model.safetensors``, a sharded set listed in ``model.safetensors.index.json``, and
 both naming schemes (``model.layers.*`` / ``visual.*`` as published, and
@@ -108,7 +108,8 @@ def load_model(
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
         raise CheckpointError(
-            f"{path}: weights do not match config.json: missing {missing[:8]}"
+            f"{path}: weights do not match config.json (model_type {cfg.model_type}): "
+            f"missing {missing[:8]}"
             f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
         )
     try:

@@ -1,9 +1,11 @@
-"""Configs: the model's, read from a Hugging Face ``config.json`` of ``model_type`` ``qwen2_vl``,
-and the engine's runtime settings (:class:`EngineConfig`).
+"""Configs: the model's, read from a Hugging Face ``config.json`` of ``model_type`` ``qwen2_vl``
+or ``qwen2_5_vl``, and the engine's runtime settings (:class:`EngineConfig`).
 
 Both layouts are accepted: the nested one transformers 5 writes (``text_config`` /
-``vision_config`` with ``rope_parameters``) and the flat one of the published Qwen2-VL
-checkpoints (text fields at the top level, ``rope_scaling`` with ``mrope_section``).
+``vision_config`` with ``rope_parameters``) and the flat one of the published Qwen2-VL and
+Qwen2.5-VL checkpoints (text fields at the top level, ``rope_scaling`` with ``mrope_section``).
+The two architectures share the decoder; their ``vision_config`` fields differ (see
+:func:`_vision_config`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from engine.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl",)
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,15 @@ class TextConfig:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """The vision tower's shape."""
+    """The vision tower's shape. The fields after ``tokens_per_second`` are Qwen2.5-VL's and keep
+    their defaults for Qwen2-VL."""
 
     depth: int
-    embed_dim: int
-    hidden_size: int  # output width of the patch merger (== text hidden size)
+    embed_dim: int  # width of the blocks (Qwen2.5-VL's vision ``hidden_size``)
+    hidden_size: int  # output width of the patch merger (== text hidden size; Qwen2.5-VL's
+    # ``out_hidden_size``)
     num_heads: int
-    mlp_ratio: float
+    mlp_ratio: float  # Qwen2-VL's MLP width over embed_dim (unused by Qwen2.5-VL)
     in_channels: int
     patch_size: int
     spatial_merge_size: int
@@ -57,6 +61,20 @@ class VisionConfig:
     # Qwen2.5-VL: temporal rope positions per second of video (a video's temporal grid step
     # advances tokens_per_second * second_per_grid positions); None for Qwen2-VL (one per step)
     tokens_per_second: float | None = None
+    # Qwen2.5-VL: width of the gated MLP of each block
+    intermediate_size: int | None = None
+    # Qwen2.5-VL: side of an attention window in pixels; a window holds
+    # (window_size // (patch_size * spatial_merge_size))**2 merged patches of one frame
+    window_size: int | None = None
+    # Qwen2.5-VL: the blocks that attend over whole frames; every other block is windowed
+    fullatt_block_indexes: tuple[int, ...] = ()
+
+    @property
+    def window_merged(self) -> int:
+        """Side of a Qwen2.5-VL attention window in merged patches (0 for Qwen2-VL)."""
+        if self.window_size is None:
+            return 0
+        return self.window_size // (self.patch_size * self.spatial_merge_size)
 
     @property
     def head_dim(self) -> int:
@@ -70,7 +88,8 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything the engine needs to know about a Qwen2-VL-architecture checkpoint."""
+    """Everything the engine needs to know about a Qwen2-VL-architecture checkpoint
+    (``model_type`` ``qwen2_vl`` or ``qwen2_5_vl``)."""
 
     text: TextConfig
     vision: VisionConfig
@@ -103,7 +122,7 @@ class ModelConfig:
         try:
             text_raw = dict(raw.get("text_config") or raw)
             text = text_config_from_dict(text_raw)
-            vision = _vision_config(raw["vision_config"], text.hidden_size)
+            vision = _vision_config(raw["vision_config"], text.hidden_size, model_type)
             eos = _as_ids(text_raw.get("eos_token_id", raw.get("eos_token_id")))
             tie = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
             cfg = cls(
@@ -115,6 +134,7 @@ class ModelConfig:
                 vision_end_token_id=int(raw.get("vision_end_token_id", 151653)),
                 eos_token_ids=tuple(dict.fromkeys((*eos, *extra_eos))),
                 tie_word_embeddings=tie,
+                model_type=model_type,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"config.json is missing or has a bad field: {exc!r}") from exc
@@ -144,7 +164,12 @@ def text_config_from_dict(t: dict[str, Any]) -> TextConfig:
     )
 
 
-def _vision_config(v: dict[str, Any], text_hidden: int) -> VisionConfig:
+def _vision_config(v: dict[str, Any], text_hidden: int, model_type: str) -> VisionConfig:
+    """Qwen2-VL names the block width ``embed_dim`` and the merger's output ``hidden_size``;
+    Qwen2.5-VL names them ``hidden_size`` and ``out_hidden_size``. Missing optional fields take
+    transformers' defaults."""
+    if model_type == "qwen2_5_vl":
+        return _vision_config_2_5(v, text_hidden)
     rope = dict(v.get("rope_parameters") or {})
     return VisionConfig(
         depth=int(v["depth"]),
@@ -158,6 +183,30 @@ def _vision_config(v: dict[str, Any], text_hidden: int) -> VisionConfig:
         temporal_patch_size=int(v.get("temporal_patch_size", 2)),
         hidden_act=str(v.get("hidden_act", "quick_gelu")),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+
+
+def _vision_config_2_5(v: dict[str, Any], text_hidden: int) -> VisionConfig:
+    rope = dict(v.get("rope_parameters") or {})
+    full = v.get("fullatt_block_indexes", (7, 15, 23, 31))
+    if not isinstance(full, (list, tuple)):
+        raise ValueError(f"fullatt_block_indexes must be a list of ints, got {full!r}")
+    return VisionConfig(
+        depth=int(v["depth"]),
+        embed_dim=int(v["hidden_size"]),
+        hidden_size=int(v.get("out_hidden_size", text_hidden)),
+        num_heads=int(v["num_heads"]),
+        mlp_ratio=0.0,
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        patch_size=int(v.get("patch_size", 14)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        hidden_act=str(v.get("hidden_act", "silu")),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        tokens_per_second=float(v.get("tokens_per_second", 4)),
+        intermediate_size=int(v["intermediate_size"]),
+        window_size=int(v.get("window_size", 112)),
+        fullatt_block_indexes=tuple(int(i) for i in full),
     )
 
 
@@ -202,7 +251,29 @@ def _validate(cfg: ModelConfig) -> None:
     if v.embed_dim % v.num_heads or v.head_dim % 4:
         raise ConfigError("vision embed_dim/num_heads must be a multiple of 4")
     if v.hidden_size != t.hidden_size:
-        raise ConfigError("vision_config.hidden_size must equal the text hidden_size")
+        out = "out_hidden_size" if cfg.model_type == "qwen2_5_vl" else "hidden_size"
+        raise ConfigError(f"vision_config.{out} ({v.hidden_size}) must equal the text "
+                          f"hidden_size ({t.hidden_size})")
+    if cfg.model_type == "qwen2_5_vl":
+        _validate_vision_2_5(v)
+
+
+def _validate_vision_2_5(v: VisionConfig) -> None:
+    if v.intermediate_size is None or v.intermediate_size <= 0:
+        raise ConfigError(f"vision_config.intermediate_size must be positive, got "
+                          f"{v.intermediate_size}")
+    if v.window_merged < 1:
+        raise ConfigError(
+            f"vision_config.window_size ({v.window_size}) must be at least patch_size * "
+            f"spatial_merge_size = {v.patch_size * v.spatial_merge_size} pixels"
+        )
+    bad = [i for i in v.fullatt_block_indexes if not 0 <= i < v.depth]
+    if bad:
+        raise ConfigError(f"vision_config.fullatt_block_indexes {list(bad)} are not blocks of a "
+                          f"tower of depth {v.depth}")
+    if v.tokens_per_second is None or v.tokens_per_second <= 0:
+        raise ConfigError(f"vision_config.tokens_per_second must be positive, got "
+                          f"{v.tokens_per_second}")
 
 
 @dataclass(frozen=True)

@@ -70,3 +70,51 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+# ---------------------------------------------------------------- Qwen2.5-VL (helper QWEN25)
+# windows of 56 px = 2x2 merged patches (4x4 patches), so a (1, 8, 12) grid splits into 6
+# windows and a (1, 6, 10) one into uneven ones; block 1 attends over whole frames, block 0 and
+# block 2 over windows
+HF25_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "out_hidden_size": 64,
+    "intermediate_size": 48,
+    "num_heads": 4,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 56,
+    "fullatt_block_indexes": [1],
+    "tokens_per_second": 2,
+}
+
+
+def write_hf_qwen2_5_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A random tiny Qwen2.5-VL checkpoint written by transformers' own ``save_pretrained``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    cfg = Qwen2_5_VLConfig(text_config=dict(HF_TEXT), vision_config=dict(HF25_VISION),
+                           **HF_SPECIAL)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_qwen2_5_checkpoint(tmp_path_factory.mktemp("hf25") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def hf25_model(hf25_dir: Path):  # noqa: ANN201 - transformers model
+    """transformers' model of :func:`hf25_dir`: the oracle of the Qwen2.5-VL tests."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(hf25_dir).eval()

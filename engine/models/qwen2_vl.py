@@ -1,4 +1,5 @@
-"""The Qwen2-VL decoder and the full conditional-generation model, over flat token batches.
+"""The Qwen2-VL decoder and the full conditional-generation model (Qwen2-VL and Qwen2.5-VL),
+over flat token batches.
 
 Tokens of all sequences in a forward are concatenated into one ``[T, hidden]`` tensor; attention
 metadata (which tokens belong to which sequence, where their K/V live) comes from the attention
@@ -18,6 +19,7 @@ from engine.attention import AttentionBackend
 from engine.config import ModelConfig, TextConfig
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
 from engine.models.vision import Grid, VisionTower
+from engine.models.vision_qwen2_5 import Qwen25VisionTower
 
 
 class Attention(nn.Module):
@@ -109,14 +111,19 @@ class TextModel(nn.Module):
 
 
 class Qwen2VLModel(nn.Module):
-    """Vision tower + decoder + LM head. Stateless: the KV lives in the attention backend's pool."""
+    """Vision tower + decoder + LM head. Stateless: the KV lives in the attention backend's pool.
+
+    Qwen2-VL and Qwen2.5-VL share the decoder; ``cfg.model_type`` picks the vision tower."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         t = cfg.text
         self.model = TextModel(t)
-        self.visual = VisionTower(cfg.vision)
+        self.visual: VisionTower | Qwen25VisionTower = (
+            Qwen25VisionTower(cfg.vision) if cfg.model_type == "qwen2_5_vl"
+            else VisionTower(cfg.vision)
+        )
         self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

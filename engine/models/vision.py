@@ -117,19 +117,23 @@ class VisionTower(nn.Module):
         return self.merger(x)
 
     def _rotary(self, grids: Sequence[Grid]) -> RotaryTables:
-        """2-D rotary tables from the (row, col) of each patch, in merge-block order, computed
-        on the weights' device."""
-        m = self.cfg.spatial_merge_size
+        """2-D rotary tables of the patches, computed on the weights' device."""
         dev = self.patch_embed.proj.weight.device
-        rows = []
-        for t, h, w in grids:
-            hpos = torch.arange(h, device=dev).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
-            wpos = torch.arange(w, device=dev).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
-            hw = torch.stack(
-                [hpos.transpose(1, 2).flatten(), wpos.transpose(1, 2).flatten()], dim=-1
-            )
-            rows.append(hw.repeat(t, 1))
-        pos = torch.cat(rows).float()  # [N, 2]
-        freqs = (pos.unsqueeze(-1) * self.inv_freq.on(dev)).flatten(1)  # [N, D/2]: h, then w
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = rotary_angles(grids, self.cfg.spatial_merge_size, self.inv_freq.on(dev))
         return RotaryTables(emb.cos(), emb.sin())
+
+
+def rotary_angles(grids: Sequence[Grid], merge: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The 2-D rotary angles ``[N, D]`` of every patch, in merge-block order, on the device of
+    ``inv_freq`` ``[D/4]``: the (row, col) of each patch times the frequencies, laid out
+    ``[row freqs, col freqs]`` twice (shared by the Qwen2-VL and Qwen2.5-VL towers)."""
+    m, dev = merge, inv_freq.device
+    rows = []
+    for t, h, w in grids:
+        hpos = torch.arange(h, device=dev).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
+        wpos = torch.arange(w, device=dev).view(1, 1, w // m, m).expand(h // m, m, w // m, m)
+        hw = torch.stack([hpos.transpose(1, 2).flatten(), wpos.transpose(1, 2).flatten()], dim=-1)
+        rows.append(hw.repeat(t, 1))
+    pos = torch.cat(rows).float()  # [N, 2]
+    freqs = (pos.unsqueeze(-1) * inv_freq).flatten(1)  # [N, D/2]: h, then w
+    return torch.cat((freqs, freqs), dim=-1)
