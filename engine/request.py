@@ -17,14 +17,29 @@ from engine.errors import InvalidRequestError
 MAX_TEMPERATURE = 100.0
 MAX_NEW_TOKENS_LIMIT = 1_000_000
 MAX_SEED = 2**63 - 1
+MAX_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| at most this (OpenAI's range)
+MAX_STOP_STRINGS = 16
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy (argmax); ``top_k == 0`` and ``top_p == 1`` switch those
-    filters off. ``seed`` makes a request's samples reproducible and independent of its batch.
+    A step's logits go through, in this order:
+
+    1. penalties, on the raw logits: ``repetition_penalty`` ``r`` (> 0, 1 = off) over every
+       token seen so far (prompt and output): a positive logit is divided by ``r``, a negative
+       one multiplied by it; then ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p``
+       (each in [-2, 2], 0 = off) over output tokens only:
+       ``logit -= f * count + p * (count > 0)``;
+    2. ``temperature`` (0 = greedy: the argmax of the penalized logits, no filter applies);
+    3. ``top_k`` (0 = off), then ``top_p`` (1 = off) on what top-k kept, then ``min_p``
+       (0 = off): keep the tokens whose probability is at least ``min_p`` times the most
+       likely token's.
+
+    ``stop`` strings end the text right before the first occurrence of any of them (the router
+    cuts the text; workers carry them unread). ``seed`` makes a request's samples reproducible
+    and independent of its batch.
     """
 
     temperature: float = 0.0
@@ -35,10 +50,21 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     logprobs: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any penalty changes the logits (each needs the token history)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequestError` naming the first bad value, if any."""
@@ -47,6 +73,11 @@ class SamplingParams:
         _check_int("top_k", self.top_k, 0, None)
         _check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS_LIMIT)
         _check_stop_ids(self.stop_token_ids, vocab_size)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        _check_repetition_penalty(self.repetition_penalty)
+        _check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_stops(self.stop)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
 
@@ -65,6 +96,25 @@ def _check_temperature(t: float) -> None:
 def _check_top_p(p: float) -> None:
     if not _is_real(p) or math.isnan(p) or not 0.0 < p <= 1.0:
         raise InvalidRequestError(f"top_p must be a number in (0, 1], got {p!r}")
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not _is_real(value) or math.isnan(value) or not lo <= value <= hi:
+        raise InvalidRequestError(f"{name} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+
+
+def _check_repetition_penalty(r: float) -> None:
+    if not _is_real(r) or not math.isfinite(r) or r <= 0.0:
+        raise InvalidRequestError(
+            f"repetition_penalty must be a finite number above 0 (1 = off), got {r!r}")
+
+
+def _check_stops(stops: tuple[str, ...]) -> None:
+    if not isinstance(stops, tuple) or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidRequestError(f"stop must be a tuple of non-empty strings, got {stops!r}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise InvalidRequestError(
+            f"{len(stops)} stop strings is more than the limit of {MAX_STOP_STRINGS}")
 
 
 def _check_int(name: str, value: int, lo: int, hi: int | None) -> None:
@@ -90,7 +140,7 @@ def _check_stop_ids(ids: tuple[int, ...], vocab_size: int | None) -> None:
 class FinishReason(str, enum.Enum):
     """Why a request stopped producing tokens."""
 
-    STOP = "stop"  # a stop or EOS token was sampled (it is kept in the output)
+    STOP = "stop"  # a stop or EOS token was sampled (it is kept in the output), or a stop string
     LENGTH = "length"  # max_new_tokens reached
     ABORT = "abort"  # cancelled, or failed by the server
 
@@ -109,7 +159,8 @@ class Request:
         at admission, taken back when it finishes or is aborted), -1 otherwise.
 
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
-    Requests compare by identity.
+    ``history`` is the token history of a request with penalties (``engine.penalties`` makes it
+    on first use). Requests compare by identity.
     """
 
     request_id: str
@@ -122,6 +173,7 @@ class Request:
     finish_reason: FinishReason | None = None
     payload: object | None = None
     batch_row: int = -1
+    history: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

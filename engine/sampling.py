@@ -1,7 +1,12 @@
-"""Token sampling: greedy, temperature, top-k and top-p, with per-request generators.
+"""Token sampling: greedy, temperature, top-k, top-p and min-p, with per-request generators.
 
-The returned log-probability of each chosen token is always under the model's own distribution
-(``log_softmax`` of the raw logits at temperature 1), whatever filters picked it. Rows with a
+Tokens are chosen from ``scores``: the raw logits with the request's penalties applied
+(:mod:`engine.penalties`; the raw logits themselves when there are none). Greedy rows take the
+argmax of the scores; other rows divide them by the temperature and apply top-k, then top-p, then
+min-p (the order and rules of :class:`engine.request.SamplingParams`). The returned
+log-probability of each chosen token is always under the model's own distribution
+(``log_softmax`` of the raw logits at temperature 1), whatever penalties or filters picked it:
+it is what the model thinks of the text, comparable across requests and settings. Rows with a
 generator are sampled one by one with that generator, so a seeded request's token depends only on
 its own logits and seed, never on the rest of the batch; rows without one share a single
 ``torch.multinomial`` call on the global RNG.
@@ -42,6 +47,7 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        scores: torch.Tensor | None = None,
     ) -> tuple[list[int], list[float]]:
         """Sample one token per row.
 
@@ -49,8 +55,9 @@ class Sampler:
             logits: ``[n, V]`` raw logits (float32 preferred; other dtypes are upcast).
             params: one :class:`SamplingParams` per row.
             generators: one generator (or None for the global RNG) per row.
+            scores: ``[n, V]`` the penalized logits tokens are chosen from (default: ``logits``).
         Returns:
-            ``(token_ids, logprobs)``, each of length ``n``.
+            ``(token_ids, logprobs)``, each of length ``n``; logprobs are of the raw logits.
         """
         n = logits.shape[0]
         if len(params) != n or len(generators) != n:
@@ -58,16 +65,17 @@ class Sampler:
         if n == 0:
             return [], []
         logits = logits.float()
+        scores = logits if scores is None else scores.float()
         logprobs = torch.log_softmax(logits, dim=-1)  # [n, V]
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         picked: Picked = None
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=logits.device)
-            picked = idx, self._sample_rows(logits[idx], [params[i] for i in sampled_rows],
+            picked = idx, self._sample_rows(scores[idx], [params[i] for i in sampled_rows],
                                             [generators[i] for i in sampled_rows])
         if logits.device.type == "cpu":
-            return _pick_on_host(logits, logprobs, picked)
-        return _pick_on_device(logits, logprobs, picked)
+            return _pick_on_host(scores, logprobs, picked)
+        return _pick_on_device(scores, logprobs, picked)
 
     def _sample_rows(
         self,
@@ -75,11 +83,12 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
-        """Temperature, top-k, top-p, then multinomial: ``logits [m, V]`` -> tokens ``[m]``."""
+        """Temperature, top-k, top-p, min-p, then multinomial: ``logits [m, V]`` -> tokens
+        ``[m]``."""
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device)
         scaled = logits / temps.unsqueeze(1)  # [m, V]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        if any(_filters(p) for p in params):
             probs, order = _filtered_sorted_probs(scaled, params)  # [m, V] each, sorted desc
         else:
             probs, order = torch.softmax(scaled, dim=-1), None
@@ -90,23 +99,30 @@ class Sampler:
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution each row is sampled from (temperature, top-k, top-p applied),
-    normalised, in vocabulary order: ``logits [m, V]`` -> ``[m, V]``. Rows must not be greedy."""
+    """The distribution each row is sampled from (temperature, top-k, top-p, min-p applied to
+    ``logits``, penalized already if the request has penalties), normalised, in vocabulary order:
+    ``logits [m, V]`` -> ``[m, V]``. Rows must not be greedy."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
     scaled = logits.float() / temps.unsqueeze(1)
-    if not any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+    if not any(_filters(p) for p in params):
         return torch.softmax(scaled, dim=-1)
     sorted_probs, order = _filtered_sorted_probs(scaled, params)
     probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def _filters(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
 def _filtered_sorted_probs(
     scaled: torch.Tensor, params: list[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort rows descending and keep top-k, then the smallest top-p nucleus (always >= 1 token).
+    """Sort rows descending and keep top-k, then the smallest top-p nucleus, then the tokens with
+    at least ``min_p`` times the top probability (always >= 1 token).
 
-    Returns probabilities over the sorted order and the permutation (``[m, V]`` each).
+    Returns probabilities over the sorted order (not renormalised) and the permutation
+    (``[m, V]`` each).
     """
     m, vocab = scaled.shape
     device = scaled.device
@@ -118,6 +134,8 @@ def _filtered_sorted_probs(
     top_ps = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)  # [m, 1]
     mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
     drop = (mass_before >= top_ps) & (top_ps < 1.0)
+    min_ps = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)  # [m, 1]
+    drop |= probs < min_ps * probs[:, :1]  # ratios survive the top-k/top-p renormalisation
     drop[:, 0] = False
     probs = probs.masked_fill(drop, 0.0)
     return probs, order

@@ -12,6 +12,10 @@ with ``--auth-token-file`` every ``/v1/*`` call must carry ``Authorization: Bear
 (compared in constant time; 401 otherwise), as on the gRPC door; ``/health`` and ``/metrics``
 stay open, like gRPC health and the metrics port.
 
+A request with ``n > 1`` runs ``n`` generations concurrently (ids ``<id>-<i>``, seed ``seed + i``
+when seeded) and answers with ``n`` choices; usage counts the prompt once and sums the
+completions. Stop strings travel in the request and are cut by the router's relay.
+
 Streams use server-sent events (``data: {...}`` chunks, then ``data: [DONE]``). The first message
 is awaited before the response starts, so refusals (400, 429, ...) keep their HTTP status; a
 failure later in a stream is sent as a ``data: {"error": ...}`` event. A client that goes away
@@ -20,6 +24,7 @@ cancels its request (the handler is cancelled and the generator closed).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import ssl
@@ -38,7 +43,6 @@ from router.openai_request import BadRequest, OpenAICall, chat_call, completion_
 from router.openai_response import (
     Chunks,
     Outcome,
-    StopMatcher,
     door_error_body,
     error_body,
     error_reply,
@@ -46,6 +50,7 @@ from router.openai_response import (
 from router.service import GenerationService
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Piece = tuple[int, str | None]  # (choice index, text; None: that choice ended)
 
 MAX_BODY_BYTES = 64 << 20
 
@@ -130,70 +135,116 @@ class HttpDoor:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await _json(request)
-            return await self._run(request, chat_call(body, _request_id(request, "chatcmpl")))
+            call = chat_call(body, _request_id(request, "chatcmpl"),
+                             self.service.assets.chat_template)
+            return await self._run(request, call)
         except (BadRequest, DoorError) as exc:
             return error_response(exc)
 
     # ---- generation --------------------------------------------------------------------------
 
     async def _run(self, request: web.Request, call: OpenAICall) -> web.StreamResponse:
-        stops = StopMatcher(call.stops)
-        out = Outcome()
+        reqs = self._completions(call)
+        outs = [Outcome() for _ in reqs]
         chunk = Chunks(call.request.request_id, self.model_name, call.chat)
-        async with aclosing(self._texts(call.request, stops, out)) as texts:
-            first = await anext(texts, None)  # refusals raise here, before any byte is sent
+        async with aclosing(self._pieces(reqs, outs)) as pieces:
+            first = await anext(pieces, None)  # refusals raise here, before any byte is sent
             if not call.stream:
                 if first is not None:
-                    out.text.append(first)
-                    out.text.extend([t async for t in texts])
-                return web.json_response(chunk.whole("".join(out.text), out))
+                    async for _ in pieces:
+                        pass
+                return web.json_response(chunk.whole(["".join(o.text) for o in outs], outs))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(request)
             if call.chat:
-                await _send(resp, chunk.delta({"role": "assistant", "content": ""}, None))
+                for index in range(len(reqs)):
+                    await _send(resp, chunk.delta({"role": "assistant", "content": ""}, None,
+                                                  index))
             try:
                 if first is not None:
-                    await _send(resp, chunk.piece(first))
-                async for text in texts:
-                    await _send(resp, chunk.piece(text))
-                await _send(resp, chunk.piece("", out.finish_reason))
+                    await _send(resp, _piece(chunk, first, outs))
+                async for piece in pieces:
+                    await _send(resp, _piece(chunk, piece, outs))
                 if call.include_usage:
-                    await _send(resp, chunk.usage(out))
+                    await _send(resp, chunk.usage(outs))
             except DoorError as exc:
                 await _send(resp, door_error_body(exc)[1])
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
 
-    async def _texts(self, req: gpb.GenerateRequest, stops: StopMatcher,
-                     out: Outcome) -> AsyncGenerator[str, None]:
-        """Non-empty text pieces of the generation; fills ``out`` (usage, finish reason)."""
+    def _completions(self, call: OpenAICall) -> list[gpb.GenerateRequest]:
+        """The ``n`` generation requests of a call: ids ``<id>-<i>`` when ``n > 1``, seed
+        ``seed + i`` when seeded; OpenAI's temperature 1 when neither the body nor the
+        checkpoint's generation_config.json sets one."""
+        base = call.request
+        if not base.sampling.HasField("temperature") \
+                and self.service.assets.generation.temperature is None:
+            base.sampling.temperature = 1.0
+        if call.n == 1:
+            return [base]
+        reqs = []
+        for i in range(call.n):
+            req = gpb.GenerateRequest()
+            req.CopyFrom(base)
+            req.request_id = f"{base.request_id}-{i}"
+            if base.sampling.HasField("seed"):
+                req.sampling.seed = (base.sampling.seed + i) % (1 << 64)
+            reqs.append(req)
+        return reqs
+
+    async def _pieces(self, reqs: list[gpb.GenerateRequest],
+                      outs: list[Outcome]) -> AsyncGenerator[Piece, None]:
+        """``(index, text)`` pieces of the generations, run concurrently, in arrival order;
+        ``(index, None)`` when generation ``index`` ended (its ``outs`` entry is complete). The
+        first failure of any raises here; closing this generator cancels every generation."""
+        queue: asyncio.Queue[Piece | Exception] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            try:
+                async with aclosing(self._texts(reqs[index], outs[index])) as texts:
+                    async for text in texts:
+                        queue.put_nowait((index, text))
+                queue.put_nowait((index, None))
+            except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(run(i)) for i in range(len(reqs))]
+        try:
+            left = len(reqs)
+            while left:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                left -= item[1] is None
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _texts(self, req: gpb.GenerateRequest, out: Outcome) -> AsyncGenerator[str, None]:
+        """Non-empty text pieces of one generation (stop strings already cut by the relay);
+        fills ``out`` (text, usage, finish reason)."""
         async with aclosing(self.service.generate(req)) as msgs:
             async for msg in msgs:
                 out.completion_tokens += len(msg.token_ids)
-                text = stops.feed(msg.text)
-                if stops.hit:  # cut here; closing the generator cancels the request
-                    out.finish_reason = "stop"
-                    out.prompt_tokens = self._prompt_tokens(req)
-                    if text:
-                        yield text
-                    return
                 if msg.finished:
-                    text += stops.flush()
                     out.finish_reason = msg.finish_reason or "stop"
                     out.prompt_tokens = msg.usage.prompt_tokens
                     out.completion_tokens = msg.usage.completion_tokens or out.completion_tokens
-                if text:
-                    yield text
+                if msg.text:
+                    out.text.append(msg.text)
+                    yield msg.text
 
-    def _prompt_tokens(self, req: gpb.GenerateRequest) -> int:
-        """Prompt length for a request cut by a stop string (its final usage never comes);
-        image placeholders count as written, not expanded."""
-        if req.WhichOneof("input") == "token_ids":
-            return len(req.token_ids.ids)
-        tok = self.service.assets.tokenizer
-        return len(tok.encode(req.text)) if tok is not None else 0
+
+def _piece(chunk: Chunks, piece: Piece, outs: list[Outcome]) -> dict[str, Any]:
+    """The stream chunk of one piece: its text, or the finish of its choice."""
+    index, text = piece
+    if text is None:
+        return chunk.piece("", outs[index].finish_reason, index)
+    return chunk.piece(text, None, index)
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
 """Generation results -> OpenAI response bodies: the HTTP door's output conversion.
 
-Whole responses, stream chunks and the final usage chunk (:class:`Chunks`), stop strings cut out
-of streamed text (:class:`StopMatcher`), and errors as an HTTP status with an OpenAI-style error
-body (:func:`error_reply`). Plain JSON-ready dicts; the door does the HTTP.
+Whole responses, stream chunks and the final usage chunk (:class:`Chunks`, one choice per
+completion of an ``n`` request), and errors as an HTTP status with an OpenAI-style error body
+(:func:`error_reply`). Plain JSON-ready dicts; the door does the HTTP. Stop strings are cut by the
+router's relay, for both doors.
 """
 
 from __future__ import annotations
@@ -60,32 +61,6 @@ def error_reply(exc: Exception) -> tuple[int, dict[str, Any], dict[str, str]]:
     return status, body, headers
 
 
-class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back what could start one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.buf = ""
-        self.hit = False
-
-    def feed(self, text: str) -> str:
-        """The text that is safe to emit now; sets ``hit`` (and drops the rest) at a stop."""
-        self.buf += text
-        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
-        if found:
-            out, self.buf, self.hit = self.buf[:min(found)], "", True
-            return out
-        keep = min(self.hold, len(self.buf))
-        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-        return out
-
-    def flush(self) -> str:
-        """What was held back, at the end of the generation."""
-        out, self.buf = self.buf, ""
-        return out
-
-
 @dataclass
 class Outcome:
     """What one generation produced, kept while it streams."""
@@ -100,8 +75,18 @@ class Outcome:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
+def total_usage(outs: list[Outcome]) -> dict[str, int]:
+    """The usage of all completions of one request: the prompt counted once (every completion
+    has the same one), completion tokens summed (as OpenAI and vLLM count ``n``)."""
+    prompt = max((o.prompt_tokens for o in outs), default=0)
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
 class Chunks:
-    """OpenAI response objects of one request (``chat.completion`` or ``text_completion``)."""
+    """OpenAI response objects of one request (``chat.completion`` or ``text_completion``);
+    ``index`` names the choice (the completion of an ``n`` request)."""
 
     def __init__(self, request_id: str, model: str, chat: bool) -> None:
         self.id = request_id
@@ -115,29 +100,36 @@ class Chunks:
             kind += suffix
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, out: Outcome) -> dict[str, Any]:
-        """The non-streaming response."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason,
-                                  "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._base(""), "choices": [choice], "usage": out.usage()}
+    def whole(self, texts: list[str], outs: list[Outcome]) -> dict[str, Any]:
+        """The non-streaming response: one choice per completion."""
+        choices = []
+        for index, (text, out) in enumerate(zip(texts, outs, strict=True)):
+            choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason,
+                                      "logprobs": None}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._base(""), "choices": choices, "usage": total_usage(outs)}
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def delta(self, delta: dict[str, Any], finish_reason: str | None,
+              index: int = 0) -> dict[str, Any]:
         """A chat stream chunk carrying ``delta``."""
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
+                  "logprobs": None}
         return {**self._base(".chunk"), "choices": [choice]}
 
-    def piece(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    def piece(self, text: str, finish_reason: str | None = None,
+              index: int = 0) -> dict[str, Any]:
         """A stream chunk of text (the last one, with ``finish_reason``, may be empty)."""
         if self.chat:
             return self.delta({"content": text} if text or not finish_reason else {},
-                              finish_reason)
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+                              finish_reason, index)
+        choice = {"index": index, "text": text, "finish_reason": finish_reason,
+                  "logprobs": None}
         return {**self._base(".chunk"), "choices": [choice]}
 
-    def usage(self, out: Outcome) -> dict[str, Any]:
+    def usage(self, outs: list[Outcome]) -> dict[str, Any]:
         """The ``include_usage`` chunk that ends a stream: no choices, the usage."""
-        return {**self._base(".chunk"), "choices": [], "usage": out.usage()}
+        return {**self._base(".chunk"), "choices": [], "usage": total_usage(outs)}

@@ -2,12 +2,13 @@
 
 Everything the workers produced since the last write goes out as one client message, so a slow
 client or a busy loop costs fewer, larger writes rather than a growing backlog. Detokenizing is
-incremental (O(new tokens) per message), cheap enough for the event loop.
+incremental (O(new tokens) per message), cheap enough for the event loop. Stop strings are
+matched here, on the detokenized text (workers never see text), for every door.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -18,13 +19,21 @@ from router.room import END, RoomRun
 
 
 async def relay(
-    run: RoomRun, request_id: str, detok: IncrementalDetokenizer | None, logprobs: bool
+    run: RoomRun, request_id: str, detok: IncrementalDetokenizer | None, logprobs: bool,
+    stops: Sequence[str] = (),
 ) -> AsyncIterator[gpb.GenerateResponse]:
     """Client messages for ``run`` until its last one (``finished=True``).
+
+    With ``stops`` (needs ``detok``) the text ends right before the first occurrence of any stop
+    string: that message is the last, with ``finish_reason="stop"``, the tokens received so far
+    and their usage, and the room is closed at once (its calls cancelled, ``AbortRoom`` sent to
+    its workers), so nothing stays held for tokens nobody will read. Text that could be the start
+    of a stop string is held back until it is known not to be.
 
     Raises :class:`WorkerFailure` when a worker call fails or the decode stream closes early
     (unless the room was aborted: then a final ``finish_reason="abort"`` message is made here).
     """
+    out = _Outgoing(run, request_id, detok, logprobs, stops)
     while True:
         items = [await run.queue.get()]
         while not run.queue.empty():
@@ -37,10 +46,13 @@ async def relay(
                     break
                 continue
             if pending:
-                yield merge(pending, request_id, detok, logprobs)
+                msg = out.message(pending)
+                yield msg
+                if msg.finished:
+                    return
                 pending = []
             if item is END and run.aborted:
-                yield merge([_abort_message()], request_id, detok, logprobs)
+                yield out.message([_abort_message()])
                 return
             if item is END:
                 raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
@@ -48,10 +60,62 @@ async def relay(
             assert isinstance(item, WorkerFailure)
             raise item
         if pending:
-            msg = merge(pending, request_id, detok, logprobs)
+            msg = out.message(pending)
             yield msg
             if msg.finished:
                 return
+
+
+class _Outgoing:
+    """Turns batches of worker messages into client messages: merging, stop strings."""
+
+    def __init__(self, run: RoomRun, request_id: str, detok: IncrementalDetokenizer | None,
+                 logprobs: bool, stops: Sequence[str]) -> None:
+        self.run, self.request_id, self.detok, self.logprobs = run, request_id, detok, logprobs
+        self.stops = StopMatcher(list(stops)) if stops and detok is not None else None
+        self.sent_tokens = 0
+
+    def message(self, msgs: list[gpb.GenerateResponse]) -> gpb.GenerateResponse:
+        msg = merge(msgs, self.request_id, self.detok, self.logprobs)
+        self.sent_tokens += len(msg.token_ids)
+        if self.stops is None:
+            return msg
+        text = self.stops.feed(msg.text)
+        if self.stops.hit:
+            if not msg.finished:
+                self.run.close()  # the workers stop now: nothing stays held
+                msg.usage.CopyFrom(gpb.Usage(prompt_tokens=len(self.run.request.token_ids),
+                                             completion_tokens=self.sent_tokens))
+            msg.text, msg.finished, msg.finish_reason = text, True, "stop"
+            return msg
+        msg.text = text + self.stops.flush() if msg.finished else text
+        return msg
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back what could start one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+        self.hit = False
+
+    def feed(self, text: str) -> str:
+        """The text that is safe to emit now; sets ``hit`` (and drops the rest) at a stop."""
+        self.buf += text
+        found = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.buf, self.hit = self.buf[:min(found)], "", True
+            return out
+        keep = min(self.hold, len(self.buf))
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out
+
+    def flush(self) -> str:
+        """What was held back, at the end of the generation."""
+        out, self.buf = self.buf, ""
+        return out
 
 
 def merge(msgs: list[gpb.GenerateResponse], request_id: str,

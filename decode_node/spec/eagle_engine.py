@@ -12,7 +12,10 @@ bonus token ``b`` (the last committed token) sits at index ``S`` without KV; ``K
   output as feature at 1-D position ``S + i``, writing draft KV at slot ``S + i``; positions
   advance after each forward.
 * **Verify**: the target over ``[b, d_1..d_K]`` at positions ``S..S+K`` (causal), KV at slots
-  ``S..S+K``. Acceptance is greedy or lossless rejection sampling.
+  ``S..S+K``. Acceptance is greedy or lossless rejection sampling, against the target's logits
+  with the request's penalties applied row by row (row ``j`` counts ``d_1..d_j`` as output), and
+  min-p among the filters. The drafts come from the draft's own unpenalized distribution: any
+  ``q`` keeps acceptance lossless.
 * **Draft extend**: the draft over the same ``K + 1`` rows with the verify's hidden states and the
   committed tokens shifted by one, at the very positions tensor the verify used; row ``A - 1``
   (``select_index``) seeds the next round. Rows ``>= A`` write KV past ``S + A`` that nothing reads
@@ -44,6 +47,7 @@ from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle import EagleDraft
 from engine.mrope import mrope_from_1d
+from engine.penalties import chain_scores
 from engine.request import Request, SamplingParams
 from engine.sampling import sampling_probs
 from engine.scheduler import SchedulerOutput
@@ -124,8 +128,8 @@ class EagleEngine:
     ) -> list[GenerationResult]:
         reqs = []
         for prompt in prompts:
-            ids, images = self.engine.prepare_prompt(prompt)
-            reqs.append(self.engine.add_request(ids, images, sampling))
+            p = self.engine.prepare(prompt)
+            reqs.append(self.engine.add_request(p.token_ids, p.images, sampling, videos=p.videos))
         while self.engine.scheduler.has_unfinished():
             self.step()
         return [self.engine.result(r) for r in reqs]
@@ -194,9 +198,10 @@ class EagleEngine:
     def _accept(self, req: Request, drafts: list[int], qs: list[torch.Tensor | None],
                 logits: torch.Tensor) -> list[int]:
         """Tokens to commit for one request from its verify logits ``[K + 1, V]``."""
+        scores = chain_scores(req, drafts, logits)
         if req.sampling.is_greedy:
-            return accept_greedy(drafts, logits.argmax(dim=-1).tolist())
-        p = sampling_probs(logits, [req.sampling] * logits.shape[0])
+            return accept_greedy(drafts, scores.argmax(dim=-1).tolist())
+        p = sampling_probs(scores, [req.sampling] * scores.shape[0])
         q = torch.stack([x for x in qs if x is not None])
         return accept_sampled(drafts, p, q, _state(req).generator)
 

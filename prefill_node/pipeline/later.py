@@ -23,6 +23,7 @@ from engine.attention import AttentionBatch
 from engine.attention_select import make_attention
 from engine.input_batch import to_device, token_positions
 from engine.page_allocator import OutOfPagesError, PageAllocator
+from engine.penalties import penalize
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 from prefill_node.pipeline.layout import LaterStageModel
@@ -43,6 +44,7 @@ class _Room:
     generator: torch.Generator | None
     mrope_delta: int
     pages: list[int]
+    prompt_ids: list[int]  # for the first token's penalties (empty without penalties)
     pages_sent: int = 0
     ready_reported: bool = False
 
@@ -125,7 +127,7 @@ class LaterStage:
             self._failed.append(wpb.StageAbort(room=new.room, reason=str(exc)))
             return
         self._rooms[new.room] = _Room(new.room, sampling, make_generator(sampling.seed),
-                                      new.mrope_delta, [])
+                                      new.mrope_delta, [], list(new.prompt_ids))
 
     def _compute(self, step: wpb.StageStep) -> tuple[list[tuple[int, float]], wpb.StageStep]:
         """Run this stage's layers over the rows of live rooms; push their pages. Returns the
@@ -195,7 +197,7 @@ class LaterStage:
         with torch.inference_mode():
             logits = self.share.model.logits(out[ends])
         toks, lps = self.sampler.sample(logits, [r.sampling for r in rooms],
-                                        [r.generator for r in rooms])
+                                        [r.generator for r in rooms], _penalized(logits, rooms))
         return {r.room: (t, lp) for r, t, lp in zip(rooms, toks, lps, strict=True)}
 
     def _push(self, items: list[wpb.StageItem], tokens: dict[int, tuple[int, float]]) -> None:
@@ -248,3 +250,20 @@ class LaterStage:
             self.link.forget(room)
         self.bootstrap.release(room)
         self.allocator.free(r.pages)
+
+
+def _penalized(logits: torch.Tensor, rooms: list[_Room]) -> torch.Tensor:
+    """``logits`` ``[n, V]`` with each room's penalties for its first token: only the
+    repetition penalty over the prompt can apply (there is no output yet)."""
+    rows = [i for i, r in enumerate(rooms) if r.sampling.has_penalties]
+    if not rows:
+        return logits
+    vocab = logits.shape[1]
+    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=logits.device)  # [m, V]
+    for j, i in enumerate(rows):
+        seen[j, torch.tensor(rooms[i].prompt_ids, dtype=torch.long, device=logits.device)] = True
+    counts = torch.zeros(len(rows), vocab, device=logits.device)
+    idx = torch.tensor(rows, device=logits.device)
+    out = logits.float().clone()
+    out[idx] = penalize(out[idx], [rooms[i].sampling for i in rows], seen, counts)
+    return out
