@@ -10,12 +10,18 @@ from typing import TYPE_CHECKING
 
 from cli.engine_args import add_engine_args, engine_config
 from cli.models import ensure_model
-from engine.chat import chat_prompt
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from engine.inputs import ImageInput
+    import torch
+
+    from engine.inputs import ImageInput, VideoInput
     from engine.llm_engine import GenerationResult
+
+
+DEFAULT_MAX_NEW_TOKENS = 128
+# flags that, left unset, take the checkpoint's generation_config.json value (else the default)
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -28,13 +34,29 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
                    help="precomputed float32 patches [t*h*w, C*T*P*P] (repeatable, prompt order)")
     p.add_argument("--image-grid", action="append", default=[], metavar="T,H,W",
                    help="grid of the matching --image-patches")
+    p.add_argument("--video-patches", action="append", default=[], metavar="FILE.npy",
+                   help="precomputed float32 video patches [t*h*w, C*T*P*P] given to every "
+                        "prompt (repeatable, prompt order)")
+    p.add_argument("--video-grid", action="append", default=[], metavar="T,H,W",
+                   help="grid of the matching --video-patches")
+    p.add_argument("--video-second-per-grid", action="append", default=[], type=float,
+                   metavar="S", help="seconds per temporal patch of the matching "
+                                     "--video-patches (none given: 1.0 each)")
     p.add_argument("--chat", action="store_true",
-                   help="each prompt text is a user message in the chat format (engine/chat.py)")
-    p.add_argument("--max-new-tokens", type=int, default=128,
-                   help="upper bound; generation also stops at the model's end-of-sequence ids")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+                   help="each prompt text is a user message (after the images) in the "
+                        "checkpoint's chat template (ChatML when it has none)")
+    # unset sampling flags take the checkpoint's generation_config.json value, else the default
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="upper bound (default 128); generation also stops at the model's "
+                        "end-of-sequence ids")
+    p.add_argument("--temperature", type=float, default=None, help="0 (the default) is greedy")
+    p.add_argument("--top-p", type=float, default=None, help="1 (the default) is off")
+    p.add_argument("--top-k", type=int, default=None, help="0 (the default) is off")
+    p.add_argument("--min-p", type=float, default=None, help="0 (the default) is off")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="1 (the default) is off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]; 0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -50,44 +72,76 @@ def _parse_ids(text: str, what: str) -> list[int]:
 
 
 def _images(args: argparse.Namespace) -> list[bytes | ImageInput]:
-    import numpy as np
-    import torch
-
     from engine.inputs import ImageInput
 
     if len(args.image_patches) != len(args.image_grid):
         raise InvalidRequestError("give one --image-grid for each --image-patches")
     images: list[bytes | ImageInput] = [Path(f).read_bytes() for f in args.image]
     for path, grid_text in zip(args.image_patches, args.image_grid, strict=True):
-        grid = _parse_ids(grid_text, "--image-grid")
-        if len(grid) != 3:
-            raise InvalidRequestError(f"--image-grid needs T,H,W, got {grid_text!r}")
-        try:
-            array = np.load(path, allow_pickle=False)
-        except ValueError as exc:
-            raise InvalidRequestError(f"{path}: not a .npy array: {exc}") from exc
-        patches = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
-        images.append(ImageInput(patches, (grid[0], grid[1], grid[2])))
+        patches, grid = _load_patches(path, grid_text, "--image-grid")
+        images.append(ImageInput(patches, grid))
     return images
+
+
+def _videos(args: argparse.Namespace) -> list[VideoInput]:
+    from engine.inputs import VideoInput
+
+    if len(args.video_patches) != len(args.video_grid):
+        raise InvalidRequestError("give one --video-grid for each --video-patches")
+    seconds = args.video_second_per_grid or [1.0] * len(args.video_patches)
+    if len(seconds) != len(args.video_patches):
+        raise InvalidRequestError(
+            "give one --video-second-per-grid for each --video-patches, or none")
+    videos = []
+    for path, grid_text, secs in zip(args.video_patches, args.video_grid, seconds, strict=True):
+        patches, grid = _load_patches(path, grid_text, "--video-grid")
+        videos.append(VideoInput(patches, grid, secs))
+    return videos
+
+
+def _load_patches(
+    path: str, grid_text: str, flag: str
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Float32 patches from a ``.npy`` file and the ``T,H,W`` grid given with ``flag``."""
+    import numpy as np
+    import torch
+
+    grid = _parse_ids(grid_text, flag)
+    if len(grid) != 3:
+        raise InvalidRequestError(f"{flag} needs T,H,W, got {grid_text!r}")
+    try:
+        array = np.load(path, allow_pickle=False)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{path}: not a .npy array: {exc}") from exc
+    patches = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    return patches, (grid[0], grid[1], grid[2])
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate for every prompt in one batch; print each result, then a throughput line
     (or one JSON object per prompt with ``--json``)."""
+    from engine.generation_config import GenerationDefaults
     from engine.llm_engine import LLMEngine, Prompt
     from engine.request import SamplingParams
 
     model_dir = ensure_model(args.model)
     images = _images(args)
-    texts = [chat_prompt(t) for t in args.prompts] if args.chat else args.prompts
-    prompts = [Prompt(text=t, images=images) for t in texts]
-    prompts += [Prompt(token_ids=_parse_ids(t, "--token-ids"), images=images)
+    videos = _videos(args)
+    texts = _chat_texts(model_dir, args.prompts, len(images), len(videos)) if args.chat \
+        else args.prompts
+    prompts = [Prompt(text=t, images=images, videos=videos) for t in texts]
+    prompts += [Prompt(token_ids=_parse_ids(t, "--token-ids"), images=images, videos=videos)
                 for t in args.token_ids]
     if not prompts:
         raise InvalidRequestError("give at least one prompt text or --token-ids")
+    defaults = GenerationDefaults.from_dir(model_dir)
+    chosen = {name: getattr(args, name) if getattr(args, name) is not None
+              else getattr(defaults, name) for name in _DEFAULTED}
+    chosen["max_new_tokens"] = chosen["max_new_tokens"] or DEFAULT_MAX_NEW_TOKENS
     sampling = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+        **{name: value for name, value in chosen.items() if value is not None},
+        seed=args.seed, ignore_eos=args.ignore_eos, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
     )
     engine = LLMEngine(model_dir, engine_config(args))
     start = time.perf_counter()
@@ -100,6 +154,15 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"[{len(results)} prompts, {total} tokens in {elapsed:.2f}s: "
               f"{total / max(elapsed, 1e-9):.1f} tokens/s]")
     return 0
+
+
+def _chat_texts(model_dir: Path, prompts: list[str], images: int, videos: int) -> list[str]:
+    """Each prompt as one user message, its ``images`` image parts and ``videos`` video parts
+    first, in the checkpoint's chat template (engine/chat_template.py)."""
+    from engine.chat_template import ChatTemplate, user_message
+
+    template = ChatTemplate.from_dir(model_dir)
+    return [template.render([user_message(t, images=images, videos=videos)]) for t in prompts]
 
 
 def _as_json(res: GenerationResult) -> dict[str, object]:

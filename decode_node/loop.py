@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from decode_node.remote import RemoteQueues, RemoteRoom, RoomOutcome
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.errors import InvalidRequestError
-from engine.inputs import ImageInput
+from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, Request, SamplingParams
 from serving.engine_thread import EngineThread
@@ -59,10 +59,13 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
         token_ids: Sequence[int],
         images: Sequence[ImageInput],
         sampling: SamplingParams,
+        *,
+        videos: Sequence[VideoInput] = (),
     ) -> Request:
         """Validate and queue a request; raises ``InvalidRequestError`` on bad input."""
         with self.lock:
-            req = self.engine.add_request(token_ids, images, sampling, request_id=request_id)
+            req = self.engine.add_request(token_ids, images, sampling, request_id=request_id,
+                                          videos=videos)
             self.lock.notify()
             return req
 

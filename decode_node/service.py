@@ -21,9 +21,9 @@ import grpc
 
 from decode_node.clients import BootstrapClients
 from decode_node.loop import DecodeLoop, TokenEvent
-from engine.inputs import ImageInput, image_from_array
+from engine.inputs import ImageInput, VideoInput, image_from_array, video_from_array
 from engine.request import SamplingParams
-from proto.convert import patches_array, sampling_kwargs
+from proto.convert import patches_array, sampling_kwargs, video_patches
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
@@ -39,11 +39,14 @@ from transfer.faults import fault_figures
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-def engine_inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:
+def engine_inputs(
+    req: wpb.WorkerRequest,
+) -> tuple[list[int], list[ImageInput], list[VideoInput], SamplingParams]:
     """Engine values of a worker request; raises ``ConversionError`` on malformed content."""
     images = [image_from_array(*patches_array(msg)) for msg in req.images]
+    videos = [video_from_array(*video_patches(msg)) for msg in req.videos]
     sampling = SamplingParams(**sampling_kwargs(req.sampling, DEFAULT_MAX_NEW_TOKENS))
-    return list(req.token_ids), images, sampling
+    return list(req.token_ids), images, videos, sampling
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -129,9 +132,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         refusal)."""
         req = request.request
         try:
-            ids, images, sampling = engine_inputs(req)
+            ids, images, videos, sampling = engine_inputs(req)
             if request.local_prefill or not request.prefill_bootstrap:
-                await to_thread_atomic(self.loop.submit, str(req.room), ids, images, sampling)
+                await to_thread_atomic(self.loop.submit, str(req.room), ids, images, sampling,
+                                       videos=videos)
                 return
             clients = await self._connect(request.prefill_bootstrap, context)
             await to_thread_atomic(self.loop.submit_remote, req.room, ids, sampling, clients)

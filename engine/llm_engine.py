@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 from engine.attention import AttentionBackend
 from engine.attention_select import backend_name, make_attention
 from engine.checkpoint import load_model
@@ -21,14 +23,16 @@ from engine.errors import InvalidRequestError
 from engine.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
+    expand_video_placeholders,
     process_image,
     validate_patches,
 )
-from engine.inputs import ImageInput, RequestState, build_state
+from engine.inputs import ImageInput, RequestState, VideoInput, build_state
 from engine.kv_cache import KVPool, pages_for_budget
 from engine.model_runner import ModelRunner, StepForward
 from engine.mrope import num_image_tokens
 from engine.page_allocator import PageAllocator
+from engine.penalties import apply_penalties
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampling import Sampler, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -37,11 +41,23 @@ from engine.tokenizer import Tokenizer
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: text or token ids, and images (encoded bytes or precomputed patches)."""
+    """One prompt: text or token ids, images (encoded bytes or precomputed patches) and videos
+    (precomputed patches)."""
 
     text: str | None = None
     token_ids: Sequence[int] | None = None
     images: Sequence[bytes | ImageInput] = ()
+    videos: Sequence[VideoInput] = ()
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A prompt ready for :meth:`LLMEngine.add_request`: token ids with every placeholder
+    expanded, and the validated images and videos (each list in its own prompt order)."""
+
+    token_ids: list[int]
+    images: list[ImageInput]
+    videos: list[VideoInput]
 
 
 @dataclass(frozen=True)
@@ -124,17 +140,19 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def prepare_prompt(self, prompt: Prompt) -> tuple[list[int], list[ImageInput]]:
-        """Tokenize and preprocess a prompt: token ids with image placeholders expanded, and
-        the images' patches."""
+    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+        """Tokenize and preprocess a prompt: token ids with image and video placeholders
+        expanded, and the images' and videos' patches."""
         images = [self._image_input(im) for im in prompt.images]
+        videos = [_video_input(i, v) for i, v in enumerate(prompt.videos)]
         if (prompt.text is None) == (prompt.token_ids is None):
             raise InvalidRequestError("give exactly one of text and token_ids")
         if prompt.token_ids is not None:
-            return [int(t) for t in prompt.token_ids], images
+            return PreparedPrompt([int(t) for t in prompt.token_ids], images, videos)
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer.json: send token_ids instead")
-        return self._encode_text(prompt.text or "", images), images
+        return PreparedPrompt(self._encode_text(prompt.text or "", images, videos), images,
+                              videos)
 
     def new_request(
         self,
@@ -142,11 +160,13 @@ class LLMEngine:
         images: Sequence[ImageInput] = (),
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        videos: Sequence[VideoInput] = (),
     ) -> Request:
         """A validated request, not yet queued; raises :class:`InvalidRequestError`."""
         sampling = sampling or SamplingParams()
         sampling.validate(self.model_config.text.vocab_size)
-        state = build_state(token_ids, images, self.model_config)
+        state = build_state(token_ids, images, self.model_config, videos)
         state.generator = make_generator(sampling.seed, self.device)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
@@ -158,9 +178,11 @@ class LLMEngine:
         images: Sequence[ImageInput] = (),
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        videos: Sequence[VideoInput] = (),
     ) -> Request:
         """Validate and queue one request; raises :class:`InvalidRequestError` on bad input."""
-        req = self.new_request(token_ids, images, sampling, request_id)
+        req = self.new_request(token_ids, images, sampling, request_id, videos=videos)
         self.scheduler.add(req)
         return req
 
@@ -195,7 +217,8 @@ class LLMEngine:
         sampled = [it.request for it in out.items if it.needs_sample]
         params = [r.sampling for r in sampled]
         gens = [_state(r).generator for r in sampled]
-        tokens, logprobs = self.sampler.sample(logits, params, gens)
+        scores = apply_penalties(logits, sampled)
+        tokens, logprobs = self.sampler.sample(logits, params, gens, scores)
         return list(zip(tokens, logprobs, strict=True)), fwd
 
     def generate(
@@ -203,11 +226,11 @@ class LLMEngine:
     ) -> list[GenerationResult]:
         """Run ``prompts`` to completion together; results in prompt order."""
         per = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-        prepared = [self.prepare_prompt(p) for p in prompts]
+        prepared = [self.prepare(p) for p in prompts]
         reqs: list[Request] = []
         try:
-            for (ids, images), params in zip(prepared, per, strict=True):
-                reqs.append(self.add_request(ids, images, params))
+            for p, params in zip(prepared, per, strict=True):
+                reqs.append(self.add_request(p.token_ids, p.images, params, videos=p.videos))
         except Exception:
             for req in reqs:  # all or nothing: a bad prompt leaves no sibling queued
                 self.abort(req.request_id)
@@ -231,18 +254,38 @@ class LLMEngine:
             processed = process_image(image, self.image_config)
         return ImageInput(processed.patches, processed.grid_thw)
 
-    def _encode_text(self, text: str, images: list[ImageInput]) -> list[int]:
+    def _encode_text(
+        self, text: str, images: list[ImageInput], videos: list[VideoInput]
+    ) -> list[int]:
         """Token ids of ``text``; each image placeholder (``<|image_pad|>``) becomes that image's
-        tokens. Without placeholders, images are put before the text."""
+        tokens and each video placeholder (``<|video_pad|>``) that video's. Without image
+        (video) placeholders, the images (videos) are put before the text, images first."""
         assert self.tokenizer is not None
         cfg = self.model_config
         ids = self.tokenizer.encode(text)
-        if images and cfg.image_token_id not in ids:
-            block = [cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id]
-            ids = block * len(images) + ids
+        head: list[int] = []
+        for items, pad in ((images, cfg.image_token_id), (videos, cfg.video_token_id)):
+            if items and pad not in ids:
+                head += [cfg.vision_start_token_id, pad, cfg.vision_end_token_id] * len(items)
+        ids = head + ids
         merge = cfg.vision.spatial_merge_size
         counts = [num_image_tokens(im.grid_thw, merge) for im in images]
-        return expand_image_placeholders(ids, cfg.image_token_id, counts)
+        ids = expand_image_placeholders(ids, cfg.image_token_id, counts)
+        counts = [num_image_tokens(v.grid_thw, merge) for v in videos]
+        return expand_video_placeholders(ids, cfg.video_token_id, counts)
+
+
+def _video_input(i: int, video: VideoInput) -> VideoInput:
+    """``video`` with contiguous float32 patches; its grid, shape and seconds are checked with
+    the prompt (``build_state``)."""
+    if not isinstance(video, VideoInput):
+        raise InvalidRequestError(f"video {i}: expected a VideoInput, got {type(video).__name__}")
+    patches = video.patches
+    if not isinstance(patches, torch.Tensor) or patches.dtype != torch.float32:
+        raise InvalidRequestError(f"video {i}: patches must be a float32 tensor")
+    if not bool(torch.isfinite(patches).all()):
+        raise InvalidRequestError(f"video {i}: patches contain NaN or infinite values")
+    return replace(video, patches=patches.contiguous())
 
 
 def _state(req: Request) -> RequestState:

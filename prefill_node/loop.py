@@ -26,7 +26,7 @@ from dataclasses import replace
 import torch
 
 from engine.draft_runner import DraftRunner
-from engine.inputs import ImageInput, RequestState
+from engine.inputs import ImageInput, RequestState, VideoInput
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from engine.scheduler import SchedulerOutput
@@ -53,7 +53,7 @@ class PrefillThread(EngineThread[None]):
 
     @abstractmethod
     def submit(self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
-               sampling: SamplingParams) -> None:
+               sampling: SamplingParams, *, videos: Sequence[VideoInput] = ()) -> None:
         """Validate and gate a room; raises ``InvalidRequestError`` or ``TransferError``."""
 
     def abort(self, room: int, reason: str) -> bool:
@@ -102,13 +102,14 @@ class PrefillLoop(PrefillThread):
 
     def submit(
         self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
-        sampling: SamplingParams,
+        sampling: SamplingParams, *, videos: Sequence[VideoInput] = (),
     ) -> None:
         """Validate and gate a room; raises ``InvalidRequestError`` or ``TransferError``."""
         # The prefill computes the prompt and samples exactly one token, the decode's first.
         first_only = replace(sampling, max_new_tokens=1)
         with self.lock:
-            req = self.engine.new_request(token_ids, images, first_only, request_id=str(room))
+            req = self.engine.new_request(token_ids, images, first_only, request_id=str(room),
+                                          videos=videos)
             self.rooms.add(room, req)
             self.lock.notify()
 

@@ -12,10 +12,10 @@ from collections import Counter
 
 import grpc
 
-from engine.inputs import ImageInput, image_from_array
+from engine.inputs import ImageInput, VideoInput, image_from_array, video_from_array
 from engine.request import SamplingParams
 from prefill_node.loop import PrefillThread
-from proto.convert import patches_array, sampling_kwargs
+from proto.convert import patches_array, sampling_kwargs, video_patches
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
@@ -94,8 +94,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                       context: grpc.aio.ServicerContext) -> None:
         """Validate and gate the room (aborts the call on refusal)."""
         try:
-            ids, images, sampling = _inputs(req)
-            await to_thread_atomic(self.loop.submit, room, ids, images, sampling)
+            ids, images, videos, sampling = _inputs(req)
+            await to_thread_atomic(self.loop.submit, room, ids, images, sampling, videos=videos)
         except STATUS_ERRORS as exc:
             await abort_with_status(context, exc)
 
@@ -120,6 +120,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return figures
 
 
-def _inputs(req: wpb.WorkerRequest) -> tuple[list[int], list[ImageInput], SamplingParams]:
+def _inputs(
+    req: wpb.WorkerRequest,
+) -> tuple[list[int], list[ImageInput], list[VideoInput], SamplingParams]:
     images = [image_from_array(*patches_array(msg)) for msg in req.images]
-    return list(req.token_ids), images, SamplingParams(**sampling_kwargs(req.sampling, 1))
+    videos = [video_from_array(*video_patches(msg)) for msg in req.videos]
+    return (list(req.token_ids), images, videos,
+            SamplingParams(**sampling_kwargs(req.sampling, 1)))

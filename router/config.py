@@ -10,6 +10,20 @@ MODE_COLOCATED = "colocated"
 
 
 @dataclass(frozen=True)
+class VideoLimits:
+    """What one request may send as video; more is refused with INVALID_ARGUMENT."""
+
+    max_videos: int = 4  # videos per request
+    max_frames: int = 256  # frames per video
+    max_patch_bytes: int = 128 << 20  # float32 patch bytes of one video (frames or patches)
+
+    def __post_init__(self) -> None:
+        if self.max_videos < 0 or self.max_frames < 1 or self.max_patch_bytes < 1:
+            raise ValueError("video limits: max_videos must be >= 0 (0: no videos), "
+                             "max_frames and max_patch_bytes >= 1")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """How one router process serves.
 
@@ -24,6 +38,7 @@ class RouterConfig:
     max_new_tokens_default: int = 128
     local_prefill_threshold: int = 0  # prompts shorter than this prefill on D; 0 = off
     max_images: int = 16
+    video_limits: VideoLimits = VideoLimits()
     load_refresh_s: float = 1.0  # period of GetLoad polls on every worker
     worker_timeout_s: float = 5.0  # deadline of the router's unary calls to workers
     max_running: int = 1024  # live client streams; more are refused with RESOURCE_EXHAUSTED

@@ -3,21 +3,26 @@
 Only the conversion is checked here (JSON types, roles, content parts, image data URLs, ``n``,
 ``stop``, ``stream_options``); the ranges of the sampling values are the shared validator's,
 behind :meth:`GenerationService.generate`. Anything unusable raises :class:`BadRequest` (HTTP
-400). Chat messages are rendered with the one chat template, :mod:`engine.chat`.
+400). Chat messages are rendered with the served checkpoint's chat template
+(:mod:`engine.chat_template`; the built-in ChatML when it has none).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.chat import IMAGE_BLOCK, conversation_prompt
+from engine.chat_template import ChatTemplate
+from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import generate_pb2 as gpb
 
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg")
 MAX_STOPS = 4
+MAX_N = 16  # completions per request
+_CHATML = ChatTemplate.builtin()
 
 
 class BadRequest(Exception):
@@ -32,7 +37,7 @@ class OpenAICall:
     chat: bool
     stream: bool
     include_usage: bool  # only ever True when streaming
-    stops: list[str]  # non-empty stop strings, at most MAX_STOPS
+    n: int  # completions to generate (OpenAI ``n``)
 
 
 def completion_call(body: dict[str, Any], request_id: str) -> OpenAICall:
@@ -53,12 +58,14 @@ def completion_call(body: dict[str, Any], request_id: str) -> OpenAICall:
     return _call(body, req, chat=False)
 
 
-def chat_call(body: dict[str, Any], request_id: str) -> OpenAICall:
-    """A ``/v1/chat/completions`` body: ``messages`` rendered with the chat template."""
-    text, images = chat_prompt(body.get("messages"))
-    req = gpb.GenerateRequest(request_id=request_id, text=text,
-                              images=[gpb.Image(encoded=im) for im in images],
-                              sampling=sampling(body))
+def chat_call(body: dict[str, Any], request_id: str,
+              template: ChatTemplate | None = None) -> OpenAICall:
+    """A ``/v1/chat/completions`` body: ``messages`` rendered with ``template`` (the served
+    checkpoint's; None means the built-in ChatML), with their images and videos."""
+    chat = chat_prompt(body.get("messages"), template)
+    req = gpb.GenerateRequest(request_id=request_id, text=chat.text,
+                              images=[gpb.Image(encoded=im) for im in chat.images],
+                              videos=chat.videos, sampling=sampling(body))
     return _call(body, req, chat=True)
 
 
@@ -68,48 +75,83 @@ def _call(body: dict[str, Any], req: gpb.GenerateRequest, *, chat: bool) -> Open
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object")
     include_usage = stream and bool(options.get("include_usage"))
-    return OpenAICall(req, chat, stream, include_usage, stops(body))
+    return OpenAICall(req, chat, stream, include_usage, choices(body))
 
 
-def chat_prompt(messages: Any) -> tuple[str, list[bytes]]:
-    """The chat template's text (:func:`engine.chat.conversation_prompt`) and the images in prompt
-    order.
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat body's prompt: the rendered text, and its images and videos in message order (the
+    order in which the template writes their placeholders)."""
 
-    Every message needs a string ``role`` (passed through as written); its ``content`` is a
-    string, null, or a list of ``text`` and ``image_url`` parts, and each image part becomes
-    :data:`engine.chat.IMAGE_BLOCK` at its place.
+    text: str
+    images: list[bytes]
+    videos: list[gpb.Video]
+
+
+def chat_prompt(messages: Any, template: ChatTemplate | None = None) -> ChatPrompt:
+    """``messages`` rendered with ``template`` (None: the built-in ChatML).
+
+    Every message needs a string ``role`` (passed through as written, as are its other keys);
+    its ``content`` is a string, null, or a list of parts: ``text``, ``image_url`` (a data URL)
+    and ``video`` (``{"type": "video", "video": [frame data URLs, in time order], "fps": ...}``,
+    ``fps`` optional). The template sees ``{"type": "image"}`` and ``{"type": "video"}`` parts
+    and places their placeholders; a template that refuses the messages is a BadRequest.
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
-    turns: list[tuple[str, str]] = []
     images: list[bytes] = []
+    videos: list[gpb.Video] = []
+    turns = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
-        turns.append((msg["role"], _content(msg.get("content"), f"messages[{i}]", images)))
-    return conversation_prompt(turns), images
+        content = _content(msg.get("content"), f"messages[{i}]", images, videos)
+        turns.append({**msg, "content": content})
+    try:
+        text = (template or _CHATML).render(turns)
+    except InvalidRequestError as exc:
+        raise BadRequest(str(exc)) from exc
+    return ChatPrompt(text, images, videos)
 
 
-def _content(content: Any, where: str, images: list[bytes]) -> str:
-    """One message's text; appends its images to ``images``."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
+def _content(content: Any, where: str, images: list[bytes],
+             videos: list[gpb.Video]) -> str | list[dict[str, str]] | None:
+    """One message's content in the template's form; appends its images and videos."""
+    if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise BadRequest(f"{where}.content must be a string or a list of parts")
-    pieces = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        here = f"{where}.content[{j}]"
         if kind == "text" and isinstance(part.get("text"), str):
-            pieces.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
         elif kind == "image_url":
-            images.append(_data_url(part.get("image_url"), f"{where}.content[{j}]"))
-            pieces.append(IMAGE_BLOCK)
+            images.append(_data_url(part.get("image_url"), here))
+            parts.append({"type": "image"})
+        elif kind == "video":
+            videos.append(_video(part, here))
+            parts.append({"type": "video"})
         else:
-            raise BadRequest(f"{where}.content[{j}]: parts must be of type "
-                             "'text' (with a string 'text') or 'image_url'")
-    return "".join(pieces)
+            raise BadRequest(f"{here}: parts must be of type 'text' (with a string 'text'), "
+                             "'image_url' or 'video'")
+    return parts
+
+
+def _video(part: dict[str, Any], where: str) -> gpb.Video:
+    """A ``video`` part: its frames (image data URLs) and optional ``fps`` (> 0; unset means the
+    video processor's default)."""
+    frames = part.get("video")
+    if not isinstance(frames, list) or not frames:
+        raise BadRequest(f"{where}: 'video' must be a non-empty list of frame data URLs")
+    fps = part.get("fps")
+    if fps is None:
+        fps = 0.0
+    elif isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps < math.inf:
+        raise BadRequest(f"{where}: 'fps' must be a positive number")
+    data = [_data_url(f, f"{where}.video[{k}]") for k, f in enumerate(frames)]
+    return gpb.Video(frames=gpb.VideoFrames(frames=data, fps=float(fps)))
 
 
 def _data_url(value: Any, where: str) -> bytes:
@@ -129,36 +171,49 @@ def _data_url(value: Any, where: str) -> bytes:
 
 
 def sampling(body: dict[str, Any]) -> gpb.SamplingParams:
-    """OpenAI sampling fields -> ``SamplingParams`` (their ranges are the validator's)."""
+    """OpenAI sampling fields (and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``) ->
+    ``SamplingParams``; their ranges are the validator's. A field the body leaves out stays unset,
+    so the checkpoint's generation_config.json default applies (the door supplies OpenAI's
+    temperature 1 when the checkpoint has none). ``stop`` strings travel in the message."""
     out = gpb.SamplingParams()
     max_tokens = _int(body, "max_completion_tokens", "max_tokens")
     if max_tokens is not None:
         if not 1 <= max_tokens < 1 << 32:
             raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}")
         out.max_new_tokens = max_tokens
-    out.temperature = _number(body, "temperature", 1.0)  # OpenAI's default
-    top_p = _number(body, "top_p", 1.0)
-    if top_p <= 0:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
-    out.top_p = top_p
-    top_k = _int(body, "top_k")  # vLLM extension; -1 means off there
-    if top_k is not None and top_k > 0:
-        out.top_k = top_k
+    for key in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty"):
+        value = _number(body, key)
+        if value is not None:
+            setattr(out, key, value)
+    if out.HasField("top_p") and out.top_p <= 0:
+        raise BadRequest(f"top_p must be in (0, 1], got {out.top_p}")
+    top_k = _int(body, "top_k")  # vLLM extension; -1 (or 0) means off
+    if top_k is not None:
+        out.top_k = max(top_k, 0)
     seed = _int(body, "seed")
     if seed is not None:
         out.seed = seed % (1 << 64)
     if body.get("ignore_eos"):
         out.ignore_eos = True
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadRequest("only n = 1 is supported")
+    out.stop.extend(stops(body))
     return out
 
 
-def _number(body: dict[str, Any], key: str, default: float) -> float:
+def choices(body: dict[str, Any]) -> int:
+    """``n``: how many completions to generate, 1 to :data:`MAX_N` (default 1)."""
+    n = _int(body, "n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def _number(body: dict[str, Any], key: str) -> float | None:
     value = body.get(key)
     if value is None:
-        return default
+        return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRequest(f"'{key}' must be a number")
     return float(value)

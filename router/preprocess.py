@@ -1,5 +1,5 @@
-"""Turning a public ``GenerateRequest`` into what workers consume: token ids with image
-placeholders expanded, image patches, and complete sampling values.
+"""Turning a public ``GenerateRequest`` into what workers consume: token ids with image and
+video placeholders expanded, image and video patches, and complete sampling values.
 
 Everything a user can get wrong is checked here and raised as :class:`InvalidRequestError`
 (the service maps it to ``INVALID_ARGUMENT``), so workers only ever see well-formed rooms.
@@ -9,17 +9,21 @@ off the event loop.
 
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
+from engine.generation_config import GenerationDefaults
 from engine.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
+    expand_video_placeholders,
     num_image_tokens,
     process_image,
     validate_patches,
@@ -27,18 +31,32 @@ from engine.image_processor import (
 from engine.mrope import rope_index
 from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
-from proto.convert import ConversionError, patches_array, patches_message, sampling_kwargs
+from engine.video_processor import (
+    VideoProcessorConfig,
+    process_video,
+    validate_video_patches,
+)
+from proto.convert import (
+    ConversionError,
+    patches_array,
+    patches_message,
+    sampling_kwargs,
+    video_message,
+)
 from proto.pdserve.v1 import generate_pb2 as gpb
+from router.config import VideoLimits
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
     """A validated request: ``token_ids`` (placeholders expanded), one ``ImagePatches`` per
-    image in prompt order, and sampling with every default filled in."""
+    image in prompt order, and sampling with every default filled in; ``videos``: one
+    patches-source ``Video`` per video in prompt order, ``second_per_grid`` resolved (never 0)."""
 
     token_ids: list[int]
     images: list[gpb.ImagePatches]
     sampling: gpb.SamplingParams
+    videos: list[gpb.Video] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -48,13 +66,20 @@ class ModelAssets:
     config: ModelConfig
     tokenizer: Tokenizer | None
     image_config: ImageProcessorConfig
+    chat_template: ChatTemplate = field(default_factory=ChatTemplate.builtin)  # the door's
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # sampling
+    video_config: VideoProcessorConfig = field(default_factory=VideoProcessorConfig)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelAssets:
-        """Load ``config.json``, ``tokenizer.json`` (optional) and the image processor settings;
-        raises ``engine.errors.ConfigError`` on an unusable directory."""
+        """Load ``config.json``, ``tokenizer.json`` (optional), the image and video processor
+        settings and the chat template; raises ``engine.errors.ConfigError`` on an unusable
+        directory."""
         return cls(ModelConfig.from_dir(model_dir), Tokenizer.from_dir(model_dir),
-                   ImageProcessorConfig.from_dir(model_dir))
+                   ImageProcessorConfig.from_dir(model_dir),
+                   chat_template=ChatTemplate.from_dir(model_dir),
+                   generation=GenerationDefaults.from_dir(model_dir),
+                   video_config=VideoProcessorConfig.from_dir(model_dir))
 
     @property
     def max_model_len(self) -> int:
@@ -68,10 +93,15 @@ class ModelAssets:
 class Preprocessor:
     """Validates and tokenizes requests for one model; thread-safe (holds no mutable state)."""
 
-    def __init__(self, assets: ModelAssets, max_new_tokens_default: int, max_images: int) -> None:
+    def __init__(self, assets: ModelAssets, max_new_tokens_default: int, max_images: int,
+                 video_limits: VideoLimits | None = None) -> None:
+        video_limits = video_limits or VideoLimits()
         self.assets = assets
         self.max_new_tokens_default = max_new_tokens_default
         self.max_images = max_images
+        self.max_videos = video_limits.max_videos
+        self.video_config = replace(assets.video_config, max_frames=video_limits.max_frames,
+                                    max_patch_bytes=video_limits.max_patch_bytes)
 
     def prepare(self, req: gpb.GenerateRequest) -> PreparedRequest:
         """Validate ``req`` and build its worker form; raises InvalidRequestError."""
@@ -83,33 +113,53 @@ class Preprocessor:
         grids = [_grid(msg) for msg in images]
         merge = self.assets.config.vision.spatial_merge_size
         counts = [num_image_tokens(g, merge) for g in grids]
+        if len(req.videos) > self.max_videos:
+            raise InvalidRequestError(
+                f"{len(req.videos)} videos is more than the limit of {self.max_videos}")
+        videos = [self._video(i, v) for i, v in enumerate(req.videos)]
+        video_grids = [_grid(v.patches) for v in videos]
+        video_counts = [num_image_tokens(g, merge) for g in video_grids]
         kind = req.WhichOneof("input")
         if kind == "text":
-            ids = self._encode_text(req.text, counts)
+            ids = self._encode_text(req.text, counts, video_counts)
         elif kind == "token_ids":
-            ids = self._check_ids(list(req.token_ids.ids), counts)
+            ids = self._check_ids(list(req.token_ids.ids), counts, video_counts)
         else:
             raise InvalidRequestError("the request has no input: give text or token_ids")
-        rope_index(ids, grids, self.assets.config.image_token_id, merge)  # one run per image
+        cfg = self.assets.config
+        rope_index(ids, grids, cfg.image_token_id, merge, video_grids=video_grids,
+                   video_token_id=cfg.video_token_id,
+                   video_seconds=[v.second_per_grid for v in videos],
+                   tokens_per_second=cfg.vision.tokens_per_second)  # one run per image / video
         total = len(ids) + sampling.max_new_tokens
         if total > self.assets.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sampling.max_new_tokens}) = "
                 f"{total} exceeds the model's max length {self.assets.max_model_len}")
-        return PreparedRequest(ids, images, sampling)
+        return PreparedRequest(ids, images, sampling, videos)
 
     # ---- pieces ------------------------------------------------------------------------------
 
     def _sampling(self, msg: gpb.SamplingParams) -> gpb.SamplingParams:
-        values = sampling_kwargs(msg, self.max_new_tokens_default)
+        """``msg`` with every unset field filled: the checkpoint's generation_config.json
+        default, else the server's; then validated."""
+        out = gpb.SamplingParams()
+        out.CopyFrom(msg)
+        defaults = self.assets.generation
+        for name in _DEFAULTED:
+            value = getattr(defaults, name)
+            if value is not None and not out.HasField(name):
+                setattr(out, name, value)
+        if not out.max_new_tokens:
+            out.max_new_tokens = defaults.max_new_tokens or self.max_new_tokens_default
+        values = sampling_kwargs(out, self.max_new_tokens_default)
         SamplingParams(**values).validate(self.assets.vocab_size)
+        if out.stop and self.assets.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer: this model has none")
         limit = self.assets.max_model_len
         if values["max_new_tokens"] > limit:
             raise InvalidRequestError(
                 f"max_new_tokens {values['max_new_tokens']} is over the limit of {limit}")
-        out = gpb.SamplingParams()
-        out.CopyFrom(msg)
-        out.max_new_tokens = values["max_new_tokens"]
         out.top_p = values["top_p"]
         return out
 
@@ -135,9 +185,40 @@ class Preprocessor:
         except (InvalidRequestError, ConversionError) as exc:
             raise InvalidRequestError(f"image {index}: {exc}") from exc
 
-    def _encode_text(self, text: str, counts: list[int]) -> list[int]:
+    def _video(self, index: int, video: gpb.Video) -> gpb.Video:
+        """The worker form of one video: patches with ``second_per_grid`` resolved (the
+        request's, else ``temporal_patch_size / fps`` for frames, 1.0 for patches)."""
+        cfg = self.video_config
+        try:
+            seconds = float(video.second_per_grid)
+            if seconds != 0 and not (math.isfinite(seconds) and seconds > 0):
+                raise InvalidRequestError(
+                    f"second_per_grid must be positive and finite (0: derived), got {seconds}")
+            source = video.WhichOneof("source")
+            if source == "frames":
+                processed = process_video(list(video.frames.frames), cfg, video.frames.fps)
+                array, grid = processed.patches.numpy(), processed.grid_thw
+                seconds = seconds or processed.second_per_grid
+            elif source == "patches":
+                array, grid = patches_array(video.patches)
+                seconds = seconds or 1.0
+                with warnings.catch_warnings():  # a read-only view of the message: only read
+                    warnings.simplefilter("ignore", UserWarning)
+                    validate_video_patches(torch.from_numpy(array), grid, seconds, cfg)
+            else:
+                raise InvalidRequestError("the video is empty: set frames or patches")
+            if array.shape[1] != self.assets.config.vision.patch_dim:
+                raise InvalidRequestError(
+                    f"patch width {array.shape[1]} does not match the model's "
+                    f"{self.assets.config.vision.patch_dim}")
+            return video_message(array, grid, seconds)
+        except (InvalidRequestError, ConversionError) as exc:
+            raise InvalidRequestError(f"video {index}: {exc}") from exc
+
+    def _encode_text(self, text: str, counts: list[int], video_counts: list[int]) -> list[int]:
         """Same rule as the engine: without ``<|image_pad|>`` in the text, one
-        ``<|vision_start|><|image_pad|><|vision_end|>`` block per image goes first."""
+        ``<|vision_start|><|image_pad|><|vision_end|>`` block per image goes first; likewise
+        ``<|video_pad|>`` blocks for videos, after the images'."""
         tok = self.assets.tokenizer
         if tok is None:
             raise InvalidRequestError("this model has no tokenizer.json: send token_ids instead")
@@ -145,16 +226,18 @@ class Preprocessor:
             raise InvalidRequestError("the prompt text is empty")
         cfg = self.assets.config
         ids = tok.encode(text)
-        if counts and cfg.image_token_id not in ids:
-            block = [cfg.vision_start_token_id, cfg.image_token_id, cfg.vision_end_token_id]
-            ids = block * len(counts) + ids
-        ids = expand_image_placeholders(ids, cfg.image_token_id, counts)
+        head: list[int] = []
+        for items, pad in ((counts, cfg.image_token_id), (video_counts, cfg.video_token_id)):
+            if items and pad not in ids:
+                head += [cfg.vision_start_token_id, pad, cfg.vision_end_token_id] * len(items)
+        ids = expand_image_placeholders(head + ids, cfg.image_token_id, counts)
+        ids = expand_video_placeholders(ids, cfg.video_token_id, video_counts)
         if not ids:
             raise InvalidRequestError("the prompt text encodes to no tokens")
         return ids
 
-    def _check_ids(self, ids: list[int], counts: list[int]) -> list[int]:
-        """Token-id prompts: ids must be in the vocabulary; image placeholders are either
+    def _check_ids(self, ids: list[int], counts: list[int], video_counts: list[int]) -> list[int]:
+        """Token-id prompts: ids must be in the vocabulary; image (video) placeholders are either
         already expanded (one run of ``count`` pads per image) or one pad per image."""
         if not ids:
             raise InvalidRequestError("the prompt token_ids are empty")
@@ -162,15 +245,27 @@ class Preprocessor:
         bad = next((t for t in ids if t >= vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {vocab})")
-        pad = self.assets.config.image_token_id
-        pads = sum(1 for t in ids if t == pad)
-        if pads == sum(counts):
-            return ids
-        if pads == len(counts):
-            return expand_image_placeholders(ids, pad, counts)
-        raise InvalidRequestError(
-            f"prompt has {pads} image placeholder tokens but {len(counts)} images need "
-            f"{len(counts)} (one each) or {sum(counts)} (expanded)")
+        cfg = self.assets.config
+        ids = _expand_ids(ids, cfg.image_token_id, counts, "image")
+        return _expand_ids(ids, cfg.video_token_id, video_counts, "video")
+
+
+# optional message fields a checkpoint default fills when the request leaves them unset
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _expand_ids(ids: list[int], pad: int, counts: list[int], kind: str) -> list[int]:
+    """``ids`` with each ``kind`` placeholder expanded: as they are when already expanded (a
+    run of ``count`` pads each), expanded when one pad each; anything else is refused."""
+    pads = sum(1 for t in ids if t == pad)
+    if pads == sum(counts):
+        return ids
+    if pads == len(counts):
+        expand = expand_image_placeholders if kind == "image" else expand_video_placeholders
+        return expand(ids, pad, counts)
+    raise InvalidRequestError(
+        f"prompt has {pads} {kind} placeholder tokens but {len(counts)} {kind}s need "
+        f"{len(counts)} (one each) or {sum(counts)} (expanded)")
 
 
 def _grid(msg: gpb.ImagePatches) -> tuple[int, int, int]:

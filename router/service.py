@@ -65,7 +65,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.config = config
         self.assets = assets
         self.pool = pool
-        self.prep = Preprocessor(assets, config.max_new_tokens_default, config.max_images)
+        self.prep = Preprocessor(assets, config.max_new_tokens_default, config.max_images,
+                                 config.video_limits)
         self.ids: set[str] = set()  # request ids from admission to the end of their stream
         self.running: dict[str, RoomRun] = {}  # the ones whose workers are already called
         self.rooms: set[int] = set()
@@ -111,7 +112,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                                prefill=run.prefill.address if run.prefill else None,
                                decode=run.decode.address)
             detok = self.assets.tokenizer.detokenizer() if self.assets.tokenizer else None
-            async for msg in relay(run, rid, detok, prepared.sampling.logprobs):
+            async for msg in relay(run, rid, detok, prepared.sampling.logprobs,
+                                   prepared.sampling.stop):
                 timer.tokens(len(msg.token_ids))
                 line.tokens(len(msg.token_ids))
                 if msg.finished:
@@ -155,7 +157,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         self.metrics["requests"] += 1
         self.metrics["local_prefill" if local else "remote_prefill"] += 1
         wreq = wpb.WorkerRequest(room=room, request_id=rid, token_ids=prepared.token_ids,
-                                 images=prepared.images, sampling=prepared.sampling)
+                                 images=prepared.images, sampling=prepared.sampling,
+                                 videos=prepared.videos)
         run = RoomRun(room, wreq, decode, prefill, bootstrap, self.spawn,
                       timeout_s=self.config.worker_timeout_s, deadline_s=context.time_remaining())
         self.running[rid] = run
@@ -184,7 +187,9 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         return gpb.ModelInfo(model_type=cfg.model_type, vocab_size=cfg.text.vocab_size,
                              max_model_len=self.assets.max_model_len,
                              has_tokenizer=self.assets.tokenizer is not None,
-                             mode=self.config.mode)
+                             mode=self.config.mode,
+                             chat_template=self.assets.chat_template.text,
+                             chat_template_source=self.assets.chat_template.source)
 
     async def Abort(  # noqa: N802
         self, request: gpb.AbortRequest, context: grpc.aio.ServicerContext

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from engine.inputs import ImageInput, RequestState
+from engine.inputs import ImageInput, RequestState, VideoInput
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from prefill_node.loop import IDLE_POLL_S, PrefillThread
@@ -48,19 +48,21 @@ class FirstStageLoop(PrefillThread):
 
     def submit(
         self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
-        sampling: SamplingParams,
+        sampling: SamplingParams, *, videos: Sequence[VideoInput] = (),
     ) -> None:
         """Validate, gate and announce a room (one critical section, so an abort racing the
         submit is delivered to the next stage after the announcement)."""
         first_only = dataclasses.replace(sampling, max_new_tokens=1)
         with self.lock:
-            req = self.engine.new_request(token_ids, images, first_only, request_id=str(room))
+            req = self.engine.new_request(token_ids, images, first_only, request_id=str(room),
+                                          videos=videos)
             self.rooms.add(room, req)
             state = req.payload
             assert isinstance(state, RequestState)
             self.link.announce(wpb.StageRoom(
                 room=room, prompt_tokens=req.num_prompt_tokens, mrope_delta=state.delta,
                 sampling=sampling_message(dataclasses.asdict(first_only)),
+                prompt_ids=req.prompt_token_ids if sampling.has_penalties else (),
             ))
             self.lock.notify()
 

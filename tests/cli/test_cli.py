@@ -154,7 +154,7 @@ def test_generate_chat_wraps_the_prompt_in_the_chat_format(tmp_path: Path) -> No
     [row] = json_lines(out)
     builtin = REPO / "engine" / "builtin" / "tiny-qwen2-vl"
     engine = LLMEngine(builtin, EngineConfig(num_pages=64, page_size=16))
-    want_ids, _ = engine.prepare_prompt(Prompt(text=chat_prompt("Write a function.")))
+    want_ids = engine.prepare(Prompt(text=chat_prompt("Write a function."))).token_ids
     assert row["prompt_token_ids"] == want_ids
     start, end = (engine.tokenizer.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
     assert want_ids.count(start) == 2 and want_ids.count(end) == 1  # single special ids
@@ -265,3 +265,24 @@ def test_unknown_device_is_a_one_line_error_on_servers_and_launch(cache_dir: Pat
     """(generate: the tests above; prefill builds its config like decode.)"""
     proc = pdserve(cache_dir, *command, "--device", "tpu")
     assert_one_line_error(proc, "choose one of auto, cpu, cuda, npu")
+
+
+def test_generate_with_video_patches(
+    model_dir: Path, cache_dir: Path, engine: LLMEngine, special: dict[str, int],
+    tmp_path: Path,
+) -> None:
+    from engine.inputs import VideoInput
+
+    patches = np.random.default_rng(1).standard_normal((32, PATCH_DIM)).astype(np.float32)
+    np.save(tmp_path / "video.npy", patches)
+    video_id = engine.model_config.video_token_id
+    ids = [7, special["vision_start_token_id"], *[video_id] * 8,
+           special["vision_end_token_id"], 8, 9]
+    out = ok(pdserve(cache_dir, "generate", "--model", str(model_dir),
+                     "--token-ids", ",".join(map(str, ids)),
+                     "--video-patches", str(tmp_path / "video.npy"), "--video-grid", "2,4,4",
+                     "--video-second-per-grid", "0.5", "--json", "--max-new-tokens", "6"))
+    [row] = json_lines(out)
+    video = VideoInput(torch.from_numpy(patches), (2, 4, 4), 0.5)
+    [want] = in_process(engine, [Prompt(token_ids=ids, videos=[video])], 6)
+    assert row["token_ids"] == want

@@ -133,8 +133,8 @@ def test_positions_of_every_forward_follow_the_rope_index(model_dir: Path) -> No
     spec.position_log = lambda *entry: seen.append(entry)
     reqs = []
     for p in prompts:
-        ids, images = spec.engine.prepare_prompt(p)
-        reqs.append(spec.engine.add_request(ids, images, GREEDY))
+        prepared = spec.engine.prepare(p)
+        reqs.append(spec.engine.add_request(prepared.token_ids, prepared.images, GREEDY))
     tables = {}
     for r, p in zip(reqs, prompts, strict=True):
         table, delta = rope_index(r.prompt_token_ids, [im.grid_thw for im in p.images], IMG, 2)
@@ -171,7 +171,8 @@ def test_worked_example_of_the_notes(model_dir: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(spec, "_accept", accept_two)
     prompt = image_prompt([7], (1, 4, 6), [8], 5)
-    ids, images = spec.engine.prepare_prompt(prompt)
+    prepared = spec.engine.prepare(prompt)
+    ids, images = prepared.token_ids, prepared.images
     assert len(ids) == 10
     spec.engine.add_request(ids, images, SamplingParams(max_new_tokens=12, ignore_eos=True))
     while spec.engine.scheduler.has_unfinished():

@@ -111,9 +111,9 @@ CASES: dict[str, tuple[Callable[[Served], None], str]] = {
         lambda s: add(s, image_prompt(s.cfg, 3), [image((1, 3, 4))]), "multiples"),
     "grid_with_zero": (lambda s: add(s, image_prompt(s.cfg, 1), [image((0, 2, 2))]), "grid"),
     "undecodable_image_bytes": (
-        lambda s: s.engine.prepare_prompt(Prompt(token_ids=[1], images=[b"garbage"])), "decode"),
+        lambda s: s.engine.prepare(Prompt(token_ids=[1], images=[b"garbage"])), "decode"),
     "empty_image_bytes": (
-        lambda s: s.engine.prepare_prompt(Prompt(token_ids=[1], images=[b""])), "empty"),
+        lambda s: s.engine.prepare(Prompt(token_ids=[1], images=[b""])), "empty"),
     "negative_temperature": (
         lambda s: add(s, [1, 2], sampling=SamplingParams(temperature=-0.5)), "temperature"),
     "nan_temperature": (
@@ -127,16 +127,16 @@ CASES: dict[str, tuple[Callable[[Served], None], str]] = {
     "stop_token_outside_vocab": (
         lambda s: add(s, [1, 2], sampling=SamplingParams(stop_token_ids=(10**6,))), "stop"),
     "both_text_and_token_ids": (
-        lambda s: s.engine.prepare_prompt(Prompt(text="hi", token_ids=[1])), "exactly one"),
+        lambda s: s.engine.prepare(Prompt(text="hi", token_ids=[1])), "exactly one"),
     "neither_text_nor_token_ids": (
-        lambda s: s.engine.prepare_prompt(Prompt()), "exactly one"),
+        lambda s: s.engine.prepare(Prompt()), "exactly one"),
 }
 
 # Cases that need a tokenizer (tiny model only).
 TEXT_CASES: dict[str, tuple[Callable[[Served], None], str]] = {
     "empty_text": (lambda s: gen_text(s, ""), "empty"),
     "more_placeholders_than_images": (
-        lambda s: s.engine.prepare_prompt(Prompt(
+        lambda s: s.engine.prepare(Prompt(
             text="<|vision_start|><|image_pad|><|vision_end|>a<|vision_start|><|image_pad|>"
                  "<|vision_end|> b", images=[image((1, 4, 4))])),
         "placeholders"),

@@ -14,7 +14,7 @@ from engine.chat import chat_prompt as engine_chat_prompt
 from router.errors import DoorError
 from router.http_door import error_response
 from router.openai_request import BadRequest, chat_call, chat_prompt
-from router.openai_response import StopMatcher
+from router.relay import StopMatcher
 from serving.overload import retry_metadata
 
 
@@ -38,12 +38,12 @@ def test_stop_matcher() -> None:
 
 
 def test_chat_prompt_with_an_image() -> None:
-    text, images = chat_prompt([{"role": "user", "content": [
+    chat = chat_prompt([{"role": "user", "content": [
         {"type": "text", "text": "a"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
-    assert text == ("<|im_start|>user\na<|vision_start|><|image_pad|><|vision_end|><|im_end|>\n"
-                    "<|im_start|>assistant\n")
-    assert images == [b"\x00\x00\x00"]
+    assert chat.text == ("<|im_start|>user\na<|vision_start|><|image_pad|><|vision_end|><|im_end|>"
+                         "\n<|im_start|>assistant\n")
+    assert chat.images == [b"\x00\x00\x00"]
 
 
 def test_door_prompt_is_the_engine_chat_template() -> None:
@@ -54,7 +54,8 @@ def test_door_prompt_is_the_engine_chat_template() -> None:
                     {"type": "text", "text": "and"},
                     {"type": "image_url", "image_url": "data:image/jpeg;base64,AAAA"},
                     {"type": "text", "text": "this?"}]}]
-    text, images = chat_prompt(messages)
+    chat = chat_prompt(messages)
+    text, images = chat.text, chat.images
     assert text == conversation_prompt([("system", "be brief"), ("user", "hi"),
                                         ("assistant", "hello"),
                                         ("user", f"and{IMAGE_BLOCK}this?")])
@@ -62,12 +63,12 @@ def test_door_prompt_is_the_engine_chat_template() -> None:
                     + chat_turn("assistant", "hello") + chat_turn("user", f"and{IMAGE_BLOCK}this?")
                     + "<|im_start|>assistant\n")
     assert images == [b"\x00\x00\x00"]
-    one, _ = chat_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
-    assert one == engine_chat_prompt("u", system="s")
+    one = chat_prompt([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    assert one.text == engine_chat_prompt("u", system="s")
 
 
 def test_door_passes_roles_through_and_checks_the_json() -> None:
-    text, _ = chat_prompt([{"role": "developer", "content": None}])
+    text = chat_prompt([{"role": "developer", "content": None}]).text
     assert text == "<|im_start|>developer\n<|im_end|>\n<|im_start|>assistant\n"
     for messages, word in (([], "non-empty list"), ([{"content": "x"}], "string 'role'"),
                            ([{"role": "user", "content": 3}], r"messages\[0\]\.content must be"),
@@ -84,7 +85,7 @@ def test_chat_call_carries_the_stream_options_and_stops() -> None:
                       "stream": True, "stream_options": {"include_usage": True},
                       "stop": ["", "x"]}, "r1")
     assert call.chat and call.stream and call.include_usage
-    assert call.stops == ["x"]
+    assert call.request.sampling.stop == ["x"] and call.n == 1
     assert call.request.request_id == "r1"
     assert call.request.text == engine_chat_prompt("hi")
     assert call.request.sampling.max_new_tokens == 5

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +20,8 @@ import pytest
 from PIL import Image
 
 from proto.pdserve.v1 import generate_pb2 as gpb
-from proto.pdserve.v1 import generate_pb2_grpc
+from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
+from proto.pdserve.v1 import worker_pb2 as wpb
 from tests.cluster.harness import Node, start_node, stop_node
 
 openai = pytest.importorskip("openai")
@@ -32,6 +34,7 @@ class Door:
     router: Node
     http_port: int
     model: str
+    decode: str  # the decode worker's address
 
     @property
     def base_url(self) -> str:
@@ -53,7 +56,7 @@ def door(tiny_dir: Path) -> Iterator[Door]:
         nodes.append(router)
         http = [line for line in router.log if line.startswith("HTTP ")]
         assert http, f"no HTTP line before READY: {router.log}"
-        yield Door(router, int(http[0].split()[1]), tiny_dir.name)
+        yield Door(router, int(http[0].split()[1]), tiny_dir.name, nodes[0].address)
     finally:
         for node in reversed(nodes):
             stop_node(node)
@@ -161,3 +164,44 @@ def test_stop_string_cuts_the_text(door: Door) -> None:
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == cut.choices[0].text
 
+
+
+def test_n_choices_are_the_seeded_grpc_generations(door: Door) -> None:
+    """``n = 2`` with a seed: choice ``i`` is what the gRPC door generates with ``seed + i``;
+    the prompt is counted once and the completions are summed."""
+    kw = {"model": door.model, "prompt": "one two", "max_tokens": 6, "temperature": 1.0,
+          "seed": 11}
+    res = door.client().completions.create(n=2, **kw)
+    with grpc.insecure_channel(door.router.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        runs = [list(stub.Generate(gpb.GenerateRequest(text="one two", sampling=gpb.SamplingParams(
+            max_new_tokens=6, temperature=1.0, seed=11 + i)))) for i in range(2)]
+    assert [c.index for c in res.choices] == [0, 1]
+    assert [c.text for c in res.choices] == ["".join(m.text for m in r) for r in runs]
+    assert res.usage is not None
+    assert res.usage.prompt_tokens == runs[0][-1].usage.prompt_tokens
+    assert res.usage.completion_tokens == sum(r[-1].usage.completion_tokens for r in runs)
+    chunks = list(door.client().completions.create(n=2, stream=True, **kw))
+    for i in range(2):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) \
+            == res.choices[i].text
+
+
+def test_grpc_stop_string_cuts_the_text_and_frees_the_worker(door: Door) -> None:
+    with grpc.insecure_channel(door.router.address) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        whole = "".join(m.text for m in stub.Generate(gpb.GenerateRequest(
+            text="alpha beta", sampling=gpb.SamplingParams(max_new_tokens=24, ignore_eos=True))))
+        stop = whole[len(whole) // 3:len(whole) // 3 + 2]
+        sampling = gpb.SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                      stop=["never there", stop])
+        msgs = list(stub.Generate(gpb.GenerateRequest(text="alpha beta", sampling=sampling)))
+    assert "".join(m.text for m in msgs) == whole[:whole.find(stop)]
+    assert msgs[-1].finished and msgs[-1].finish_reason == "stop"
+    assert msgs[-1].usage.completion_tokens == sum(len(m.token_ids) for m in msgs) <= 24
+    with grpc.insecure_channel(door.decode) as ch:
+        stub_w = worker_pb2_grpc.DecodeWorkerStub(ch)
+        deadline = time.monotonic() + 15
+        while (load := stub_w.GetLoad(wpb.GetLoadRequest())).kv_pages_used:
+            assert time.monotonic() < deadline, load
+            time.sleep(0.05)

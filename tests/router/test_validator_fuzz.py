@@ -42,8 +42,8 @@ def prep(tiny_dir: Path) -> Preprocessor:
     assets = ModelAssets.from_dir(tiny_dir)
     cfg = assets.config
     assert (assets.vocab_size, cfg.vision.patch_dim) == (VOCAB, PATCH_DIM)
-    assert (cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id) == (
-        IMAGE_PAD, VISION_START, VISION_END)
+    assert (cfg.image_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
+            cfg.video_token_id) == (IMAGE_PAD, VISION_START, VISION_END, VIDEO_PAD)
     return Preprocessor(assets, max_new_tokens_default=16, max_images=MAX_IMAGES)
 
 
@@ -51,6 +51,7 @@ def prep(tiny_dir: Path) -> Preprocessor:
 VOCAB = 512
 PATCH_DIM = 1176
 IMAGE_PAD, VISION_START, VISION_END = 510, 508, 509
+VIDEO_PAD = 511  # a video placeholder without a video is refused, like a stray image one
 
 # ---- strategies -------------------------------------------------------------------------------
 
@@ -230,7 +231,8 @@ def test_valid_patch_requests_are_accepted(prep: Preprocessor, ids: list[int],
                                            grid: tuple[int, int, int], expanded: bool) -> None:
     """Well-formed token-id + patches requests pass (so the fuzz above is not vacuous)."""
     count = num_image_tokens(grid, 2)
-    ids = [t for t in ids if t != IMAGE_PAD] + [IMAGE_PAD] * (count if expanded else 1)
+    ids = [t for t in ids if t not in (IMAGE_PAD, VIDEO_PAD)]
+    ids += [IMAGE_PAD] * (count if expanded else 1)
     n = grid[0] * grid[1] * grid[2]
     patches = gpb.ImagePatches(data=np.zeros(n * PATCH_DIM, "<f4").tobytes(),
                                shape=[n, PATCH_DIM], grid_thw=list(grid))
