@@ -42,8 +42,13 @@ def write_hf_checkpoint(path: Path, seed: int = 0, tie: bool = False) -> Path:
 
     cfg = Qwen2VLConfig(text_config=dict(HF_TEXT), vision_config=dict(HF_VISION),
                         tie_word_embeddings=tie, **HF_SPECIAL)
+    return _save_random(Qwen2VLForConditionalGeneration, cfg, path, seed)
+
+
+def _save_random(model_cls: type, cfg: object, path: Path, seed: int) -> Path:
+    """``model_cls(cfg)`` with seeded random weights, saved by its own ``save_pretrained``."""
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg)
+    model = model_cls(cfg)
     with torch.no_grad():  # larger weights than the default init, so logits are far from ties
         for p in model.parameters():
             if p.dim() > 1:
@@ -97,14 +102,7 @@ def write_hf_qwen2_5_checkpoint(path: Path, seed: int = 0) -> Path:
 
     cfg = Qwen2_5_VLConfig(text_config=dict(HF_TEXT), vision_config=dict(HF25_VISION),
                            **HF_SPECIAL)
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(cfg)
-    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path)
-    return path
+    return _save_random(Qwen2_5_VLForConditionalGeneration, cfg, path, seed)
 
 
 @pytest.fixture(scope="session")

@@ -80,10 +80,13 @@ class VisionBlock(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """Each run of ``m*m`` rows ``[N, embed_dim]`` becomes one ``[N/m^2, hidden]`` row, after the
+    norm ``ln_q`` (Qwen2-VL's LayerNorm by default; Qwen2.5-VL passes an RMSNorm)."""
+
+    def __init__(self, cfg: VisionConfig, ln_q: nn.Module | None = None) -> None:
         super().__init__()
         self.width = cfg.embed_dim * cfg.spatial_merge_size**2
-        self.ln_q = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
+        self.ln_q = ln_q if ln_q is not None else nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.mlp = nn.Sequential(
             nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.hidden_size)
         )

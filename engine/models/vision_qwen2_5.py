@@ -31,7 +31,7 @@ from engine.models.layers import (
     activation,
     inverse_frequencies,
 )
-from engine.models.vision import Grid, PatchEmbed, rotary_angles
+from engine.models.vision import Grid, PatchEmbed, PatchMerger, rotary_angles
 
 _NORM_EPS = 1e-6
 
@@ -120,22 +120,6 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class RmsPatchMerger(nn.Module):
-    """Qwen2-VL's patch merger with an RMSNorm in place of its LayerNorm: each run of ``m*m``
-    rows ``[N, embed_dim]`` becomes one ``[N/m^2, hidden]`` row."""
-
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.width = cfg.embed_dim * cfg.spatial_merge_size**2
-        self.ln_q = RMSNorm(cfg.embed_dim, _NORM_EPS)
-        self.mlp = nn.Sequential(
-            nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, cfg.hidden_size)
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.ln_q(x).view(-1, self.width))
-
-
 class Qwen25VisionTower(nn.Module):
     """Patches of several images or videos in, merged patch embeddings out (prompt order)."""
 
@@ -145,7 +129,7 @@ class Qwen25VisionTower(nn.Module):
         self.full_blocks = frozenset(cfg.fullatt_block_indexes)
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.depth)])
-        self.merger = RmsPatchMerger(cfg)
+        self.merger = PatchMerger(cfg, RMSNorm(cfg.embed_dim, _NORM_EPS))
         # [D/4], float32
         self.inv_freq = DeviceCopies(inverse_frequencies(cfg.head_dim // 2, cfg.rope_theta))
 
