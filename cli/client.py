@@ -199,7 +199,8 @@ def _router_template(stub: Any, timeout: float | None, metadata: Metadata) -> Ch
     info = stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=timeout, metadata=metadata)
     if not info.chat_template:
         return ChatTemplate.builtin()
-    return ChatTemplate(info.chat_template, f"the router's {info.chat_template_source}")
+    return ChatTemplate(info.chat_template, f"the router's {info.chat_template_source}",
+                        dict(info.chat_special_tokens))
 
 
 def _channel(target: str, options: list[tuple[str, int]], ca: bytes | None) -> grpc.Channel:

@@ -189,7 +189,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                              has_tokenizer=self.assets.tokenizer is not None,
                              mode=self.config.mode,
                              chat_template=self.assets.chat_template.text,
-                             chat_template_source=self.assets.chat_template.source)
+                             chat_template_source=self.assets.chat_template.source,
+                             chat_special_tokens=dict(self.assets.chat_template.special_tokens))
 
     async def Abort(  # noqa: N802
         self, request: gpb.AbortRequest, context: grpc.aio.ServicerContext

@@ -49,6 +49,13 @@ def test_client_renders_with_the_router_template(tmp_path: Path) -> None:
     plain = build_parser().parse_args(["client", "--chat", "hi"])
     assert build_request(plain, old_router).text == build_request(plain).text == chat_prompt("hi")
 
+    # the template's special tokens come with it, so the client renders as the router would
+    with_bos = _router_template(InfoStub(gpb.ModelInfo(
+        chat_template="{{ bos_token }}{{ messages[0]['content'] }}",
+        chat_template_source="chat_template.jinja", chat_special_tokens={"bos_token": "<s>"})),
+        None, ())
+    assert build_request(plain, with_bos).text == "<s>hi"
+
 
 def test_generate_renders_with_the_checkpoint_template(tmp_path: Path) -> None:
     shutil.copy(BUILTIN / "tokenizer.json", tmp_path / "tokenizer.json")

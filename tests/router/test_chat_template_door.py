@@ -75,12 +75,14 @@ def post_chat(service: RecordingService, body: dict[str, Any]) -> tuple[int, dic
 
 
 def test_model_info_reports_the_template(model_dir: Path) -> None:
-    for path, text, source in ((model_dir, QWEN2_VL_STYLE, "tokenizer_config.json"),
-                               (BUILTIN, CHATML_TEMPLATE, BUILTIN_SOURCE)):
+    for path, text, source, special in (
+            (model_dir, QWEN2_VL_STYLE, "tokenizer_config.json", {"eos_token": "<|im_end|>"}),
+            (BUILTIN, CHATML_TEMPLATE, BUILTIN_SOURCE, {})):
         config = RouterConfig(path, colocated=("127.0.0.1:1",))
         service = GenerationService(config, ModelAssets.from_dir(path), cast(WorkerPool, None))
         info = asyncio.run(service.GetModelInfo(gpb.GetModelInfoRequest(), cast(Any, None)))
         assert (info.chat_template, info.chat_template_source) == (text, source)
+        assert dict(info.chat_special_tokens) == special
 
 
 def test_the_door_renders_the_checkpoint_template(model_dir: Path) -> None:

@@ -129,7 +129,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_type", "vocab_size", "max_model_len", "has_tokenizer", "mode", "chat_template", "chat_template_source")
+    __slots__ = ("model_type", "vocab_size", "max_model_len", "has_tokenizer", "mode", "chat_template", "chat_template_source", "chat_special_tokens")
+    class ChatSpecialTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +144,7 @@ class ModelInfo(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_type: str
     vocab_size: int
     max_model_len: int
@@ -144,7 +152,8 @@ class ModelInfo(_message.Message):
     mode: str
     chat_template: str
     chat_template_source: str
-    def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., mode: _Optional[str] = ..., chat_template: _Optional[str] = ..., chat_template_source: _Optional[str] = ...) -> None: ...
+    chat_special_tokens: _containers.ScalarMap[str, str]
+    def __init__(self, model_type: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., mode: _Optional[str] = ..., chat_template: _Optional[str] = ..., chat_template_source: _Optional[str] = ..., chat_special_tokens: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
