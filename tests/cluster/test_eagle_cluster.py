@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -24,6 +25,7 @@ from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from tests.cluster.harness import Node, running
 from tests.cluster.stats import get_stats
+from tests.cluster.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
 SPECIAL = tiny_config_dict()
@@ -108,17 +110,35 @@ def want(model_dir: Path) -> list[list[int]]:
     return expected(model_dir)
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_disaggregated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]],
-                                                   k: int) -> None:
+KS = (1, 3, 5)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(model_dir: Path) -> Iterator[dict[str, Node]]:
+    """One EAGLE prefill, and per draft length k a decode node and a router on the pair (all
+    started at once: the prefill's draft work does not depend on k)."""
     model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
-    with running(["prefill", *model, *NODE, *draft],
-                 ["decode", *model, *NODE, *draft, "--num-draft-tokens", str(k)]) as [p, d]:
-        router_cmd = ["router", *model, "--port", "0", "--prefill", p.address,
-                      "--decode", d.address]
-        with running(router_cmd) as [r]:
-            check(generate_all(r), want)
-        idle([(p, worker_pb2_grpc.PrefillWorkerStub), (d, worker_pb2_grpc.DecodeWorkerStub)])
+    nodes: list[Node] = []
+    try:
+        nodes += start_all([["prefill", *model, *NODE, *draft],
+                            *[["decode", *model, *NODE, *draft, "--num-draft-tokens", str(k)]
+                              for k in KS]])
+        p, decodes = nodes[0], nodes[1:]
+        nodes += start_all([["router", *model, "--port", "0", "--prefill", p.address,
+                             "--decode", d.address] for d in decodes])
+        routers = nodes[1 + len(KS):]
+        yield {"prefill": p, **{f"decode{k}": d for k, d in zip(KS, decodes, strict=True)},
+               **{f"router{k}": r for k, r in zip(KS, routers, strict=True)}}
+    finally:
+        stop_all(nodes)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_disaggregated_eagle_equals_plain_decoding(disaggregated: dict[str, Node],
+                                                   want: list[list[int]], k: int) -> None:
+    check(generate_all(disaggregated[f"router{k}"]), want)
+    idle([(disaggregated["prefill"], worker_pb2_grpc.PrefillWorkerStub),
+          (disaggregated[f"decode{k}"], worker_pb2_grpc.DecodeWorkerStub)])
 
 
 def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]]) -> None:
