@@ -1,12 +1,14 @@
-"""The Qwen2-VL vision tower: patch embedding, blocks with 2-D rotary, patch merger.
+"""The Qwen2-VL vision tower: patch embedding, blocks with 2-D rotary, patch merger; and the
+pieces the Qwen2.5-VL tower shares (patch embedding, segment attention, merger, rotary angles).
 
-Input: patches ``[N, C*T*P*P]`` exactly as the image processor produces them, and one grid
-``(t, h, w)`` per image. Output: one embedding per merged patch ``[N / merge**2, hidden]``, in
+Input: patches ``[N, C*T*P*P]`` exactly as the image or video processor produces them, and one
+grid ``(t, h, w)`` per image or video (attention stays inside each frame). Output: one embedding per merged patch ``[N / merge**2, hidden]``, in
 prompt order. Parameter names follow the Hugging Face ``visual.*`` layout.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +34,22 @@ class PatchEmbed(nn.Module):
         return self.proj(x.to(self.proj.weight.dtype)).view(-1, c.embed_dim)
 
 
-class VisionAttention(nn.Module):
+def segment_groups(lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    """Row indices of consecutive segments of ``lengths`` rows, grouped by length: one
+    ``[segments, length]`` tensor per distinct length, on ``device``."""
+    starts: dict[int, list[int]] = {}
+    for start, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths, strict=True):
+        starts.setdefault(n, []).append(start)
+    return [
+        torch.tensor(s, device=device).unsqueeze(1) + torch.arange(n, device=device)
+        for n, s in starts.items()
+    ]
+
+
+class SegmentAttention(nn.Module):
+    """Bidirectional attention inside segments of rows: every segment of one length attends in
+    one batched call."""
+
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -40,17 +57,16 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], rot: RotaryTables
+        self, x: torch.Tensor, groups: Sequence[torch.Tensor], rot: RotaryTables
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, heads, D]
         q = rot.apply(q.float()).to(x.dtype)
         k = rot.apply(k.float()).to(x.dtype)
         out = torch.empty_like(q)
-        for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            # [1, heads, L, D] per frame: full attention inside one frame of one image
-            qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
+        for rows in groups:  # [S, L]
+            qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, D]
+            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
         return self.proj(out.reshape(n, -1))
 
 
@@ -71,11 +87,13 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
-        self.attn = VisionAttention(cfg)
+        self.attn = SegmentAttention(cfg)
         self.mlp = VisionMlp(cfg)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: list[int], rot: RotaryTables) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, rot)
+    def forward(
+        self, x: torch.Tensor, frames: Sequence[torch.Tensor], rot: RotaryTables
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), frames, rot)
         return x + self.mlp(self.norm2(x))
 
 
@@ -111,12 +129,10 @@ class VisionTower(nn.Module):
         """``patches`` ``[N, C*T*P*P]``, ``grids`` one ``(t, h, w)`` per image -> ``[N/m^2, H]``."""
         x = self.patch_embed(patches)  # [N, embed_dim]
         rot = self._rotary(grids)
-        cu = [0]
-        for t, h, w in grids:
-            base = cu[-1]
-            cu.extend(base + h * w * (i + 1) for i in range(t))
+        # full attention inside each frame of each image or video
+        frames = segment_groups([h * w for t, h, w in grids for _ in range(t)], x.device)
         for blk in self.blocks:
-            x = blk(x, cu, rot)
+            x = blk(x, frames, rot)
         return self.merger(x)
 
     def _rotary(self, grids: Sequence[Grid]) -> RotaryTables:

@@ -16,11 +16,9 @@ consecutive rows, and puts the merged outputs back in prompt order at the end.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import VisionConfig
@@ -31,7 +29,14 @@ from engine.models.layers import (
     activation,
     inverse_frequencies,
 )
-from engine.models.vision import Grid, PatchEmbed, PatchMerger, rotary_angles
+from engine.models.vision import (
+    Grid,
+    PatchEmbed,
+    PatchMerger,
+    SegmentAttention,
+    rotary_angles,
+    segment_groups,
+)
 
 _NORM_EPS = 1e-6
 
@@ -54,42 +59,6 @@ def window_order(grids: Sequence[Grid], merge: int, side: int) -> tuple[torch.Te
         lengths.extend(torch.bincount(key, minlength=t * per_frame).tolist())
         base += t * rows * cols
     return torch.cat(orders), lengths
-
-
-def segment_groups(lengths: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-    """Row indices of consecutive segments of ``lengths`` rows, grouped by length: one
-    ``[segments, length]`` tensor per distinct length, on ``device``."""
-    starts: dict[int, list[int]] = {}
-    for start, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths, strict=True):
-        starts.setdefault(n, []).append(start)
-    return [
-        torch.tensor(s, device=device).unsqueeze(1) + torch.arange(n, device=device)
-        for n, s in starts.items()
-    ]
-
-
-class SegmentAttention(nn.Module):
-    """Bidirectional attention inside segments of rows: every segment of one length attends in
-    one batched call."""
-
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_heads
-        self.qkv = nn.Linear(cfg.embed_dim, 3 * cfg.embed_dim, bias=True)
-        self.proj = nn.Linear(cfg.embed_dim, cfg.embed_dim)
-
-    def forward(
-        self, x: torch.Tensor, groups: Sequence[torch.Tensor], rot: RotaryTables
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, heads, D]
-        q = rot.apply(q.float()).to(x.dtype)
-        k = rot.apply(k.float()).to(x.dtype)
-        out = torch.empty_like(q)
-        for rows in groups:  # [S, L]
-            qs, ks, vs = (t[rows].transpose(1, 2) for t in (q, k, v))  # [S, heads, L, D]
-            out[rows] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
-        return self.proj(out.reshape(n, -1))
 
 
 class GatedMlp(nn.Module):
