@@ -2,8 +2,9 @@
 pieces the Qwen2.5-VL tower shares (patch embedding, segment attention, merger, rotary angles).
 
 Input: patches ``[N, C*T*P*P]`` exactly as the image or video processor produces them, and one
-grid ``(t, h, w)`` per image or video (attention stays inside each frame). Output: one embedding per merged patch ``[N / merge**2, hidden]``, in
-prompt order. Parameter names follow the Hugging Face ``visual.*`` layout.
+grid ``(t, h, w)`` per image or video (attention stays inside each frame). Output: one
+embedding per merged patch ``[N / merge**2, hidden]``, in prompt order. Parameter names follow
+the Hugging Face ``visual.*`` layout.
 """
 
 from __future__ import annotations
