@@ -106,7 +106,7 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (is this a model directory?)")
-        raw = _read_json_object(path)
+        raw = read_json_object(path)
         extra_eos = _read_generation_eos(Path(model_dir))
         return cls.from_dict(raw, extra_eos=extra_eos)
 
@@ -218,7 +218,8 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
-def _read_json_object(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; ConfigError if it is unreadable, not JSON or not an object."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -233,7 +234,7 @@ def _read_generation_eos(model_dir: Path) -> tuple[int, ...]:
     if not path.is_file():
         return ()
     try:
-        return _as_ids(_read_json_object(path).get("eos_token_id"))
+        return _as_ids(read_json_object(path).get("eos_token_id"))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{path}: bad eos_token_id: {exc}") from exc
 

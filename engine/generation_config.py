@@ -11,12 +11,12 @@ file that exists but is not a JSON object, or holds a value of the wrong type, i
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from engine.config import read_json_object
 from engine.errors import ConfigError
 
 FILE_NAME = "generation_config.json"
@@ -39,13 +39,7 @@ class GenerationDefaults:
         path = Path(model_dir) / FILE_NAME
         if not path.is_file():
             return cls()
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: not readable JSON ({exc})") from exc
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: must hold a JSON object")
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(read_json_object(path), str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = FILE_NAME) -> GenerationDefaults:
