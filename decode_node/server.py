@@ -49,7 +49,8 @@ async def serve_decode(
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
     )
-    identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
+    identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
+                             engine.model_config.text.num_hidden_layers)
     service = DecodeService(max_waiting)
     loop = DecodeLoop(engine, service.emit, spec)
     clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config)

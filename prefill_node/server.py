@@ -64,7 +64,8 @@ async def serve_prefill(
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=4, hostname=advertise_host,
     )
-    identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype)
+    identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
+                             engine.model_config.text.num_hidden_layers)
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
                                        config=bootstrap_config)
     service = PrefillService(max_waiting)

@@ -118,7 +118,8 @@ class AscendKVManager(MooncakeKVManager):
     ) -> Any:
         _init_npu(_load_npu_runtime(), self.device_id)
         return create_mooncake_engine(
-            hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server
+            hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server,
+            kv_device=f"npu:{self.device_id}",
         )
 
     def _register_ranges(self, ranges: list[MemoryRange]) -> None:

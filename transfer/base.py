@@ -6,8 +6,12 @@ here, once, with one keyword signature; backends only supply the engine calls
 (:meth:`KVManager._register_ranges`, :meth:`KVManager._write`). Every registered range carries
 the device its bytes live on (:class:`~transfer.memory.MemoryRange`): KV buffers wherever the
 pool put them (host, GPU or NPU), the aux buffer always on the host. KV then moves device to
-device and aux rows host to host, both through the same engine. Unknown keywords are accepted and
-ignored, so a caller passing what one backend needs can never crash another.
+device and aux rows host to host, both through the same engine. Backends never override
+``send_kvcache``, so a caller's keywords mean the same on every backend. Besides this project's
+own keywords it takes those that callers written for SGLang's KV managers pass (``executor``,
+``dst_device_kv_indices``, ``dst_kv_item_len``, ``dst_attn_tp_size``, see
+:meth:`KVManager.send_kvcache`); any other keyword, a misspelled one included, is a
+``TypeError`` naming it rather than silently dropped.
 
 Invariant: every check (page lists, layer pairing, bytes per page) runs before the first byte
 moves; a failure after that raises :class:`~transfer.errors.EngineCallError`.
@@ -18,8 +22,9 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from transfer.aux import AuxBuffer
 from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
@@ -128,10 +133,13 @@ class KVManager(ABC):
         src_pages: Sequence[int],
         dst_ptrs: Sequence[int],
         dst_pages: Sequence[int],
+        executor: Executor | None = None,
         *,
         dst_layer_ids: Sequence[int] | None = None,
         dst_bytes_per_page: Sequence[int] | None = None,
-        **ignored: Any,
+        dst_kv_item_len: int | None = None,
+        dst_device_kv_indices: Sequence[int] | None = None,
+        dst_attn_tp_size: int | None = None,
     ) -> SendResult:
         """Write local pages ``src_pages`` into the peer's pages ``dst_pages`` of every entry.
 
@@ -140,8 +148,31 @@ class KVManager(ABC):
         ``dst_bytes_per_page`` its bytes per page per entry (checked against ours when given).
         Runs of pages consecutive on both sides go as one block; all blocks go in as few engine
         calls as ``batch_limit`` allows.
+
+        The keywords of callers written for SGLang's KV managers:
+
+        - ``executor`` (SGLang's fifth positional argument): ignored, writes here are
+          synchronous; it must be ``None`` or a :class:`concurrent.futures.Executor`;
+        - ``dst_kv_item_len``: the peer's bytes per page of every entry, checked like
+          ``dst_bytes_per_page``;
+        - ``dst_device_kv_indices``: ignored; the decode here keeps one page list per room,
+          so its pages are ``dst_pages``;
+        - ``dst_attn_tp_size``: must be ``None`` or 1, both nodes hold every KV head (no
+          head-sliced transfer).
+
+        Any other keyword is a ``TypeError`` naming it.
         """
-        del ignored
+        del dst_device_kv_indices
+        if executor is not None and not isinstance(executor, Executor):
+            raise TypeError(
+                f"send_kvcache: executor must be None or a concurrent.futures.Executor, got "
+                f"{type(executor).__name__} (pass the destination arguments by keyword)"
+            )
+        if dst_attn_tp_size not in (None, 1):
+            raise TransferError(
+                f"send_kvcache: dst_attn_tp_size={dst_attn_tp_size} asks for a head-sliced "
+                "transfer; prefill and decode here both hold every KV head (attention TP 1)"
+            )
         if not self._registered:
             raise TransferError("register() the KV buffers before sending")
         src = as_page_list(src_pages, "src_pages")
@@ -156,6 +187,9 @@ class KVManager(ABC):
                     "destination entries"
                 )
             check_bytes_per_page(pairs, self.kv_bytes_per_page, dst_bytes_per_page)
+        if dst_kv_item_len is not None:
+            uniform = [dst_kv_item_len] * len(dst_ptrs)
+            check_bytes_per_page(pairs, self.kv_bytes_per_page, uniform)
         runs = contiguous_runs(src, dst)
         srcs, dsts, lens = build_blocks(pairs, self.kv_ptrs, dst_ptrs, self.kv_bytes_per_page, runs)
         return self._write_blocks(session, srcs, dsts, lens)

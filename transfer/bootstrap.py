@@ -24,6 +24,7 @@ Implementations: :mod:`transfer.bootstrap_prefill` and :mod:`transfer.bootstrap_
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transfer.base import KVManager
@@ -58,11 +59,19 @@ class BootstrapConfig:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What both nodes must agree on to exchange KV."""
+    """What both nodes must agree on to exchange KV.
+
+    ``num_hidden_layers`` is the target model's layer count: layer ids from it up are the EAGLE
+    draft band (:func:`transfer.layers.draft_layer_ids`). A prefill that declares it refuses a
+    decode whose draft band differs from its own (one side with a draft, the other without);
+    0 declares nothing and skips that check. Nothing new crosses the wire: each side's band is
+    read from the layer ids its registration already carries.
+    """
 
     model_fingerprint: str
     page_size: int
     dtype: str
+    num_hidden_layers: int = 0
 
 
 def check_token(secret: str | None, reg: Registration) -> None:
@@ -76,8 +85,9 @@ def check_token(secret: str | None, reg: Registration) -> None:
 def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registration) -> None:
     """Raise :class:`IncompatiblePeerError` unless the decode's registration fits this prefill.
 
-    Checks model fingerprint, page size, dtype, that every local layer entry has a destination
-    entry with equal bytes per page, and that aux rows have the same size.
+    Checks model fingerprint, page size, dtype, that both hold the same EAGLE draft band (or
+    neither has a draft), that every local layer entry has a destination entry with equal bytes
+    per page, and that aux rows have the same size.
     """
     mismatches = [
         (name, mine, theirs)
@@ -91,6 +101,7 @@ def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registrat
     if mismatches:
         name, mine, theirs = mismatches[0]
         raise IncompatiblePeerError(f"{name} differs: prefill has {mine!r}, decode has {theirs!r}")
+    check_draft_band(identity.num_hidden_layers, manager.kv_layer_ids, reg.kv_layer_ids)
     if not len(reg.kv_ptrs) == len(reg.kv_bytes_per_page):
         raise IncompatiblePeerError("registration has ragged kv_ptrs / kv_bytes_per_page")
     try:
@@ -104,3 +115,28 @@ def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registrat
         raise IncompatiblePeerError(
             f"aux rows differ: prefill {manager.aux.row_bytes} bytes, decode {reg.aux_row_bytes}"
         )
+
+
+def check_draft_band(
+    num_hidden_layers: int, prefill_ids: Sequence[int] | None, decode_ids: Sequence[int] | None
+) -> None:
+    """Raise :class:`IncompatiblePeerError` naming both sides unless the prefill's and the
+    decode's layer ids hold the same draft band (ids ``>= num_hidden_layers``).
+
+    A decode with a draft fed by a prefill without one would receive no draft KV and draft from
+    garbage; the reverse has nowhere to put it. Skipped when ``num_hidden_layers`` is 0 or a side
+    publishes no layer ids (positional pairing then compares entry counts).
+    """
+    if num_hidden_layers <= 0 or not prefill_ids or not decode_ids:
+        return
+    mine = sorted({i for i in prefill_ids if i >= num_hidden_layers})
+    theirs = sorted({i for i in decode_ids if i >= num_hidden_layers})
+    if mine != theirs:
+        raise IncompatiblePeerError(
+            f"EAGLE drafts differ: prefill has {_describe_draft(mine)}, decode has "
+            f"{_describe_draft(theirs)}; start both nodes with the same --draft, or neither"
+        )
+
+
+def _describe_draft(band: list[int]) -> str:
+    return f"a draft (KV layer ids {band})" if band else "no draft"

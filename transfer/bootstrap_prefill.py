@@ -91,6 +91,7 @@ class PrefillBootstrapServer:
         self._lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
         self._conns: list[_Conn] = []
+        self._refused: tuple[float, str] | None = None  # (when, why) of the last refused decode
         self._stop = threading.Event()
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(self.config.tick_s * 4)
@@ -286,6 +287,8 @@ class PrefillBootstrapServer:
             fs.send(RegisterReply(True, ""))
             sock.settimeout(None)
         except (OSError, TransferError) as exc:
+            with self._lock:
+                self._refused = (time.monotonic(), str(exc))
             try:
                 fs.send(RegisterReply(False, str(exc)))
             except (OSError, TransferError):
@@ -367,6 +370,13 @@ class PrefillBootstrapServer:
                     self._finish_locked(r)
         conn.sock.close()
 
+    def _refusal_note(self, r: _Room) -> str:
+        """Why a decode was last refused, if that happened while ``r`` waited (or just before
+        it opened): the likely reason its destination never came."""
+        if self._refused is None or self._refused[0] < r.created - self.config.connect_timeout_s:
+            return ""
+        return f" (a decode's registration was refused meanwhile: {self._refused[1]})"
+
     def _sweep_loop(self) -> None:
         cfg = self.config
         while not self._stop.wait(cfg.tick_s):
@@ -377,7 +387,8 @@ class PrefillBootstrapServer:
                     if now - r.created <= cfg.bootstrap_timeout_s or r.status.is_terminal:
                         continue
                     if r.status is KVPoll.Bootstrapping:
-                        self._fail(r, "bootstrap timeout: no destination arrived", quiesced=True)
+                        self._fail(r, "bootstrap timeout: no destination arrived"
+                                   + self._refusal_note(r), quiesced=True)
                     elif not r.claimed:
                         self._fail(r, "bootstrap timeout: no request for this room", True)
                     else:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from transfer.base import KVManager
-from transfer.errors import BackendUnavailableError, EngineCallError
+from transfer.engine_import import load_transfer_engine
+from transfer.errors import EngineCallError
 from transfer.memory import MemoryRange, check_registrable
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
@@ -25,17 +26,15 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"
 
 def create_mooncake_engine(
     hostname: str, *, protocol: str = "tcp", device_name: str = "",
-    metadata_server: str = P2P_HANDSHAKE,
+    metadata_server: str = P2P_HANDSHAKE, kv_device: str = "",
 ) -> Any:
-    """A started ``TransferEngine`` listening on ``hostname``."""
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "MooncakeKVManager needs the Mooncake transfer engine: "
-            "pip install 'pdserve[mooncake]' (host memory) or 'pdserve[cuda]' (GPU memory too)"
-        ) from exc
-    engine = TransferEngine()
+    """A started ``TransferEngine`` listening on ``hostname``.
+
+    ``kv_device`` (where the KV cache will live, "" unknown) only picks the install hint of a
+    :class:`~transfer.errors.BackendUnavailableError` when the engine cannot be loaded
+    (:mod:`transfer.engine_import`).
+    """
+    engine = load_transfer_engine(kv_device)()
     ret = engine.initialize(hostname, metadata_server, protocol, device_name)
     if ret != 0:
         raise EngineCallError(
@@ -46,7 +45,8 @@ def create_mooncake_engine(
 
 
 class MooncakeKVManager(KVManager):
-    """Mooncake-backed manager; pass ``engine`` to reuse an initialized engine."""
+    """Mooncake-backed manager; pass ``engine`` to reuse an initialized engine. ``kv_device``
+    (where the KV cache will live) picks the install hint if the engine cannot be loaded."""
 
     def __init__(
         self,
@@ -57,10 +57,12 @@ class MooncakeKVManager(KVManager):
         metadata_server: str = P2P_HANDSHAKE,
         engine: Any = None,
         batch_limit: int = 1024,
+        kv_device: str = "",
     ) -> None:
         super().__init__(batch_limit=batch_limit)
         self.hostname = hostname
         self.protocol = protocol
+        self.kv_device = kv_device
         self.engine = engine if engine is not None else self._create_engine(
             hostname, protocol, device_name, metadata_server
         )
@@ -70,7 +72,8 @@ class MooncakeKVManager(KVManager):
         self, hostname: str, protocol: str, device_name: str, metadata_server: str
     ) -> Any:
         return create_mooncake_engine(
-            hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server
+            hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server,
+            kv_device=self.kv_device,
         )
 
     @property

@@ -28,7 +28,7 @@ def make_kv_manager(
     if backend == "mooncake":
         from transfer.mooncake import MooncakeKVManager
 
-        manager = MooncakeKVManager(hostname=hostname)
+        manager = MooncakeKVManager(hostname=hostname, kv_device=kv[0].device if kv else "")
     elif backend == "ascend":
         from transfer.ascend import AscendKVManager
 

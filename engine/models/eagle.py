@@ -63,15 +63,25 @@ class DraftConfig:
             raise ConfigError(f"draft config.json has a bad field: {exc!r}") from exc
 
     def check_target(self, target: TextConfig) -> None:
-        """Raise ``ConfigError`` unless this draft fits ``target``."""
+        """Raise ``ConfigError`` unless this draft fits ``target``, naming every field that
+        differs: the draft shares the target's embedding and LM head (hidden and vocab size),
+        mirrors its KV pool (KV heads and head size), rotates by its mrope sections and carries
+        its KV in the band above the target's layers (the target's layer count)."""
         t, d = target, self.text
-        same = (t.hidden_size, t.vocab_size, t.num_hidden_layers) == (
-            d.hidden_size, d.vocab_size, self.target_num_layers)
-        if not same:
-            raise ConfigError(
-                f"draft (hidden {d.hidden_size}, vocab {d.vocab_size}, for a "
-                f"{self.target_num_layers}-layer target) does not fit the target (hidden "
-                f"{t.hidden_size}, vocab {t.vocab_size}, {t.num_hidden_layers} layers)")
+        fields = (
+            ("hidden_size", d.hidden_size, t.hidden_size),
+            ("vocab_size", d.vocab_size, t.vocab_size),
+            ("num_hidden_layers (target_num_hidden_layers)", self.target_num_layers,
+             t.num_hidden_layers),
+            ("num_key_value_heads", d.num_key_value_heads, t.num_key_value_heads),
+            ("head_dim", d.head_dim, t.head_dim),
+            ("mrope_section", list(d.mrope_section), list(t.mrope_section)),
+        )
+        diffs = [f"{name} is {mine} in the draft, {theirs} in the target"
+                 for name, mine, theirs in fields if mine != theirs]
+        if diffs:
+            raise ConfigError("the EAGLE draft does not fit the target model: "
+                              + "; ".join(diffs))
 
 
 class EagleDraft(nn.Module):

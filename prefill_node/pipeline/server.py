@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVPool, pages_for_budget
 from engine.llm_engine import LLMEngine
@@ -85,7 +85,7 @@ async def serve_first_stage(args: StageArgs) -> None:
         resolve_dtype(config.dtype, resolve_device(config.device)))
     engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages))
     runner = first_stage_runner(engine)
-    ends = await _open_endpoints(args, layers, engine.pool, text.hidden_size)
+    ends = await _open_endpoints(args, layers, engine.pool, text)
     assert ends.link is not None  # the first stage is never the last: size > 1
     service = PrefillService(args.max_waiting)
     loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link)
@@ -99,8 +99,7 @@ async def serve_first_stage(args: StageArgs) -> None:
 async def serve_later_stage(args: StageArgs) -> None:
     """Run a later stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
     share = load_later_stage(args.model_dir, args.config, args.layout)
-    ends = await _open_endpoints(args, share.layers, share.pool,
-                                 share.model_config.text.hidden_size)
+    ends = await _open_endpoints(args, share.layers, share.pool, share.model_config.text)
     stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link)
     info = wpb.StageInfo(pp_rank=args.layout.rank, pp_size=args.layout.size,
                          layer_start=share.layers.start, layer_end=share.layers.stop,
@@ -114,16 +113,17 @@ async def serve_later_stage(args: StageArgs) -> None:
 
 
 async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
-                          hidden_size: int) -> _Endpoints:
+                          text: TextConfig) -> _Endpoints:
     """Link to the next stage (waiting for it), register ``pool`` for transfer and open the
-    bootstrap endpoint."""
+    bootstrap endpoint (a stage runs no draft: a decode with one is refused at registration)."""
     identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
-                             args.config.dtype)
+                             args.config.dtype, text.num_hidden_layers)
     secret = args.bootstrap_config.secret if args.bootstrap_config is not None else None
     link = await asyncio.to_thread(_link, args.layout, layers, args.pp_next,
                                    internal_metadata(secret))
     manager = make_kv_manager(args.transfer_backend, pool.buffer_infos(),
-                              hidden_size=hidden_size, aux_rows=4, hostname=args.advertise_host)
+                              hidden_size=text.hidden_size, aux_rows=4,
+                              hostname=args.advertise_host)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
                                        port=args.bootstrap_port, config=args.bootstrap_config)
     chain = f"{args.advertise_host}:{bootstrap.address[1]}"

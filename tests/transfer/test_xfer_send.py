@@ -169,7 +169,7 @@ def test_positional_pairing_without_ids(decode_peer, backend) -> None:  # type: 
     assert not any(any(b) for b in decode_peer.call("dump"))
 
 
-def test_unknown_keywords_are_ignored(prefill, decode_peer) -> None:  # type: ignore[no-untyped-def]
+def test_sglang_keywords_are_accepted(prefill, decode_peer) -> None:  # type: ignore[no-untyped-def]
     decode_peer.call("zero")
     _send(prefill, decode_peer, [5], [6], dst_device_kv_indices=[1], executor=None)
     _check_landed(prefill, decode_peer, [5], [6])
