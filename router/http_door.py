@@ -10,7 +10,9 @@ statuses (:mod:`router.openai_response`). This module is the HTTP: routes, auth,
 With the router's ``--tls-cert/--tls-key`` the door serves HTTPS with the same certificate, and
 with ``--auth-token-file`` every ``/v1/*`` call must carry ``Authorization: Bearer <token>``
 (compared in constant time; 401 otherwise), as on the gRPC door; ``/health`` and ``/metrics``
-stay open, like gRPC health and the metrics port.
+stay open, like gRPC health and the metrics port. ``/health`` mirrors the router's gRPC health:
+200 ``{"status": "ok"}`` while the worker pool is ready, else 503 ``{"status": "not ready",
+"reason": ...}`` (:func:`router.workers.readiness`).
 
 A request with ``n > 1`` runs ``n`` generations concurrently (ids ``<id>-<i>``, seed ``seed + i``
 when seeded) and answers with ``n`` choices; usage counts the prompt once and sums the
@@ -112,7 +114,10 @@ class HttpDoor:
     # ---- handlers ----------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        state = self.service.pool.readiness
+        if state.ready:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "not ready", "reason": state.reason}, status=503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         """The router's Prometheus metrics, the same as on ``--metrics-port``."""

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from router.config import RouterConfig
 from router.preprocess import ModelAssets
 from router.service import GenerationService
-from router.workers import WorkerPool
+from router.workers import Readiness, WorkerPool
 from serving.auth import ServerSecurity, bearer_token, internal_metadata
 from serving.metrics import metrics_registry
-from serving.server import SHUTDOWN_GRACE_S, start_server, wait_for_signal
+from serving.server import SHUTDOWN_GRACE_S, set_serving, start_server, wait_for_signal
 
 SERVICE_NAME = "pdserve.v1.Generation"
 
@@ -27,7 +28,9 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     ``security``: TLS and the bearer-token rule of the public port (see :mod:`serving.auth`).
 
     Workers need not be up yet: unreachable ones are marked unhealthy and retried by the
-    background ``GetLoad`` poll.
+    background ``GetLoad`` poll. ``READY`` means the port is open; gRPC health (``""`` and
+    ``pdserve.v1.Generation``) and the HTTP door's ``/health`` say ``SERVING`` only while the
+    pool has a usable worker set (:func:`router.workers.readiness`) and follow it both ways.
     """
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     assets = ModelAssets.from_dir(config.model_dir)
@@ -36,11 +39,21 @@ async def serve_router(config: RouterConfig, host: str, port: int,
                       metadata=internal_metadata(config.internal_token))
     await pool.start()
     service = GenerationService(config, assets, pool)
-    server, bound, _ = await start_server(
+    server, bound, health = await start_server(
         [(generate_pb2_grpc.add_GenerationServicer_to_server, service, SERVICE_NAME)], host, port,
         role="router", stats=service.stats, security=security,
         metrics_port=metrics_port, metrics_collectors=service.latency.collectors(),
+        serving=pool.readiness.ready,
     )
+    flip = asyncio.Lock()
+
+    async def follow(_: Readiness) -> None:
+        """Set health to the pool's readiness now (under a lock, so flips land in order)."""
+        async with flip:
+            await set_serving(health, ("", SERVICE_NAME), pool.readiness.ready)
+
+    pool.on_change = follow
+    await follow(pool.readiness)  # it may have flipped while the server started
     door = None
     if config.http_port is not None:
         from router.http_door import HttpDoor

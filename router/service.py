@@ -141,18 +141,29 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def _admit(self, rid: str, prepared: PreparedRequest,
                      context: grpc.aio.ServicerContext) -> RoomRun:
-        """Pick the workers, draw the room id, register and start the room."""
+        """Pick the workers, draw the room id, register and start the room.
+
+        A picked worker that the background poll has not reached (or, for a prefill, whose
+        bootstrap address is unknown) is asked right then (:meth:`WorkerPool.ensure`); the
+        request fails with ``UNAVAILABLE`` naming it only if it does not answer.
+        """
         decode = self.pool.pick(self.pool.decode)
+        await self.pool.ensure(decode)
+        if not decode.healthy:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"decode worker {decode.address} is unreachable ({decode.error})")
         prefill = None
         bootstrap = ""
         short = len(prepared.token_ids) < self.config.local_prefill_threshold
         local = self.config.mode == "colocated" or short
         if not local:  # disaggregated: no prefill worker found is UNAVAILABLE, never local
             prefill = self.pool.pick(self.pool.prefill)
-            bootstrap = await self.pool.bootstrap_of(prefill)
+            await self.pool.ensure(prefill)
+            bootstrap = prefill.report.bootstrap if prefill.healthy else ""
             if not bootstrap:
+                cause = prefill.error or "it reports no bootstrap address"
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill worker {prefill.address}: no bootstrap address")
+                                    f"prefill worker {prefill.address} is unusable ({cause})")
         room = self._new_room()  # reserved only once the request will run
         self.metrics["requests"] += 1
         self.metrics["local_prefill" if local else "remote_prefill"] += 1

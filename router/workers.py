@@ -14,6 +14,18 @@ IP vanished gets no new requests from then on (it leaves :attr:`WorkerPool.prefi
 runs on it (and at least one refresh period after it vanished, so a request admitted just
 before is not cut). A failed lookup changes nothing (a DNS hiccup must not drop a live cluster);
 an empty answer retires every worker of that name. Plain ``HOST:PORT`` workers never change.
+
+Readiness (:func:`readiness`): the router can serve once at least one decode worker answered its
+last ``GetLoad`` and, when the pool has prefill entries (disaggregated mode), at least one prefill
+worker did too and reported its bootstrap address (any prefill pairs with any decode). The pool
+re-checks the rule after every poll round and every on-demand probe and calls
+:attr:`WorkerPool.on_change` when the answer flips (the router's health follows it).
+
+On-demand probe (:meth:`WorkerPool.ensure`): a request that picks a worker whose last poll failed,
+or a prefill whose bootstrap address is not known yet, asks that worker right then, waiting up to
+``CONNECT_WAIT_S`` for its connection, so a worker that is up is never refused because the
+background poll has not reached it yet. Channels retry a lost connection at least every
+``MAX_RECONNECT_BACKOFF_MS``, so a worker that comes (back) up is seen within about a second.
 """
 
 from __future__ import annotations
@@ -34,9 +46,13 @@ from serving.auth import Metadata
 from serving.server import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
+MAX_RECONNECT_BACKOFF_MS = 1000  # a down worker's channel retries its connection this often
+CONNECT_WAIT_S = 2.0  # how long an on-demand probe waits for a worker's connection
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 PREFILL = "prefill"
 DECODE = "decode"
@@ -64,7 +80,8 @@ class Worker:
     outstanding_tokens: int = 0  # prompt tokens of this router's requests not yet released
     running: int = 0  # this router's requests assigned here and not yet released
     report: wpb.LoadReport = field(default_factory=wpb.LoadReport)
-    healthy: bool = True
+    healthy: bool = False  # its last GetLoad succeeded (False until the first one)
+    error: str = "not asked yet"  # why the last GetLoad failed ("" after a success)
     source: str = ""  # the dns:NAME:PORT entry that found it; "" for a plain HOST:PORT
     retired_ticks: int = 0  # DNS refreshes since it vanished (retiring workers only)
     metadata: Metadata = ()  # sent on every call (the internal token, when configured)
@@ -127,6 +144,9 @@ class WorkerPool:
         self.timeout_s = timeout_s
         self.dns_refresh_s = dns_refresh_s
         self.resolver = resolver
+        self.need_prefill = bool(prefill)  # disaggregated: a usable pair needs a prefill
+        self.readiness = Readiness(False, "workers not polled yet")
+        self.on_change: Callable[[Readiness], Awaitable[None]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -149,19 +169,46 @@ class WorkerPool:
             await w.channel.close()
 
     async def refresh(self) -> None:
-        """One ``GetLoad`` on every worker, concurrently."""
+        """One ``GetLoad`` on every worker, concurrently; then re-check readiness."""
         await asyncio.gather(*(self._refresh_one(w) for w in self.all))
+        await self._recheck()
 
-    async def _refresh_one(self, w: Worker) -> None:
+    async def ensure(self, w: Worker) -> None:
+        """Ask ``w`` now if its last poll failed (or, for a prefill, its bootstrap address is
+        unknown), waiting up to ``CONNECT_WAIT_S`` for its connection; then re-check readiness.
+        The caller reads the outcome from ``w.healthy``, ``w.report`` and ``w.error``."""
+        if w.healthy and (w.kind == DECODE or w.report.bootstrap):
+            return
+        await self._refresh_one(w, wait_s=min(self.timeout_s, CONNECT_WAIT_S))
+        await self._recheck()
+
+    async def _refresh_one(self, w: Worker, wait_s: float | None = None) -> None:
+        """One ``GetLoad`` on ``w``; with ``wait_s`` it waits that long for a connection
+        (``wait_for_ready``) instead of failing at once on a channel that is down."""
         try:
-            w.report = await w.stub.GetLoad(wpb.GetLoadRequest(), timeout=self.timeout_s,
-                                            metadata=w.metadata)
-            w.healthy = True
+            w.report = await w.stub.GetLoad(
+                wpb.GetLoadRequest(), timeout=self.timeout_s if wait_s is None else wait_s,
+                metadata=w.metadata, wait_for_ready=wait_s is not None)
+            w.healthy, w.error = True, ""
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            if w.healthy:
-                name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.warning("worker %s: GetLoad failed: %s", w.address, name)
-            w.healthy = False
+            name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            error = f"GetLoad failed: {name}"
+            if error != w.error:  # once per change, not once per poll
+                log.warning("worker %s: %s", w.address, error)
+            w.healthy, w.error = False, error
+
+    async def _recheck(self) -> None:
+        """Apply :func:`readiness` to the current workers; tell :attr:`on_change` on a flip."""
+        now = readiness(self.prefill, self.decode, self.need_prefill)
+        if now.ready == self.readiness.ready:
+            self.readiness = now  # same answer, fresher reason
+            return
+        self.readiness = now
+        (log.info if now.ready else log.warning)("router %s: %s",
+                                                 "ready" if now.ready else "not ready",
+                                                 now.reason)
+        if self.on_change is not None:
+            await self.on_change(now)
 
     async def _forever(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while True:
@@ -181,6 +228,7 @@ class WorkerPool:
                 log.warning("cannot resolve %s (keeping its %s workers): %s", name, kind, exc)
                 continue
             self._apply(kind, source, [f"{ip}:{port}" for ip in ips])
+        await self._recheck()
 
     def _apply(self, kind: str, source: str, addresses: Sequence[str]) -> None:
         """Make the workers found through ``source`` exactly ``addresses``."""
@@ -226,11 +274,38 @@ class WorkerPool:
                                 "no worker is available yet (DNS discovery found none)")
         return min(workers, key=lambda w: w.score())
 
-    async def bootstrap_of(self, w: Worker) -> str:
-        """The prefill's transfer bootstrap ``HOST:PORT`` (asks it once if not known yet)."""
-        if not w.report.bootstrap:
-            await self._refresh_one(w)
-        return w.report.bootstrap
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether the router can serve a request now; ``reason`` says why (or why not)."""
+
+    ready: bool
+    reason: str
+
+
+def readiness(prefill: Sequence[Worker], decode: Sequence[Worker],
+              need_prefill: bool) -> Readiness:
+    """The readiness rule (see the module docstring): a reachable decode worker and, when
+    ``need_prefill``, a reachable prefill worker whose bootstrap address is known."""
+    decodes = [w for w in decode if w.healthy]
+    if not decodes:
+        return Readiness(False, "no decode worker is reachable" + _why(decode))
+    if not need_prefill:
+        return Readiness(True, f"{len(decodes)} of {len(decode)} workers reachable")
+    prefills = [w for w in prefill if w.healthy and w.report.bootstrap]
+    if not prefills:
+        return Readiness(False, "no prefill worker is reachable with a known bootstrap "
+                                "address" + _why(prefill))
+    return Readiness(True, f"{len(prefills)} of {len(prefill)} prefill and {len(decodes)} of "
+                           f"{len(decode)} decode workers reachable")
+
+
+def _why(workers: Sequence[Worker]) -> str:
+    """`` (ADDR: cause; ...)`` for the first few ``workers``, or `` (none known yet)``."""
+    if not workers:
+        return " (none known yet)"
+    causes = [f"{w.address}: {w.error or 'no bootstrap address reported'}" for w in workers[:4]]
+    return f" ({'; '.join(causes)}{'; ...' if len(workers) > 4 else ''})"
 
 
 def _make(address: str, kind: str, source: str = "", metadata: Metadata = ()) -> Worker:

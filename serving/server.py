@@ -38,6 +38,7 @@ async def start_server(
     services: Sequence[Registration], host: str = "127.0.0.1", port: int = 0, *,
     role: str = "", stats: StatsSource | None = None, security: ServerSecurity | None = None,
     metrics_port: int | None = None, metrics_collectors: Sequence[Collector] = (),
+    serving: bool = True,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a server with ``services`` (``(add_X_to_server, servicer, full_service_name)``).
 
@@ -46,7 +47,9 @@ async def start_server(
     :class:`serving.auth.TokenInterceptor` before any servicer runs.
 
     Returns the server, the bound port (``port=0`` picks a free one) and its health servicer,
-    already ``SERVING`` for every service.
+    already ``SERVING`` for every service, or, with ``serving=False``, ``NOT_SERVING`` for the
+    whole server (``""``) and ``services`` until the caller flips them with :func:`set_serving`
+    (``Admin`` stays ``SERVING``: its figures are always available).
 
     With ``metrics_port`` (and ``stats``) it also serves Prometheus ``/metrics`` on ``host``
     (:mod:`serving.metrics`, with ``metrics_collectors`` added) and prints ``METRICS <port>``.
@@ -56,17 +59,20 @@ async def start_server(
         [TokenInterceptor(security.requirements)] if security.requirements else [])
     interceptors.append(ParseInterceptor())  # inside the token check: callers are known first
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    names = [name for _, _, name in services]  # ours; their health follows ``serving``
+    admin = []  # always SERVING
     if stats is not None:
         services = [*services, (admin_pb2_grpc.add_AdminServicer_to_server,
                                 AdminService(role, stats), ADMIN_SERVICE)]
-    names = []
-    for add, servicer, name in services:
+        admin.append(ADMIN_SERVICE)
+    for add, servicer, _ in services:
         add(servicer, server)
-        names.append(name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await set_serving(health_servicer, ["", *names], serving)  # before the port opens
+    await set_serving(health_servicer, admin, True)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        [*names, *admin, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
     address = f"{host}:{port}"
     if security.tls is not None:
@@ -78,9 +84,17 @@ async def start_server(
     await server.start()
     if metrics_port is not None and stats is not None:
         serve_metrics(host, metrics_port, metrics_registry(role, stats, metrics_collectors))
-    for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, names: Sequence[str],
+                      serving: bool) -> None:
+    """Report every service of ``names`` (``""``: the whole server, which is what Kubernetes'
+    gRPC probes ask) as ``SERVING`` or ``NOT_SERVING``."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in names:
+        await health_servicer.set(name, status)
 
 
 async def wait_for_signal() -> None:

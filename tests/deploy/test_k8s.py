@@ -26,6 +26,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,11 @@ def test_probes_drain_and_security(rendered: dict[str, list[Obj]], variant: str)
         port = grpc_port(container)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["grpc"]["port"] == port, f"{name} {probe}"
+        # readiness is the whole server's health ("": for the router, a usable worker pair)
+        assert "service" not in container["readinessProbe"]["grpc"], name
+        if "router" in name:  # a router whose workers are gone stays alive, only unready
+            for probe in ("startupProbe", "livenessProbe"):
+                assert container[probe]["grpc"]["service"] == "pdserve.v1.Admin", name
         pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
         assert pre_stop[0] == "sleep"
         # preStop, then the server's 5 s drain (server.stop(grace=5)), must fit the grace period
@@ -605,11 +611,18 @@ def test_base_pods_serve_on_loopback(base_pods: dict[str, Node]) -> None:
     from proto.pdserve.v1 import generate_pb2 as gpb
     from proto.pdserve.v1 import generate_pb2_grpc
 
-    for role, node in base_pods.items():  # what the gRPC probes ask
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for role, node in base_pods.items():  # what the gRPC probes ask, as often as a kubelet
         with grpc.insecure_channel(node.address) as ch:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                         timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING, role
+            health = health_pb2_grpc.HealthStub(ch)
+            alive = health.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Admin"),
+                                 timeout=10)
+            assert alive.status == serving, role  # startup and liveness
+            deadline = time.monotonic() + 30  # readiness: the router's once it has a pair
+            while (reply := health.Check(health_pb2.HealthCheckRequest(), timeout=10)).status \
+                    != serving and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert reply.status == serving, role
     with grpc.insecure_channel(base_pods["router"].address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         assert stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=10).mode == "disaggregated"

@@ -125,9 +125,17 @@ def test_streaming_completion_matches_non_streaming(door: Door) -> None:
 def test_models_and_health(door: Door) -> None:
     models = door.client().models.list()
     assert [m.id for m in models.data] == [door.model]
-    with urllib.request.urlopen(f"http://127.0.0.1:{door.http_port}/health", timeout=10) as r:
-        assert r.status == 200
-        assert json.loads(r.read())["status"] == "ok"
+    deadline = time.monotonic() + 30  # 200 once the router has polled its workers (503 before)
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{door.http_port}/health",
+                                        timeout=10) as r:
+                assert r.status == 200
+                assert json.loads(r.read())["status"] == "ok"
+                break
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503 and time.monotonic() < deadline, exc
+            time.sleep(0.1)
 
 
 def test_bad_requests_are_400(door: Door) -> None:

@@ -291,8 +291,11 @@ def test_model_info_health_and_reflection(cluster: Cluster) -> None:
     assert info.has_tokenizer and info.mode == "colocated"
     with grpc.insecure_channel(cluster.router.address) as ch:
         health = health_pb2_grpc.HealthStub(ch)
+        deadline = time.monotonic() + 30  # SERVING once the router has polled its worker
         for service in ("", "pdserve.v1.Generation"):
-            resp = health.Check(health_pb2.HealthCheckRequest(service=service))
+            while (resp := health.Check(health_pb2.HealthCheckRequest(service=service))).status \
+                    != health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+                time.sleep(0.1)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
         [resp] = list(refl.ServerReflectionInfo(
