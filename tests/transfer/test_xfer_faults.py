@@ -18,9 +18,11 @@ from transfer.bootstrap import BootstrapConfig
 from transfer.faults import INJECTED_ERROR_CODE, FaultConfig, FaultInjector, make_injector
 from transfer.status import KVPoll
 
-# short timeouts, but heartbeats loose enough for a busy 2-core machine
+# short room timeouts; the peer timeout (10 s) is far above them, so a heartbeat starved on a
+# busy 2-core machine cannot end a room first ("lost the prefill connection" in place of the
+# timeout under test)
 CFG = BootstrapConfig(bootstrap_timeout_s=2.0, waiting_timeout_s=2.5, heartbeat_interval_s=0.5,
-                      heartbeat_misses=4, quarantine_s=1.0, tick_s=0.02)
+                      heartbeat_misses=20, quarantine_s=1.0, tick_s=0.02)
 
 
 @pytest.fixture
