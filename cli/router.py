@@ -45,6 +45,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "HTTPS with --tls-cert, and /v1/* requires the --auth-token-file token")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id of the HTTP API (default: the --model directory's name)")
+    p.add_argument("--kv-failure-policy", choices=["retry", "recompute", "fail"],
+                   default="retry",
+                   help="a prompt whose KV transfer failed (or whose prefill is unusable): "
+                        "'retry' runs it again on a prefill up to --kv-retries times, then on "
+                        "the decode; 'recompute' runs it on the decode at once; 'fail' ends the "
+                        "request (default: retry)")
+    p.add_argument("--kv-retries", type=int, default=2, metavar="N",
+                   help="prefill re-runs of a failed prompt before recomputing (default: 2)")
+    p.add_argument("--decode-failovers", type=int, default=2, metavar="N",
+                   help="times a stream whose decode failed mid-generation moves to another "
+                        "decode with the tokens streamed so far (0: never; default: 2)")
     add_server_args(p, default_port=50051)
 
 
@@ -65,6 +76,7 @@ def router_security(args: argparse.Namespace) -> ServerSecurity:
 def run_router(args: argparse.Namespace) -> int:
     """Build the config from ``args`` and serve until SIGTERM; bad flags print one error line."""
     from router.config import RouterConfig, parse_addresses
+    from router.recovery import KVFailurePolicy, RecoveryConfig
     from router.server import serve_router
 
     model_dir = ensure_model(args.model)
@@ -78,6 +90,8 @@ def run_router(args: argparse.Namespace) -> int:
             local_prefill_threshold=args.local_prefill_threshold,
             max_running=args.max_running, internal_token=internal_token(args),
             http_port=args.http_port, served_model_name=args.served_model_name,
+            recovery=RecoveryConfig(KVFailurePolicy(args.kv_failure_policy), args.kv_retries,
+                                    args.decode_failovers),
         )
         security = router_security(args)
     except (ValueError, OSError) as exc:

@@ -31,7 +31,7 @@ from serving.admin import load_report
 from serving.admission import DEFAULT_MAX_WAITING, AdmissionGate
 from serving.blocking import to_thread_atomic
 from serving.request_log import request_line
-from serving.status import STATUS_ERRORS, abort_with_status
+from serving.status import PREFILL_SIDE, STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
 from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.faults import fault_figures
@@ -45,7 +45,8 @@ def engine_inputs(
     """Engine values of a worker request; raises ``ConversionError`` on malformed content."""
     images = [image_from_array(*patches_array(msg)) for msg in req.images]
     videos = [video_from_array(*video_patches(msg)) for msg in req.videos]
-    sampling = SamplingParams(**sampling_kwargs(req.sampling, DEFAULT_MAX_NEW_TOKENS))
+    sampling = SamplingParams(**sampling_kwargs(req.sampling, DEFAULT_MAX_NEW_TOKENS),
+                              resumed_tokens=req.resumed_tokens)
     return list(req.token_ids), images, videos, sampling
 
 
@@ -115,9 +116,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 events = [await queue.get()]
                 while not queue.empty():
                     events.append(queue.get_nowait())
-                if events[-1].error is not None:
+                if events[-1].error is not None:  # the room's transfer failed
                     finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, events[-1].error)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, events[-1].error,
+                                        trailing_metadata=PREFILL_SIDE)
                 msg = merge_events(req.request_id, events)
                 finished = msg.finished
                 yield msg
@@ -151,7 +153,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             return [await asyncio.to_thread(self._clients.get, address.strip())
                     for address in bootstrap.split(",")]
         except STATUS_ERRORS as exc:
-            await abort_with_status(context, exc, where=f"prefill bootstrap {bootstrap}")
+            await abort_with_status(context, exc, where=f"prefill bootstrap {bootstrap}",
+                                    trailing=PREFILL_SIDE)
 
     async def AbortRoom(  # noqa: N802
         self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext

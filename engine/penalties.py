@@ -17,15 +17,22 @@ from engine.request import Request, SamplingParams
 
 
 class TokenHistory:
-    """One request's prompt tokens (as a set) and output token counts, on one device."""
+    """One request's prompt tokens (as a set) and output token counts, on one device.
+
+    ``resumed`` (``SamplingParams.resumed_tokens``): the last ``resumed`` prompt tokens are
+    output from before a failover, counted as output from the start.
+    """
 
     def __init__(self, prompt_ids: Sequence[int], vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, resumed: int = 0) -> None:
         self.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
         if len(prompt_ids):
             self.prompt_seen[torch.tensor(list(prompt_ids), device=device)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [V]
         self.synced = 0  # output tokens already counted
+        if resumed:
+            self.update(list(prompt_ids[len(prompt_ids) - resumed:]))
+            self.synced = 0
 
     def update(self, output_ids: Sequence[int]) -> None:
         """Count ``output_ids[synced:]`` (outputs only ever grow)."""
@@ -41,7 +48,8 @@ def history_of(req: Request, vocab_size: int, device: torch.device) -> TokenHist
     output tokens."""
     hist = req.history
     if not isinstance(hist, TokenHistory):
-        hist = req.history = TokenHistory(req.prompt_token_ids, vocab_size, device)
+        hist = req.history = TokenHistory(req.prompt_token_ids, vocab_size, device,
+                                          req.sampling.resumed_tokens)
     hist.update(req.output_token_ids)
     return hist
 

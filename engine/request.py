@@ -40,6 +40,10 @@ class SamplingParams:
     ``stop`` strings end the text right before the first occurrence of any of them (the router
     cuts the text; workers carry them unread). ``seed`` makes a request's samples reproducible
     and independent of its batch.
+
+    ``resumed_tokens`` marks a request resubmitted after a failure (the router's failover): the
+    last ``resumed_tokens`` prompt tokens are output the client already has, so the frequency and
+    presence penalties count them as output. It must be less than the prompt's length.
     """
 
     temperature: float = 0.0
@@ -55,6 +59,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     stop: tuple[str, ...] = ()
+    resumed_tokens: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -78,6 +83,7 @@ class SamplingParams:
         _check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
         _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _check_stops(self.stop)
+        _check_int("resumed_tokens", self.resumed_tokens, 0, None)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
 

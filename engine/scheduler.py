@@ -167,6 +167,10 @@ class Scheduler:
         if req.num_prompt_tokens == 0:
             raise InvalidRequestError(f"request {rid!r} has an empty prompt")
         req.sampling.validate(cfg.vocab_size)
+        if req.sampling.resumed_tokens >= req.num_prompt_tokens:
+            raise InvalidRequestError(
+                f"resumed_tokens {req.sampling.resumed_tokens} must be less than the prompt's "
+                f"{req.num_prompt_tokens} tokens")
         self._validate_prompt_ids(req)
         total = req.num_prompt_tokens + req.sampling.max_new_tokens
         if total > cfg.max_model_len:

@@ -126,4 +126,4 @@ def _inputs(
     images = [image_from_array(*patches_array(msg)) for msg in req.images]
     videos = [video_from_array(*video_patches(msg)) for msg in req.videos]
     return (list(req.token_ids), images, videos,
-            SamplingParams(**sampling_kwargs(req.sampling, 1)))
+            SamplingParams(**sampling_kwargs(req.sampling, 1), resumed_tokens=req.resumed_tokens))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.recovery import RecoveryConfig
+
 MODE_DISAGGREGATED = "disaggregated"
 MODE_COLOCATED = "colocated"
 
@@ -45,6 +47,7 @@ class RouterConfig:
     internal_token: str | None = None  # sent to every worker (their --internal-token-file)
     http_port: int | None = None  # OpenAI-compatible HTTP door (router.http_door); None = off
     served_model_name: str | None = None  # the model id of the HTTP door; default: dir name
+    recovery: RecoveryConfig = RecoveryConfig()  # what failed workers lead to (router.recovery)
 
     def __post_init__(self) -> None:
         if self.colocated and (self.prefill or self.decode):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from serving.overload import retry_after_ms, retry_metadata
+from serving.status import PREFILL_SIDE_KEY
 
 Trailing = tuple[tuple[str, str], ...]
 
@@ -23,13 +24,27 @@ class StatusError(Exception):
 
 class WorkerFailure(StatusError):
     """A worker call failed: the status to give the client (with the worker's retry hint when it
-    refused the room as overloaded)."""
+    refused the room as overloaded).
+
+    ``blame`` says which worker of the room failed, for the router's recovery
+    (:mod:`router.recovery`): ``"prefill"`` (its call failed, or the decode reported the room
+    failed on the prefill's side of the transfer), ``"decode"`` (its stream failed or closed
+    early), or ``""`` (no worker: the router itself refused).
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Trailing = (),
+                 blame: str = "") -> None:
+        super().__init__(code, details, trailing)
+        self.blame = blame
 
     @classmethod
     def from_rpc(cls, exc: grpc.aio.AioRpcError, role: str, address: str) -> WorkerFailure:
-        hint = retry_after_ms(exc.trailing_metadata())
+        metadata = tuple(exc.trailing_metadata() or ())
+        hint = retry_after_ms(metadata)
         trailing = retry_metadata(hint) if hint is not None else ()
-        return cls(exc.code(), f"{role} worker {address}: {exc.details()}", trailing)
+        prefill_side = any(key == PREFILL_SIDE_KEY for key, _ in metadata)
+        return cls(exc.code(), f"{role} worker {address}: {exc.details()}", trailing,
+                   blame="prefill" if prefill_side else role)
 
 
 class DoorError(StatusError):

@@ -4,6 +4,10 @@ Everything the workers produced since the last write goes out as one client mess
 client or a busy loop costs fewer, larger writes rather than a growing backlog. Detokenizing is
 incremental (O(new tokens) per message), cheap enough for the event loop. Stop strings are
 matched here, on the detokenized text (workers never see text), for every door.
+
+A request whose workers fail may run again on other workers (:mod:`router.recovery`): one
+:class:`Outgoing` lives across those attempts, so the detokenizer, the held-back text, the tokens
+streamed so far and the usage carry over and the client sees one stream.
 """
 
 from __future__ import annotations
@@ -18,11 +22,9 @@ from router.errors import WorkerFailure
 from router.room import END, RoomRun
 
 
-async def relay(
-    run: RoomRun, request_id: str, detok: IncrementalDetokenizer | None, logprobs: bool,
-    stops: Sequence[str] = (),
-) -> AsyncIterator[gpb.GenerateResponse]:
-    """Client messages for ``run`` until its last one (``finished=True``).
+async def relay(run: RoomRun, out: Outgoing) -> AsyncIterator[gpb.GenerateResponse]:
+    """Client messages for ``run`` (one attempt of ``out``'s request) until its last one
+    (``finished=True``).
 
     With ``stops`` (needs ``detok``) the text ends right before the first occurrence of any stop
     string: that message is the last, with ``finish_reason="stop"``, the tokens received so far
@@ -33,7 +35,7 @@ async def relay(
     Raises :class:`WorkerFailure` when a worker call fails or the decode stream closes early
     (unless the room was aborted: then a final ``finish_reason="abort"`` message is made here).
     """
-    out = _Outgoing(run, request_id, detok, logprobs, stops)
+    out.run = run
     while True:
         items = [await run.queue.get()]
         while not run.queue.empty():
@@ -56,7 +58,8 @@ async def relay(
                 return
             if item is END:
                 raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
-                                    f"decode worker {run.decode.address} closed the stream early")
+                                    f"decode worker {run.decode.address} closed the stream early",
+                                    blame="decode")
             assert isinstance(item, WorkerFailure)
             raise item
         if pending:
@@ -66,26 +69,35 @@ async def relay(
                 return
 
 
-class _Outgoing:
-    """Turns batches of worker messages into client messages: merging, stop strings."""
+class Outgoing:
+    """One request's client stream across its attempts: merges batches of worker messages
+    into client messages, cuts stop strings, keeps the tokens streamed so far and the usage
+    (prompt tokens of the request, completion tokens of every attempt together)."""
 
-    def __init__(self, run: RoomRun, request_id: str, detok: IncrementalDetokenizer | None,
-                 logprobs: bool, stops: Sequence[str]) -> None:
-        self.run, self.request_id, self.detok, self.logprobs = run, request_id, detok, logprobs
+    def __init__(self, request_id: str, prompt_tokens: int,
+                 detok: IncrementalDetokenizer | None, logprobs: bool,
+                 stops: Sequence[str]) -> None:
+        self.request_id, self.detok, self.logprobs = request_id, detok, logprobs
+        self.prompt_tokens = prompt_tokens
         self.stops = StopMatcher(list(stops)) if stops and detok is not None else None
-        self.sent_tokens = 0
+        self.token_ids: list[int] = []  # every token the client was sent
+        self.run: RoomRun | None = None  # the attempt running now (set by relay)
 
     def message(self, msgs: list[gpb.GenerateResponse]) -> gpb.GenerateResponse:
         msg = merge(msgs, self.request_id, self.detok, self.logprobs)
-        self.sent_tokens += len(msg.token_ids)
+        self.token_ids.extend(msg.token_ids)
+        if msg.finished:
+            msg.usage.prompt_tokens = self.prompt_tokens
+            msg.usage.completion_tokens = len(self.token_ids)
         if self.stops is None:
             return msg
         text = self.stops.feed(msg.text)
         if self.stops.hit:
             if not msg.finished:
+                assert self.run is not None
                 self.run.close()  # the workers stop now: nothing stays held
-                msg.usage.CopyFrom(gpb.Usage(prompt_tokens=len(self.run.request.token_ids),
-                                             completion_tokens=self.sent_tokens))
+                msg.usage.CopyFrom(gpb.Usage(prompt_tokens=self.prompt_tokens,
+                                             completion_tokens=len(self.token_ids)))
             msg.text, msg.finished, msg.finish_reason = text, True, "stop"
             return msg
         msg.text = text + self.stops.flush() if msg.finished else text

@@ -1,9 +1,11 @@
 """The ``pdserve.v1.Generation`` servicer: validate, pick workers, run the room, relay.
 
-Invariants: a request id and a room id are live from admission until the stream ends (however
-it ends); every :class:`RoomRun` is closed exactly once, in ``_generate``'s ``finally``, which
-also runs when the client cancels, its deadline passes or the generator is closed. Every call
-of ``Generate`` writes one log line (:mod:`serving.request_log`) when it ends, however it ends.
+Invariants: a request id is live from admission until the stream ends (however it ends), and
+each attempt's room id from that attempt's admission until it ends; every :class:`RoomRun` is
+closed exactly once: when its attempt failed and the request runs again
+(:mod:`router.recovery`), or in ``_generate``'s ``finally``, which also runs when the client
+cancels, its deadline passes or the generator is closed. Every call of ``Generate`` writes one
+log line (:mod:`serving.request_log`) when it ends, however it ends.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from proto.pdserve.v1 import worker_pb2 as wpb
 from router.config import RouterConfig
 from router.errors import DoorError, WorkerFailure
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
-from router.relay import relay
+from router.recovery import RECOVERABLE, Recovery, Step
+from router.relay import Outgoing, relay
 from router.room import RoomRun
 from router.workers import WorkerPool
 from serving.metrics import RouterMetrics
@@ -107,20 +110,36 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 prepared = await asyncio.to_thread(self.prep.prepare, request)
             except InvalidRequestError as exc:
                 await abort_with_status(context, exc)
-            run = await self._admit(rid, prepared, context)
-            line.fields.update(room=run.room, prompt_tokens=len(prepared.token_ids),
-                               prefill=run.prefill.address if run.prefill else None,
-                               decode=run.decode.address)
             detok = self.assets.tokenizer.detokenizer() if self.assets.tokenizer else None
-            async for msg in relay(run, rid, detok, prepared.sampling.logprobs,
-                                   prepared.sampling.stop):
-                timer.tokens(len(msg.token_ids))
-                line.tokens(len(msg.token_ids))
-                if msg.finished:
-                    run.finished = True
-                    self.metrics[f"finish_{msg.finish_reason}"] += 1
-                    line.fields["finish_reason"] = msg.finish_reason
-                yield msg
+            out = Outgoing(rid, len(prepared.token_ids), detok, prepared.sampling.logprobs,
+                           prepared.sampling.stop)
+            recovery = Recovery(self.config.recovery)
+            step: Step | None = None
+            steps: list[str] = []  # the recovery steps taken, for the request's log line
+            while True:
+                run = await self._admit(rid, prepared, step, out.token_ids, context)
+                line.fields.update(room=run.room, prompt_tokens=len(prepared.token_ids),
+                                   prefill=run.prefill.address if run.prefill else None,
+                                   decode=run.decode.address)
+                try:
+                    async for msg in relay(run, out):
+                        timer.tokens(len(msg.token_ids))
+                        line.tokens(len(msg.token_ids))
+                        if msg.finished:
+                            run.finished = True
+                            self.metrics[f"finish_{msg.finish_reason}"] += 1
+                            line.fields["finish_reason"] = msg.finish_reason
+                        yield msg
+                except WorkerFailure as exc:
+                    step = self._next_step(run, exc, recovery, len(out.token_ids), context)
+                    steps.append(step.value)
+                    line.fields["recovery"] = ",".join(steps)
+                    self._end_attempt(run)
+                    run = None
+                    continue
+                self._end_attempt(run, completed=True)
+                run = None
+                return
         except WorkerFailure as exc:
             self.metrics["failed"] += 1
             await context.abort(exc.code, exc.details, trailing_metadata=exc.trailing)
@@ -128,8 +147,37 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self.ids.discard(rid)
             self.running.pop(rid, None)
             if run is not None:
-                run.close()
-                self.rooms.discard(run.room)
+                self._end_attempt(run)
+
+    def _next_step(self, run: RoomRun, failure: WorkerFailure, recovery: Recovery,
+                   streamed: int, context: grpc.aio.ServicerContext) -> Step:
+        """Blame the failed worker and pick the next attempt; re-raises ``failure`` when the
+        request ends with it (see :mod:`router.recovery`)."""
+        worker = run.prefill if failure.blame == "prefill" else run.decode
+        if worker is not None and failure.blame and failure.code in RECOVERABLE:
+            worker.note_failure(failure.details)  # a fault, not a refusal of the request
+        if run.aborted:
+            raise failure
+        step = recovery.next_step(failure, streamed, run.prefill is None,
+                                  context.time_remaining())
+        if step is None:
+            raise failure
+        self.metrics[f"recovered_{step.value}"] += 1
+        log.warning("room %d failed (%s); running the request again: %s", run.room,
+                    failure.details, step.value)
+        return step
+
+    def _end_attempt(self, run: RoomRun, completed: bool = False) -> None:
+        """Close ``run`` and free its room id; a completed one clears its workers'
+        cool-downs."""
+        run.close()
+        self.rooms.discard(run.room)
+        if self.running.get(run.request.request_id) is run:
+            del self.running[run.request.request_id]
+        if completed:
+            run.decode.note_success()
+            if run.prefill is not None:
+                run.prefill.note_success()
 
     def generate(self, request: gpb.GenerateRequest,
                  deadline_s: float | None = None) -> AsyncGenerator[gpb.GenerateResponse, None]:
@@ -139,37 +187,52 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         context = cast(grpc.aio.ServicerContext, LocalContext(deadline_s))
         return self.Generate(request, context)
 
-    async def _admit(self, rid: str, prepared: PreparedRequest,
-                     context: grpc.aio.ServicerContext) -> RoomRun:
-        """Pick the workers, draw the room id, register and start the room.
+    async def _admit(self, rid: str, prepared: PreparedRequest, step: Step | None,
+                     resumed: list[int], context: grpc.aio.ServicerContext) -> RoomRun:
+        """Pick the workers, draw the room id, register and start one attempt's room.
 
-        A picked worker that the background poll has not reached (or, for a prefill, whose
-        bootstrap address is unknown) is asked right then (:meth:`WorkerPool.ensure`); the
-        request fails with ``UNAVAILABLE`` naming it only if it does not answer.
+        ``step`` is None for the first attempt, else how this one runs (:mod:`router.recovery`);
+        ``resumed`` are the tokens the client already has (they extend the prompt).
+
+        A picked worker that the background poll has not reached, that a request failed on since
+        (or, for a prefill, whose bootstrap address is unknown) is asked right then
+        (:meth:`WorkerPool.ensure`). A decode that does not answer fails the request with
+        ``UNAVAILABLE`` naming it; a prefill that does not answer too, unless the recovery policy
+        lets the decode compute the prompt (then it does).
         """
         decode = self.pool.pick(self.pool.decode)
         await self.pool.ensure(decode)
         if not decode.healthy:
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
+            raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
                                 f"decode worker {decode.address} is unreachable ({decode.error})")
         prefill = None
         bootstrap = ""
         short = len(prepared.token_ids) < self.config.local_prefill_threshold
-        local = self.config.mode == "colocated" or short
-        if not local:  # disaggregated: no prefill worker found is UNAVAILABLE, never local
+        local = self.config.mode == "colocated" or short or step is Step.LOCAL
+        if not local:
             prefill = self.pool.pick(self.pool.prefill)
             await self.pool.ensure(prefill)
             bootstrap = prefill.report.bootstrap if prefill.healthy else ""
             if not bootstrap:
                 cause = prefill.error or "it reports no bootstrap address"
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill worker {prefill.address} is unusable ({cause})")
+                if not self.config.recovery.local_fallback:
+                    raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
+                                        f"prefill worker {prefill.address} is unusable ({cause})")
+                log.warning("prefill worker %s is unusable (%s): decode %s computes the prompt",
+                            prefill.address, cause, decode.address)
+                self.metrics["recovered_no_prefill"] += 1
+                prefill, local = None, True
         room = self._new_room()  # reserved only once the request will run
-        self.metrics["requests"] += 1
+        if step is None:
+            self.metrics["requests"] += 1
         self.metrics["local_prefill" if local else "remote_prefill"] += 1
-        wreq = wpb.WorkerRequest(room=room, request_id=rid, token_ids=prepared.token_ids,
-                                 images=prepared.images, sampling=prepared.sampling,
-                                 videos=prepared.videos)
+        sampling = gpb.SamplingParams()
+        sampling.CopyFrom(prepared.sampling)
+        sampling.max_new_tokens -= len(resumed)
+        wreq = wpb.WorkerRequest(room=room, request_id=rid,
+                                 token_ids=[*prepared.token_ids, *resumed],
+                                 images=prepared.images, sampling=sampling,
+                                 videos=prepared.videos, resumed_tokens=len(resumed))
         run = RoomRun(room, wreq, decode, prefill, bootstrap, self.spawn,
                       timeout_s=self.config.worker_timeout_s, deadline_s=context.time_remaining())
         self.running[rid] = run
@@ -185,11 +248,18 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 return room
 
     def stats(self) -> dict[str, int]:
-        """The router's figures for ``Admin.GetStats`` (it holds no pages or aux slots)."""
+        """The router's figures for ``Admin.GetStats`` (it holds no pages or aux slots).
+
+        ``transfers_failed`` counts requests that ended with a worker failure; ``kv_retries``,
+        ``kv_recomputes`` and ``decode_failovers`` the recoveries (:mod:`router.recovery`): a
+        prompt run again on a prefill, computed on the decode (after a failure, or because no
+        prefill was usable), a stream moved to another decode."""
+        m = self.metrics
         return {"requests_running": len(self.ids), "rooms_active": len(self.rooms),
-                "requests_total": self.metrics["requests"],
-                "requests_rejected": self.metrics["rejected"],
-                "transfers_failed": self.metrics["failed"]}
+                "requests_total": m["requests"], "requests_rejected": m["rejected"],
+                "transfers_failed": m["failed"], "kv_retries": m["recovered_retry"],
+                "kv_recomputes": m["recovered_recompute"] + m["recovered_no_prefill"],
+                "decode_failovers": m["recovered_failover"]}
 
     async def GetModelInfo(  # noqa: N802
         self, request: gpb.GetModelInfoRequest, context: grpc.aio.ServicerContext

@@ -26,6 +26,13 @@ or a prefill whose bootstrap address is not known yet, asks that worker right th
 ``CONNECT_WAIT_S`` for its connection, so a worker that is up is never refused because the
 background poll has not reached it yet. Channels retry a lost connection at least every
 ``MAX_RECONNECT_BACKOFF_MS``, so a worker that comes (back) up is seen within about a second.
+
+No sticky failures: a worker a request failed on (:meth:`Worker.note_failure`) is asked again
+(``GetLoad``) before it gets another request, and for a cool-down it sorts after every worker
+that is not cooling down. The cool-down doubles with each failure in a row (``COOLDOWN_BASE_S``
+up to ``COOLDOWN_MAX_S``); failures during a cool-down (other requests meeting the same fault)
+do not count; it is never dropped, so it serves again once it answers (alone, at once). A request
+that completes on it (:meth:`Worker.note_success`) ends the cool-down and resets the count.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -57,6 +65,8 @@ CHANNEL_OPTIONS = [
 PREFILL = "prefill"
 DECODE = "decode"
 DNS_REFRESH_S = 5.0  # period of DNS re-resolution of dns:NAME:PORT workers
+COOLDOWN_BASE_S = 1.0  # cool-down after a worker's first request failure in a row
+COOLDOWN_MAX_S = 30.0  # cool-downs double with each failure in a row up to this
 Resolver = Callable[[str], Sequence[str]]  # host name -> its IPv4 addresses (blocking)
 
 
@@ -85,6 +95,9 @@ class Worker:
     source: str = ""  # the dns:NAME:PORT entry that found it; "" for a plain HOST:PORT
     retired_ticks: int = 0  # DNS refreshes since it vanished (retiring workers only)
     metadata: Metadata = ()  # sent on every call (the internal token, when configured)
+    failures: int = 0  # request failures blamed on it since its last completed request
+    cooldown_until: float = 0.0  # time.monotonic() before which it sorts after the others
+    suspect: bool = False  # a request failed on it since its last successful GetLoad
 
     @property
     def decode_stub(self) -> worker_pb2_grpc.DecodeWorkerStub:
@@ -99,13 +112,36 @@ class Worker:
         return self.stub
 
     def score(self) -> tuple[int, int, int]:
-        """Sort key: unhealthy last, then outstanding prompt tokens, then running requests."""
+        """Sort key: healthy workers not cooling down first, then cooling ones, unhealthy last;
+        then outstanding prompt tokens and running requests."""
         rep = self.report
         tokens = max(self.outstanding_tokens, rep.waiting_tokens)
         running = max(self.running, rep.running_requests + rep.waiting_requests)
+        rank = 2 if not self.healthy else 1 if self.cooling else 0
         if self.kind == DECODE:
-            return (0 if self.healthy else 1, running, tokens)
-        return (0 if self.healthy else 1, tokens, running)
+            return (rank, running, tokens)
+        return (rank, tokens, running)
+
+    @property
+    def cooling(self) -> bool:
+        """Whether a recent request failure still puts it after the other workers."""
+        return time.monotonic() < self.cooldown_until
+
+    def note_failure(self, why: str) -> None:
+        """A request failed on this worker: ask it again (``GetLoad``) before its next request
+        and cool it down (see the module docstring)."""
+        self.suspect = True
+        if self.cooling:
+            return  # the same fault, seen by another request: no escalation
+        self.failures += 1
+        delay = min(COOLDOWN_MAX_S, COOLDOWN_BASE_S * 2 ** (self.failures - 1))
+        self.cooldown_until = time.monotonic() + delay
+        log.warning("%s worker %s failed a request (%s); cooling down %.0f s",
+                    self.kind, self.address, why, delay)
+
+    def note_success(self) -> None:
+        """A request completed on this worker: its cool-down ends."""
+        self.failures, self.cooldown_until = 0, 0.0
 
     def acquire(self, prompt_tokens: int) -> None:
         self.outstanding_tokens += prompt_tokens
@@ -174,10 +210,11 @@ class WorkerPool:
         await self._recheck()
 
     async def ensure(self, w: Worker) -> None:
-        """Ask ``w`` now if its last poll failed (or, for a prefill, its bootstrap address is
-        unknown), waiting up to ``CONNECT_WAIT_S`` for its connection; then re-check readiness.
-        The caller reads the outcome from ``w.healthy``, ``w.report`` and ``w.error``."""
-        if w.healthy and (w.kind == DECODE or w.report.bootstrap):
+        """Ask ``w`` now if its last poll failed, a request failed on it since (or, for a
+        prefill, its bootstrap address is unknown), waiting up to ``CONNECT_WAIT_S`` for its
+        connection; then re-check readiness. The caller reads the outcome from ``w.healthy``,
+        ``w.report`` and ``w.error``."""
+        if w.healthy and not w.suspect and (w.kind == DECODE or w.report.bootstrap):
             return
         await self._refresh_one(w, wait_s=min(self.timeout_s, CONNECT_WAIT_S))
         await self._recheck()
@@ -189,7 +226,7 @@ class WorkerPool:
             w.report = await w.stub.GetLoad(
                 wpb.GetLoadRequest(), timeout=self.timeout_s if wait_s is None else wait_s,
                 metadata=w.metadata, wait_for_ready=wait_s is not None)
-            w.healthy, w.error = True, ""
+            w.healthy, w.error, w.suspect = True, "", False
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             error = f"GetLoad failed: {name}"

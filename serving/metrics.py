@@ -33,7 +33,8 @@ TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 COUNTERS = {"requests_total": "requests", "requests_rejected": "requests_rejected",
             "transfers_failed": "transfers_failed", "drafted_tokens": "drafted_tokens",
             "accepted_tokens": "accepted_tokens", "spec_rounds": "spec_rounds",
-            "faults_injected": "faults_injected"}
+            "faults_injected": "faults_injected", "kv_retries": "kv_retries",
+            "kv_recomputes": "kv_recomputes", "decode_failovers": "decode_failovers"}
 
 
 class StatsCollector(Collector):

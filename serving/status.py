@@ -68,6 +68,13 @@ from transfer.errors import (
 )
 
 Code = grpc.StatusCode
+Trailing = tuple[tuple[str, str], ...]
+
+PREFILL_SIDE_KEY = "pdserve-prefill-side"
+"""Trailing metadata a decode node sets (to ``"1"``) when a room failed on the prefill's side of
+the transfer (its bootstrap endpoint unreachable, the transfer failed or timed out) rather than in
+the decode itself: the router then blames the prefill, not the decode."""
+PREFILL_SIDE: Trailing = ((PREFILL_SIDE_KEY, "1"),)
 
 STATUS_TABLE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequestError, Code.INVALID_ARGUMENT),
@@ -102,12 +109,15 @@ def status_for(exc: BaseException) -> grpc.StatusCode | None:
 
 
 async def abort_with_status(
-    context: grpc.aio.ServicerContext, exc: Exception, where: str = ""
+    context: grpc.aio.ServicerContext, exc: Exception, where: str = "",
+    trailing: Trailing = (),
 ) -> NoReturn:
     """End the call with ``exc``'s status from the table; the details are ``exc``'s message,
-    after ``where: `` when given. Re-raises ``exc`` when the table does not map it."""
+    after ``where: `` when given, with ``trailing`` metadata. Re-raises ``exc`` when the table
+    does not map it."""
     code = status_for(exc)
     if code is None:
         raise exc
-    await context.abort(code, f"{where}: {exc}" if where else str(exc))
+    await context.abort(code, f"{where}: {exc}" if where else str(exc),
+                        trailing_metadata=trailing)
     raise AssertionError("unreachable: abort raises")

@@ -23,7 +23,7 @@ from engine.attention import AttentionBatch
 from engine.attention_select import make_attention
 from engine.input_batch import to_device, token_positions
 from engine.page_allocator import OutOfPagesError, PageAllocator
-from engine.penalties import penalize
+from engine.penalties import TokenHistory, penalize
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 from prefill_node.pipeline.layout import LaterStageModel
@@ -120,7 +120,8 @@ class LaterStage:
     # ---- internals (lock held) -----------------------------------------------------------
 
     def _add(self, new: wpb.StageRoom) -> None:
-        sampling = SamplingParams(**sampling_kwargs(new.sampling, 1))
+        sampling = SamplingParams(**sampling_kwargs(new.sampling, 1),
+                                  resumed_tokens=new.resumed_tokens)
         try:
             self.bootstrap.add_room(new.room)
         except TransferError as exc:
@@ -253,16 +254,17 @@ class LaterStage:
 
 
 def _penalized(logits: torch.Tensor, rooms: list[_Room]) -> torch.Tensor:
-    """``logits`` ``[n, V]`` with each room's penalties for its first token: only the
-    repetition penalty over the prompt can apply (there is no output yet)."""
+    """``logits`` ``[n, V]`` with each room's penalties for its first token: the repetition
+    penalty over the prompt, and the frequency and presence penalties over the output a
+    resubmitted room already streamed (its last ``resumed_tokens`` prompt tokens)."""
     rows = [i for i, r in enumerate(rooms) if r.sampling.has_penalties]
     if not rows:
         return logits
     vocab = logits.shape[1]
-    seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=logits.device)  # [m, V]
-    for j, i in enumerate(rows):
-        seen[j, torch.tensor(rooms[i].prompt_ids, dtype=torch.long, device=logits.device)] = True
-    counts = torch.zeros(len(rows), vocab, device=logits.device)
+    hists = [TokenHistory(rooms[i].prompt_ids, vocab, logits.device,
+                          rooms[i].sampling.resumed_tokens) for i in rows]
+    counts = torch.stack([h.counts for h in hists])  # [m, V]
+    seen = torch.stack([h.prompt_seen for h in hists])  # [m, V]: output is in the prompt
     idx = torch.tensor(rows, device=logits.device)
     out = logits.float().clone()
     out[idx] = penalize(out[idx], [rooms[i].sampling for i in rows], seen, counts)

@@ -23,6 +23,7 @@ class Stream:
                  timeout_s: float = TIMEOUT_S) -> None:
         self.tokens: list[int] = []
         self.finished = False
+        self.usage = gpb.Usage()  # of the last message, once it said finished
         self.error: grpc.RpcError | None = None
         self.ended_at = 0.0
         self.call = stub.Generate(req, timeout=timeout_s)
@@ -33,7 +34,9 @@ class Stream:
         try:
             for msg in self.call:
                 self.tokens.extend(msg.token_ids)
-                self.finished = self.finished or msg.finished
+                if msg.finished:
+                    self.finished = True
+                    self.usage = msg.usage
         except grpc.RpcError as exc:
             self.error = exc
         self.ended_at = time.monotonic()

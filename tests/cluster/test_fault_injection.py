@@ -2,9 +2,11 @@
 a network error from the engine, a destination that never arrives, a status that never comes, a
 slow peer, and a router killed (``kill -9``) with streams open.
 
-Every failure reaches the client as ``UNAVAILABLE`` with a message naming the cause within a
-bounded time, every node ends holding nothing (the leak check), every request the faults spared
-equals the in-process engine, and the nodes keep serving.
+With ``--kv-failure-policy fail`` every failure reaches the client as ``UNAVAILABLE`` with a
+message naming the cause within a bounded time, every node ends holding nothing (the leak check),
+every request the faults spared equals the in-process engine, and the nodes keep serving. With the
+default policy (retry, then recompute) the same faults cost no request: every one completes equal
+to the engine, and the router counts its retries.
 
 The flaky nodes fail each fault draw with a fixed probability and seed, so a few sequential
 requests see both failures and successes on the same nodes.
@@ -45,7 +47,8 @@ WORKERS = {  # name -> fault flags
     "d_deaf": ["--fault-drop-handshake-p", "0.5", "--fault-seed", "3"],  # lost destinations
 }
 ROUTERS = {"r_err": ("p_err", "d"), "r_slow": ("p_slow", "d"), "r_mute": ("p_mute", "d"),
-           "r_deaf": ("p_slow", "d_deaf")}
+           "r_deaf": ("p_slow", "d_deaf"), "r_retry": ("p_err", "d")}
+RECOVERING = {"r_retry"}  # routers with the default --kv-failure-policy; the others: fail
 
 
 @dataclass
@@ -56,9 +59,10 @@ class Cluster:
     def address(self, name: str) -> str:
         return self.nodes[name].address
 
-    def router_command(self, prefill: str, decode: str) -> list[str]:
+    def router_command(self, prefill: str, decode: str, policy: str = "fail") -> list[str]:
         return ["router", "--model", str(self.model), "--port", "0",
-                "--prefill", self.address(prefill), "--decode", self.address(decode)]
+                "--prefill", self.address(prefill), "--decode", self.address(decode),
+                "--kv-failure-policy", policy]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,8 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
         nodes = start_all([[kind, *model, *flags]
                            for kind, flags in zip(kinds, WORKERS.values(), strict=True)])
         c.nodes.update(zip(WORKERS, nodes, strict=True))
-        routers = start_all([c.router_command(p, d) for p, d in ROUTERS.values()])
+        routers = start_all([c.router_command(p, d, "retry" if name in RECOVERING else "fail")
+                             for name, (p, d) in ROUTERS.items()])
         c.nodes.update(zip(ROUTERS, routers, strict=True))
         yield c
     finally:
@@ -144,6 +149,23 @@ def test_destination_that_never_arrives(cluster: Cluster, expected: list[list[in
 
 def test_status_that_never_comes(cluster: Cluster, expected: list[list[int]]) -> None:
     _flaky(cluster, "r_mute", ["p_mute", "d"], expected, "the prefill never finished")
+
+
+def test_injected_transfer_failures_are_retried(cluster: Cluster,
+                                                expected: list[list[int]]) -> None:
+    """The default policy over the flaky prefill: every request completes equal to the engine,
+    some only after a retry (the prefill's failures are counted, and so are the retries)."""
+    router = cluster.address("r_retry")
+    faults_before = get_stats(cluster.address("p_err")).faults_injected
+    with grpc.insecure_channel(router) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        outs = [_one(stub, i) for i in range(len(PROMPTS))]
+    assert [o.error for o in outs] == [None] * len(PROMPTS)
+    assert [o.tokens for o in outs] == expected
+    stats = get_stats(router)
+    assert get_stats(cluster.address("p_err")).faults_injected > faults_before
+    assert stats.kv_retries > 0 and stats.transfers_failed == 0, stats
+    assert_all_idle([cluster.address(n) for n in ("r_retry", "p_err", "d")], FAIL_WITHIN_S)
 
 
 def test_slow_peer_and_late_status_still_complete(cluster: Cluster,

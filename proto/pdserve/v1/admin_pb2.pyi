@@ -9,7 +9,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("role", "kv_pages_used", "kv_pages_total", "aux_slots_used", "aux_slots_total", "rooms_active", "requests_running", "requests_waiting", "waiting_tokens", "requests_total", "requests_rejected", "transfers_failed", "drafted_tokens", "accepted_tokens", "spec_rounds", "acceptance_length", "faults_injected")
+    __slots__ = ("role", "kv_pages_used", "kv_pages_total", "aux_slots_used", "aux_slots_total", "rooms_active", "requests_running", "requests_waiting", "waiting_tokens", "requests_total", "requests_rejected", "transfers_failed", "drafted_tokens", "accepted_tokens", "spec_rounds", "acceptance_length", "faults_injected", "kv_retries", "kv_recomputes", "decode_failovers")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,9 @@ class Stats(_message.Message):
     SPEC_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FAULTS_INJECTED_FIELD_NUMBER: _ClassVar[int]
+    KV_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     role: str
     kv_pages_used: int
     kv_pages_total: int
@@ -44,4 +47,7 @@ class Stats(_message.Message):
     spec_rounds: int
     acceptance_length: float
     faults_injected: int
-    def __init__(self, role: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., aux_slots_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., spec_rounds: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., faults_injected: _Optional[int] = ...) -> None: ...
+    kv_retries: int
+    kv_recomputes: int
+    decode_failovers: int
+    def __init__(self, role: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., aux_slots_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., spec_rounds: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., faults_injected: _Optional[int] = ..., kv_retries: _Optional[int] = ..., kv_recomputes: _Optional[int] = ..., decode_failovers: _Optional[int] = ...) -> None: ...

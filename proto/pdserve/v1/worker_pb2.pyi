@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerRequest(_message.Message):
-    __slots__ = ("room", "request_id", "token_ids", "images", "sampling", "videos")
+    __slots__ = ("room", "request_id", "token_ids", "images", "sampling", "videos", "resumed_tokens")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     room: int
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     images: _containers.RepeatedCompositeFieldContainer[_generate_pb2.ImagePatches]
     sampling: _generate_pb2.SamplingParams
     videos: _containers.RepeatedCompositeFieldContainer[_generate_pb2.Video]
-    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[_generate_pb2.ImagePatches, _Mapping]]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_generate_pb2.Video, _Mapping]]] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, room: _Optional[int] = ..., request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[_generate_pb2.ImagePatches, _Mapping]]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[_generate_pb2.Video, _Mapping]]] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request",)
@@ -86,18 +88,20 @@ class LoadReport(_message.Message):
     def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., bootstrap: _Optional[str] = ...) -> None: ...
 
 class StageRoom(_message.Message):
-    __slots__ = ("room", "prompt_tokens", "sampling", "mrope_delta", "prompt_ids")
+    __slots__ = ("room", "prompt_tokens", "sampling", "mrope_delta", "prompt_ids", "resumed_tokens")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MROPE_DELTA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     room: int
     prompt_tokens: int
     sampling: _generate_pb2.SamplingParams
     mrope_delta: int
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., mrope_delta: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    resumed_tokens: int
+    def __init__(self, room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., mrope_delta: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class StageItem(_message.Message):
     __slots__ = ("room", "start", "num_tokens", "needs_sample")

@@ -1,0 +1,116 @@
+"""The router's recovery rules (:mod:`router.recovery`) and the worker cool-down that keeps a
+failed worker from being sticky (:class:`router.workers.Worker`), without processes; the cluster
+tests (``tests/cluster/test_failover.py``, ``test_faults.py``, ``test_fault_injection.py``,
+``test_soak.py``) run them on real nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, cast
+
+import grpc
+import pytest
+
+from router.errors import WorkerFailure
+from router.recovery import KVFailurePolicy, Recovery, RecoveryConfig, Step
+from router.workers import COOLDOWN_BASE_S, COOLDOWN_MAX_S, DECODE, PREFILL, WorkerPool
+from tests.router.test_readiness import BOOT, FakeStub, worker
+
+DOWN = WorkerFailure(grpc.StatusCode.UNAVAILABLE, "prefill worker p:1: lost", blame="prefill")
+
+
+def _steps(policy: KVFailurePolicy, failures: int, *, streamed: int = 0, local: bool = False,
+           retries: int = 2, failovers: int = 2) -> list[Step | None]:
+    rec = Recovery(RecoveryConfig(policy, retries, failovers))
+    steps: list[Step | None] = []
+    for _ in range(failures):
+        step = rec.next_step(DOWN, streamed, local or steps[-1:] == [Step.LOCAL], None)
+        steps.append(step)
+    return steps
+
+
+def test_policy_before_the_first_token() -> None:
+    assert _steps(KVFailurePolicy.RETRY, 5) == [Step.PREFILL, Step.PREFILL, Step.LOCAL,
+                                                Step.LOCAL, Step.LOCAL]
+    assert _steps(KVFailurePolicy.RETRY, 6)[-1] is None  # two local failovers, then the end
+    assert _steps(KVFailurePolicy.RETRY, 2, retries=0) == [Step.LOCAL, Step.LOCAL]
+    assert _steps(KVFailurePolicy.RECOMPUTE, 1) == [Step.LOCAL]
+    assert _steps(KVFailurePolicy.FAIL, 1) == [None]
+    assert not RecoveryConfig(KVFailurePolicy.FAIL).local_fallback
+    assert RecoveryConfig().local_fallback
+
+
+def test_after_tokens_only_failovers_and_never_past_the_bound() -> None:
+    assert _steps(KVFailurePolicy.FAIL, 3, streamed=5) == [Step.FAILOVER, Step.FAILOVER, None]
+    assert _steps(KVFailurePolicy.RETRY, 1, streamed=5, failovers=0) == [None]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.UNAUTHENTICATED])
+def test_refusals_and_deadlines_end_the_request(code: grpc.StatusCode) -> None:
+    rec = Recovery(RecoveryConfig())
+    assert rec.next_step(WorkerFailure(code, "x", blame="decode"), 0, False, None) is None
+    assert rec.next_step(WorkerFailure(code, "x", blame="decode"), 3, False, None) is None
+
+
+def test_an_expired_deadline_ends_the_request() -> None:
+    rec = Recovery(RecoveryConfig())
+    assert rec.next_step(DOWN, 0, False, 0.0) is None
+    assert rec.next_step(DOWN, 0, False, 1.5) is Step.PREFILL
+
+
+def test_bad_budgets_are_refused() -> None:
+    with pytest.raises(ValueError, match="--kv-retries"):
+        RecoveryConfig(kv_retries=-1)
+
+
+def test_cooldown_doubles_per_fault_and_ends_on_success() -> None:
+    a, b = worker("d:1", DECODE, True), worker("d:2", DECODE, True)
+    a.running, b.running = 0, 5  # a is the less loaded one
+    assert WorkerPool.pick([a, b]) is a
+    a.note_failure("stream broke")
+    assert a.cooling and a.suspect and a.failures == 1
+    assert WorkerPool.pick([a, b]) is b  # cooling sorts after a busier healthy worker
+    first = a.cooldown_until - time.monotonic()
+    assert COOLDOWN_BASE_S - 0.1 < first <= COOLDOWN_BASE_S
+    a.note_failure("the same fault, another request")  # while cooling: no escalation
+    assert a.failures == 1
+    a.cooldown_until = 0.0  # the cool-down has passed
+    assert WorkerPool.pick([a, b]) is a  # used again
+    a.note_failure("again")
+    assert a.failures == 2 and a.cooldown_until - time.monotonic() > COOLDOWN_BASE_S * 1.5
+    for _ in range(10):
+        a.cooldown_until = 0.0
+        a.note_failure("and again")
+    assert a.cooldown_until - time.monotonic() <= COOLDOWN_MAX_S
+    a.note_success()
+    assert not a.cooling and a.failures == 0
+    assert WorkerPool.pick([a, b]) is a
+
+
+def test_a_suspect_worker_is_asked_before_its_next_request() -> None:
+    async def main() -> None:
+        pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:2"])
+        p = FakeStub(BOOT)
+        p.up = True
+        w = pool.prefill[0]
+        w.stub = cast(Any, p)
+        await pool.refresh()
+        assert w.healthy and not w.suspect
+        p.calls.clear()
+        await pool.ensure(w)
+        assert p.calls == []  # healthy and trusted: nothing to ask
+        w.note_failure("transfer failed")
+        p.up = False  # it died meanwhile: the probe finds out before a request is sent
+        await pool.ensure(w)
+        assert p.calls == [True] and not w.healthy
+        p.up = True  # back: the next probe clears it
+        await pool.ensure(w)
+        assert w.healthy and not w.suspect and w.kind == PREFILL
+        await pool.close()
+
+    asyncio.run(main())
