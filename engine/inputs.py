@@ -64,6 +64,9 @@ class RequestState:
     mrope_table: torch.Tensor | None  # [3, L] prompt positions; None for text-only prompts
     delta: int  # mrope delta: tokens past the prompt sit at n + delta
     image_prefix: np.ndarray | None  # [L + 1] vision (image and video) tokens in prompt[:i]
+    # prompt tokens from here on are resumed output (SamplingParams.resumed_tokens): text, even
+    # where an id is a vision placeholder's
+    vision_end: int = 1 << 62
     generator: torch.Generator | None = None
     # [n_vision_tokens, H], in prompt order
     image_embeds: torch.Tensor | None = field(default=None, repr=False)
@@ -74,6 +77,7 @@ def build_state(
     images: Sequence[ImageInput],
     cfg: ModelConfig,
     videos: Sequence[VideoInput] = (),
+    resumed: int = 0,
 ) -> RequestState:
     """Validate a prompt against ``cfg`` and precompute its rope table.
 
@@ -81,14 +85,37 @@ def build_state(
     or videos with bad grids or patches, or image (video) tokens that do not match the images'
     (videos') grids. The state's visual inputs are in prompt order, the order the vision tower
     encodes them in and their tokens take their embeddings in.
+
+    ``resumed`` (``SamplingParams.resumed_tokens``): the last ``resumed`` tokens are output of an
+    earlier run of the request. They are text whatever their ids (a model may emit a vision
+    placeholder id), at positions ``n + delta`` as decoding gave them, so the state equals the
+    one decoding had reached.
     """
     if len(token_ids) == 0:
         raise InvalidRequestError("the prompt is empty")
+    if not 0 <= resumed < len(token_ids):
+        raise InvalidRequestError(f"resumed_tokens {resumed} must be less than the prompt's "
+                                  f"{len(token_ids)} tokens")
     ids = np.asarray(token_ids, dtype=np.int64)
     vocab = cfg.text.vocab_size
     if ids.min() < 0 or ids.max() >= vocab:
         bad = int(ids[(ids < 0) | (ids >= vocab)][0])
         raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {vocab})")
+    state = _prompt_state(ids[:len(ids) - resumed], images, cfg, videos)
+    if resumed and state.mrope_table is not None:
+        start = len(ids) - resumed
+        tail = torch.arange(start, len(ids), dtype=state.mrope_table.dtype) + state.delta
+        state.mrope_table = torch.cat([state.mrope_table, tail.expand(3, -1)], dim=1)
+        assert state.image_prefix is not None
+        state.image_prefix = np.concatenate(
+            (state.image_prefix, np.full(resumed, state.image_prefix[-1])))
+        state.vision_end = start
+    return state
+
+
+def _prompt_state(ids: np.ndarray, images: Sequence[ImageInput], cfg: ModelConfig,
+                  videos: Sequence[VideoInput]) -> RequestState:
+    """:func:`build_state` of a prompt without resumed tokens (ids already checked)."""
     merge = cfg.vision.spatial_merge_size
     for i, image in enumerate(images):
         _check_visual("image", i, image, cfg)

@@ -166,7 +166,8 @@ class LLMEngine:
         """A validated request, not yet queued; raises :class:`InvalidRequestError`."""
         sampling = sampling or SamplingParams()
         sampling.validate(self.model_config.text.vocab_size)
-        state = build_state(token_ids, images, self.model_config, videos)
+        state = build_state(token_ids, images, self.model_config, videos,
+                            sampling.resumed_tokens)
         state.generator = make_generator(sampling.seed, self.device)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1

@@ -123,6 +123,8 @@ class ModelRunner:
         if state.image_prefix is None:
             return
         mask = (ids == self.image_token_id) | (ids == self.video_token_id)
+        if start + len(ids) > state.vision_end:  # resumed output: text whatever its ids
+            mask[max(0, state.vision_end - start):] = False
         count = int(mask.sum())
         if not count:
             return

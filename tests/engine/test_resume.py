@@ -12,9 +12,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.inputs import build_state
 from engine.llm_engine import LLMEngine, Prompt
 from engine.penalties import TokenHistory
 from engine.request import SamplingParams
+from tests.engine.test_generation_vs_transformers import IMG, VS, image, image_block, text
 
 PROMPT = [(j * 29) % 500 for j in range(23)]
 NEW, CUT = 24, 9
@@ -59,3 +61,41 @@ def test_resumed_tokens_must_leave_a_prompt(tiny_dir: Path) -> None:
     with pytest.raises(InvalidRequestError, match="resumed_tokens must be at least 0"):
         engine.generate([Prompt(token_ids=[1, 2, 3])],
                         SamplingParams(max_new_tokens=2, resumed_tokens=-1))
+
+
+def test_resumed_image_prompt_equals_uninterrupted(hf_dir: Path) -> None:
+    a = image((1, 4, 6), 1)
+    prompt = text(3, 1) + image_block(a) + text(5, 2)
+    engine = LLMEngine(hf_dir, EngineConfig(num_pages=256, page_size=8))
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    [whole] = engine.generate([Prompt(token_ids=prompt, images=[a])], params)
+    head = whole.token_ids[:CUT]
+    [tail] = engine.generate([Prompt(token_ids=prompt + head, images=[a])],
+                             replace(params, max_new_tokens=NEW - CUT, resumed_tokens=CUT))
+    assert head + tail.token_ids == whole.token_ids
+
+
+def test_resumed_vision_placeholder_ids_are_text(hf_dir: Path) -> None:
+    """Output may hold a vision placeholder's id: resumed, it is a text token at the position
+    decoding gave it (n + delta), and takes no vision embedding."""
+    a = image((1, 4, 6), 1)
+    prompt = text(3, 1) + image_block(a) + text(5, 2)
+    head = [IMG, VS, IMG, 7]
+    engine = LLMEngine(hf_dir, EngineConfig(num_pages=256, page_size=8))
+    cfg = engine.model_config
+    plain = build_state(prompt, [a], cfg)
+    state = build_state(prompt + head, [a], cfg, resumed=len(head))
+    n = len(prompt)
+    assert plain.mrope_table is not None and state.mrope_table is not None
+    assert state.delta == plain.delta
+    assert torch.equal(state.mrope_table[:, :n], plain.mrope_table)
+    assert torch.equal(state.mrope_table[:, n:],
+                       (torch.arange(n, n + len(head)) + plain.delta).expand(3, -1))
+    assert state.image_prefix is not None and plain.image_prefix is not None
+    assert list(state.image_prefix[n:]) == [plain.image_prefix[n]] * (len(head) + 1)
+    with pytest.raises(InvalidRequestError, match="image tokens past"):
+        build_state(prompt + head, [a], cfg)  # unmarked, they would be image tokens
+    [out] = engine.generate([Prompt(token_ids=prompt + head, images=[a])],
+                            SamplingParams(max_new_tokens=4, ignore_eos=True,
+                                           resumed_tokens=len(head)))
+    assert len(out.token_ids) == 4
