@@ -1,24 +1,44 @@
 """``pdserve launch`` / ``status`` / ``stop``: the Ray cluster from the command line.
 
-A detached launch leaves its state (the router address, whether it started the Ray head) in
-``launch.json`` of the cache directory (:func:`cli.models.cache_dir`), where ``stop`` finds it.
+Which Ray cluster a launch uses: ``--address`` if given; else the one already running on this
+machine (``ray start``, or ``$RAY_ADDRESS``), reused as is and left running; else a new one: a
+``ray start --head`` for ``--detach`` (pdserve's head, recorded in ``ray-head.json`` of the cache
+directory, :func:`cli.models.cache_dir`), or a Ray instance of the launch's own process. A launch
+that fails, or is interrupted (Ctrl-C, SIGTERM), kills every actor it created and stops the head
+it started before the error, one line, reaches the user.
+
+Each cluster has a ``--name`` (default ``pdserve``), so several run on one Ray cluster; a detached
+launch leaves ``launch-NAME.json`` (router and Ray addresses) in the cache directory, where
+``status`` and ``stop --name NAME`` find its Ray cluster. ``stop`` also stops pdserve's head once
+no pdserve cluster is left on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from cli.engine_args import add_device_args
 from cli.models import cache_dir, ensure_model
 
-STATE_FILE = "launch.json"
-RAY = str(Path(sys.executable).parent / "ray")  # the ray CLI of this environment
+if TYPE_CHECKING:
+    from deploy.ray_launcher import LaunchOptions
+
+HEAD_FILE = "ray-head.json"  # the address of the Ray head a detached launch started
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def add_status_args(p: argparse.ArgumentParser) -> None:
+    """The flags of ``status`` and ``stop``."""
+    p.add_argument("--name", default="pdserve",
+                   help="the cluster's name: several clusters with different names can run on "
+                        "one Ray cluster (default: pdserve)")
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +47,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--port", type=int, default=50050, help="router port (0 picks a free one)")
     p.add_argument("--address", default=None,
-                   help="join an existing Ray cluster (HOST:PORT or 'auto'); default: start one")
+                   help="join this Ray cluster (HOST:PORT or 'auto'); default: the one running "
+                        "on this machine, else a new one")
     p.add_argument("--prefill-gpus", type=float, default=0.0)
     p.add_argument("--decode-gpus", type=float, default=0.0)
     p.add_argument("--prefill-resources", default="{}", metavar="JSON",
@@ -41,57 +62,91 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K")
     p.add_argument("--detach", action="store_true",
                    help="start and return; stop later with `pdserve stop`")
+    add_status_args(p)  # --name
 
 
 def run_launch(args: argparse.Namespace) -> int:
     """Start the cluster; without ``--detach``, serve until SIGINT/SIGTERM and stop it."""
+    name = _checked_name(args.name)
     from deploy import ray_launcher as rl
     from engine.device import parse_device_name
 
     parse_device_name(args.device)  # a misspelt device fails here, not in every worker
     model_dir = ensure_model(args.model)
     opts = rl.LaunchOptions(
-        model=str(model_dir), prefill=args.prefill, decode=args.decode, port=args.port,
-        address=args.address, prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus,
-        prefill_resources=_resources(args.prefill_resources),
+        model=str(model_dir), name=name, prefill=args.prefill, decode=args.decode,
+        port=args.port, address=args.address, prefill_gpus=args.prefill_gpus,
+        decode_gpus=args.decode_gpus, prefill_resources=_resources(args.prefill_resources),
         decode_resources=_resources(args.decode_resources),
         worker_args=args.worker_args.split(), detached=args.detach,
         draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
         device=args.device, dtype=args.dtype, graphs=not args.no_graphs,
     )
-    started_head = False
-    if args.detach and not args.address:
-        subprocess.run([RAY, "start", "--head", "--disable-usage-stats"], check=True,
-                       capture_output=True)
-        opts.address, started_head = "auto", True
-    cluster = rl.launch(opts)
+    _interrupt_on_sigterm()
+    started_head = _choose_ray(opts)
+    try:
+        rl.connect(opts.address)
+        _interrupt_on_sigterm()  # again: ray.init installs a SIGTERM handler of its own
+        cluster = rl.launch(opts)
+    except BaseException:
+        _leave_ray(started_head)
+        raise
     print(f"router: {cluster.router_address}  (prefill {args.prefill}, decode {args.decode})")
     print(f"READY {cluster.router_address}", flush=True)
     if args.detach:
-        state_dir = cache_dir()
-        state_dir.mkdir(parents=True, exist_ok=True)
-        (state_dir / STATE_FILE).write_text(json.dumps({
-            "router": cluster.router_address, "started_head": started_head}))
+        _state_path(name).write_text(json.dumps({"router": cluster.router_address,
+                                                 "ray": opts.address}))
+        rl.disconnect()
         return 0
     _wait_for_signal()
     print("stopping ...", flush=True)
     rl.stop(cluster.actors())
-    import ray
-
-    ray.shutdown()
+    rl.disconnect()
     print("stopped", flush=True)
     return 0
 
 
-def run_status(args: argparse.Namespace) -> int:
-    """Report the running cluster; exit 1 when there is none or a server is dead."""
+def _choose_ray(opts: LaunchOptions) -> bool:
+    """Set ``opts.address`` to the Ray cluster to use (see the module docstring); True when
+    this launch started a Ray head for it. A cluster found on this machine is joined as
+    ``auto``, which is how Ray lets a local driver use the cluster's token."""
     from deploy import ray_launcher as rl
 
-    rl.connect("auto")
-    cluster = rl.find_cluster()
+    if opts.address:
+        return False
+    running = rl.local_cluster()
+    if running:
+        print(f"using the Ray cluster at {running}, already running; it stays up after this "
+              "cluster stops", flush=True)
+        opts.address = "auto"
+        return False
+    if not opts.detached:
+        opts.address = "local"  # a Ray instance of this process, gone when it exits
+        return False
+    _head_path().write_text(json.dumps({"address": rl.start_head()}))
+    opts.address = "auto"
+    return True
+
+
+def _leave_ray(started_head: bool) -> None:
+    """After a failed launch: disconnect, and stop the head it started unless a pdserve
+    cluster of someone else runs on it."""
+    from deploy import ray_launcher as rl
+
+    left = rl.disconnect(stop_head_if_unused=started_head)
+    if started_head and not left:
+        _head_path().unlink(missing_ok=True)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Report cluster ``--name``; exit 1 when it does not run or a server is dead."""
+    name = _checked_name(args.name)
+    from deploy import ray_launcher as rl
+
+    rl.connect(_state(name).get("ray", "auto"))
+    cluster = rl.find_cluster(name)
     if cluster is None:
-        print("no pdserve cluster is running")
-        return 1
+        return _not_running(name, rl.cluster_names())
     import ray
 
     alive = ray.get([a.alive.remote() for a in cluster.actors()])
@@ -101,23 +156,63 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_stop(args: argparse.Namespace) -> int:
-    """Stop the running cluster (and the Ray head a detached launch started); exit 1 if none."""
+    """Stop cluster ``--name`` (exit 1 if it does not run), then the Ray head a detached launch
+    started, once no pdserve cluster is left on it."""
+    name = _checked_name(args.name)
     from deploy import ray_launcher as rl
 
-    state_path = cache_dir() / STATE_FILE
-    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    rl.connect("auto")
-    cluster = rl.find_cluster()
-    if cluster is not None:
-        rl.stop(cluster.actors())
-        print("stopped the pdserve cluster")
-    import ray
+    rl.connect(_state(name).get("ray", "auto"))
+    actors = rl.cluster_actors(name)
+    if actors:
+        rl.stop(list(actors.values()))
+        print(f"stopped the pdserve cluster {name!r}")
+    head = json.loads(_head_path().read_text()) if _head_path().is_file() else {}
+    ours = head.get("address") == rl.current_address()
+    left = rl.disconnect(stop_head_if_unused=ours)
+    if ours and not left:
+        _head_path().unlink()
+        print("stopped the Ray head pdserve started")
+    _state_path(name).unlink(missing_ok=True)
+    return 0 if actors else _not_running(name, left)
 
-    ray.shutdown()
-    if state.get("started_head"):
-        subprocess.run([RAY, "stop"], check=False, capture_output=True)
-    state_path.unlink(missing_ok=True)
-    return 0 if cluster is not None else 1
+
+def _not_running(name: str, others: list[str]) -> int:
+    running = f" (running: {', '.join(others)})" if others else ""
+    print(f"error: no pdserve cluster named {name!r} is running{running}", file=sys.stderr)
+    return 1
+
+
+def _checked_name(name: str) -> str:
+    from engine.errors import InvalidRequestError
+
+    if not NAME.fullmatch(name):
+        raise InvalidRequestError(f"--name {name!r}: use 1 to 63 letters, digits, '.', '_' or "
+                                  "'-', starting with a letter or digit")
+    return name
+
+
+def _state(name: str) -> dict[str, Any]:
+    """What the detached launch of ``name`` recorded, or {}."""
+    path = _state_path(name)
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def _state_path(name: str) -> Path:
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    return cache_dir() / f"launch-{name}.json"
+
+
+def _head_path() -> Path:
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    return cache_dir() / HEAD_FILE
+
+
+def _interrupt_on_sigterm() -> None:
+    """Make SIGTERM act as Ctrl-C (KeyboardInterrupt), so a stopped start-up cleans up too."""
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _draft_dir(draft: str | None, model_dir: Path) -> str | None:

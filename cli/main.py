@@ -9,26 +9,34 @@ engine, server and transfer flags are in :mod:`cli.engine_args`; where a model c
 ``--model`` in :mod:`cli.models`.
 
 Those modules import heavy libraries (torch, grpc, ray) only inside their run functions, so
-building the parser stays cheap. User errors print one ``error:`` line and exit 2. No module of
-the package imports this one: it is the entry point (``pdserve``, or ``python -m cli.main``).
+building the parser stays cheap. Every failure prints one ``error:`` line on stderr naming the
+cause, never a traceback: exit 2 for the project's errors (:class:`engine.errors.EngineError`),
+``OSError``, ``ValueError`` and usage errors, 1 for anything unexpected (named with its type; a
+failed subprocess with the last line of its stderr), 130 for Ctrl-C. ``pdserve --debug COMMAND``
+lets the exception through, traceback and all. No module of the package imports this one: it is
+the entry point (``pdserve``, or ``python -m cli.main``).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from cli.bench import add_bench_args, run_bench
 from cli.client import add_client_args, run_client
 from cli.decode import add_decode_args, run_decode
 from cli.generate import add_generate_args, run_generate
-from cli.launch import add_launch_args, run_launch, run_status, run_stop
+from cli.launch import add_launch_args, add_status_args, run_launch, run_status, run_stop
 from cli.prefill import add_prefill_args, run_prefill
 from cli.router import add_router_args, run_router
 from cli.tiny_model import add_tiny_model_args, run_tiny_model
 from engine.errors import EngineError
 
+EXCEPTION_LINE = re.compile(r"[\w.]+(Error|Exception)(\(\w+\))?: ")  # "RuntimeError: ..."
 AddArgs = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
@@ -42,15 +50,24 @@ COMMANDS: tuple[tuple[str, str, AddArgs | None, Run], ...] = (
     ("router", "run the router (public gRPC Generation API)", add_router_args, run_router),
     ("client", "stream one answer from a router", add_client_args, run_client),
     ("launch", "start router, prefill and decode workers on Ray", add_launch_args, run_launch),
-    ("status", "show the detached cluster started by launch", None, run_status),
-    ("stop", "stop the detached cluster started by launch", None, run_stop),
+    ("status", "show a cluster started by launch (--name)", add_status_args, run_status),
+    ("stop", "stop a cluster started by launch (--name)", add_status_args, run_stop),
     ("bench", "load-test routers, or --compare setups it starts", add_bench_args, run_bench),
 )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a usage error as one ``error:`` line (``--help`` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line; each subcommand's parser sets ``func`` to its run function."""
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="pdserve", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a failure (give it before the command)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text, add_args, run in COMMANDS:
         command = sub.add_parser(name, help=help_text)
@@ -62,12 +79,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``pdserve`` command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:  # building the parser reads PDSERVE_FAULT_* defaults, which may be malformed
         args = build_parser().parse_args(argv)
         return int(args.func(args))
-    except (EngineError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:
+        if argv[:1] == ["--debug"]:  # read here: the parser itself may have failed
+            raise
+        print(f"error: {describe(exc)}", file=sys.stderr)
+        return exit_status(exc)
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` as one line: the project's own errors as they are, a failed subprocess with its
+    stderr's last line, anything else with its type and its message's last line."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, EngineError | OSError | ValueError):
+        return " ".join(str(exc).split())
+    if isinstance(exc, subprocess.CalledProcessError):
+        return _failed_command(exc)
+    message = _last_line(str(exc))
+    if EXCEPTION_LINE.match(message):  # e.g. the last line of a traceback Ray passed on
+        return message
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
+def exit_status(exc: BaseException) -> int:
+    """2 for the errors a user causes, 130 for Ctrl-C, 1 for anything unexpected."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    return 2 if isinstance(exc, EngineError | OSError | ValueError) else 1
+
+
+def _failed_command(exc: subprocess.CalledProcessError) -> str:
+    command = exc.cmd if isinstance(exc.cmd, str) else " ".join(map(str, exc.cmd))
+    stderr = exc.stderr or ""
+    last = _last_line(stderr.decode(errors="replace") if isinstance(stderr, bytes) else stderr)
+    return f"`{command}` exited with status {exc.returncode}" + (f": {last}" if last else "")
+
+
+def _last_line(text: str) -> str:
+    return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
 
 
 if __name__ == "__main__":

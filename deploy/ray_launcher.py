@@ -4,10 +4,17 @@ Each actor owns one ``pdserve`` server process on the node Ray placed it on (pla
 role's resources: ``--prefill-gpus``, ``--decode-gpus``, custom resources such as ``NPU``).
 Workers reach each other by the node IPs Ray reports; on a single-node cluster every server binds
 to and is reached on 127.0.0.1, so no traffic leaves the machine.
+
+Several pdserve clusters can share one Ray cluster: each has a name, and its actors are named
+``NAME/router``, ``NAME/prefill-0``, ... in the Ray namespace ``pdserve``. A server process dies
+with its actor (it gets SIGTERM when the actor's process ends, however it ends), so killing the
+actors, or ``ray stop``, leaves no server behind.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -16,18 +23,31 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private.services import find_gcs_addresses  # what `ray status` uses to find a cluster
+from ray._private.utils import read_ray_address
+
+from engine.errors import EngineError
 
 NAMESPACE = "pdserve"
 READY_TIMEOUT_S = 180.0
 HEAD_RESOURCE = "node:__internal_head__"  # a resource only Ray's head node has
+RAY = str(Path(sys.executable).parent / "ray")  # the ray CLI of this environment
+PR_SET_PDEATHSIG = 1  # prctl option: the signal a process gets when its parent ends
+
+
+class LaunchError(EngineError):
+    """A launch that cannot go on (a server that did not start, a name already taken, a Ray head
+    that did not start); the message is one line meant for the user."""
 
 
 @ray.remote(num_cpus=0)
 class ServerActor:
-    """Runs ``pdserve ROLE ARGS`` on this actor's node and reports its address."""
+    """Runs ``pdserve ROLE ARGS`` on this actor's node and reports its address, or why the server
+    did not start (:meth:`failure`)."""
 
     def __init__(self, role: str, args: list[str], bind_host: str, port: int = 0) -> None:
         self.role = role
@@ -38,30 +58,36 @@ class ServerActor:
                "--port", str(port), *extra]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env)
+                                     text=True, env=env, preexec_fn=_die_with_parent)
         self.advertise = advertise
-        self.port = self._wait_ready()
         self.log_tail: list[str] = []
+        self.port, self.why_not = self._wait_ready()
         threading.Thread(target=self._drain, daemon=True).start()
 
-    def _wait_ready(self) -> int:
+    def _wait_ready(self) -> tuple[int, str]:
+        """Read the server's output up to its ``READY PORT`` line: ``(port, "")``, or, when the
+        server ends or times out first, ``(0, its last output line)``."""
         assert self.proc.stdout is not None
-        lines: list[str] = []
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
                 break
-            lines.append(line)
+            self.log_tail.append(line)
             if line.startswith("READY "):
-                return int(line.split()[1])
+                return int(line.split()[1]), ""
         self.proc.kill()
-        raise RuntimeError(f"{self.role} did not start:\n{''.join(lines[-40:])}")
+        last = next((ln.strip() for ln in reversed(self.log_tail) if ln.strip()), "")
+        return 0, last.removeprefix("error: ") or f"no READY line in {READY_TIMEOUT_S:.0f} s"
 
     def _drain(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.log_tail = [*self.log_tail[-199:], line]
+
+    def failure(self) -> str:
+        """Why the server did not start (its last output line), or "" when it serves."""
+        return self.why_not
 
     def address(self) -> str:
         return f"{self.advertise}:{self.port}"
@@ -81,9 +107,17 @@ class ServerActor:
         return int(self.proc.returncode)
 
 
+def _die_with_parent() -> None:
+    """In a server process before it runs: ask Linux for SIGTERM when the actor's process ends,
+    so a killed actor (``ray.kill``, ``ray stop``, a failed launch) takes its server with it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class LaunchOptions:
     model: str
+    name: str = "pdserve"  # the cluster's name: its actors are NAME/router, NAME/prefill-0, ...
     prefill: int = 1
     decode: int = 1
     port: int = 0  # the router's port; 0 picks a free one
@@ -116,8 +150,10 @@ _ACTOR: Any = ServerActor
 
 
 def connect(address: str | None) -> None:
-    """Join ``address`` (or start a local Ray instance) in our namespace."""
+    """Join ``address`` (``"local"``: start a Ray instance of this process) in our namespace.
+    Ray's own log lines are kept to errors, so the command's output stays its own."""
     if not ray.is_initialized():
+        logging.getLogger("ray").setLevel(logging.ERROR)
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
 
@@ -129,40 +165,68 @@ def bind_host() -> str:
 
 
 def launch(opts: LaunchOptions) -> Cluster:
-    """Start workers, then the router pointing at them; returns once all serve."""
+    """Start workers, then the router pointing at them; returns once all serve. A cluster of the
+    same name on this Ray cluster is a :class:`LaunchError`; on any failure (a server that does
+    not start, Ctrl-C) the actors started so far are killed, their servers with them."""
     connect(opts.address)
+    if opts.name in cluster_names():
+        raise LaunchError(f"a pdserve cluster named {opts.name!r} is already running on this Ray "
+                          f"cluster: stop it (pdserve stop --name {opts.name}) or pick another "
+                          "--name")
+    started: list[Any] = []
+    try:
+        return _start(opts, started)
+    except BaseException:
+        kill(started)
+        raise
+
+
+def _start(opts: LaunchOptions, started: list[Any]) -> Cluster:
+    """:func:`launch`'s body; every actor it creates goes into ``started`` at once."""
     host = bind_host()
     lifetime = {"lifetime": "detached"} if opts.detached else {}
-    model = ["--model", opts.model]
-    workers = []
+    labels: list[str] = []
     for role, count, gpus, res in (("prefill", opts.prefill, opts.prefill_gpus,
                                     opts.prefill_resources),
                                    ("decode", opts.decode, opts.decode_gpus,
                                     opts.decode_resources)):
         args = worker_argv(role, opts)
         for i in range(count):
-            actor = _ACTOR.options(name=f"{role}-{i}", num_gpus=gpus, resources=res,
-                                   **lifetime).remote(role, args, host)
-            workers.append((role, actor))
-    try:
-        addresses = ray.get([a.address.remote() for _, a in workers])
-    except Exception:
-        stop([a for _, a in workers])
-        raise
-    pre = ",".join(addr for (role, _), addr in zip(workers, addresses, strict=True)
-                   if role == "prefill")
-    dec = ",".join(addr for (role, _), addr in zip(workers, addresses, strict=True)
-                   if role == "decode")
-    router_args = [*model, "--prefill", pre, "--decode", dec]
+            labels.append(f"{role}-{i}")
+            started.append(_ACTOR.options(name=actor_name(opts.name, labels[-1]), num_gpus=gpus,
+                                          resources=res, **lifetime).remote(role, args, host))
+    _wait_started(opts.name, labels, started)
+    addresses = dict(zip(labels, ray.get([a.address.remote() for a in started]), strict=True))
+    router_args = ["--model", opts.model, "--prefill", _joined(addresses, "prefill"),
+                   "--decode", _joined(addresses, "decode")]
     # the router runs on the head node, where users (and `pdserve status`) look for it
-    router = _ACTOR.options(name="router", resources={HEAD_RESOURCE: 0.001},
-                            **lifetime).remote("router", router_args, host, opts.port)
-    try:
-        router_address = ray.get(router.address.remote())
-    except Exception:
-        stop([a for _, a in workers] + [router])
-        raise
-    return Cluster(router, [a for _, a in workers], router_address)
+    started.append(_ACTOR.options(name=actor_name(opts.name, "router"),
+                                  resources={HEAD_RESOURCE: 0.001}, **lifetime)
+                   .remote("router", router_args, host, opts.port))
+    _wait_started(opts.name, ["router"], started[-1:])
+    return Cluster(started[-1], started[:-1], ray.get(started[-1].address.remote()))
+
+
+def _wait_started(name: str, labels: list[str], actors: list[Any]) -> None:
+    """Wait until every server of ``actors`` serves; the first that does not start is a
+    :class:`LaunchError` naming it and its last output line (the others are not waited for)."""
+    pending = {a.failure.remote(): label for label, a in zip(labels, actors, strict=True)}
+    while pending:
+        [done], _ = ray.wait(list(pending), num_returns=1)
+        label = pending.pop(done)
+        failure = ray.get(done)
+        if failure:
+            raise LaunchError(f"{actor_name(name, label)} did not start: {failure}")
+
+
+def _joined(addresses: dict[str, str], role: str) -> str:
+    """The addresses of the ``role`` servers (labels ``ROLE-I``), comma-separated."""
+    return ",".join(a for label, a in addresses.items() if label.rsplit("-", 1)[0] == role)
+
+
+def actor_name(cluster: str, label: str) -> str:
+    """The Ray actor name of server ``label`` (``router``, ``prefill-0``, ...) of ``cluster``."""
+    return f"{cluster}/{label}"
 
 
 def worker_argv(role: str, opts: LaunchOptions) -> list[str]:
@@ -188,29 +252,87 @@ def draft_args(role: str, opts: LaunchOptions) -> list[str]:
 
 
 def stop(actors: Sequence[Any]) -> None:
-    """Stop every server process, then the actors themselves."""
+    """Stop every server process (it drains), then the actors themselves."""
     for ref in [a.stop.remote() for a in actors]:
         try:
             ray.get(ref, timeout=60)
         except Exception:  # noqa: S110 - the actor or its node is already gone
             pass
+    kill(actors)
+
+
+def kill(actors: Sequence[Any]) -> None:
+    """Kill actors at once, even those still starting; their servers get SIGTERM."""
     for a in actors:
         ray.kill(a)
 
 
-def find_cluster() -> Cluster | None:
-    """The detached cluster of this Ray cluster's ``pdserve`` namespace, if one runs."""
-    try:
-        router = ray.get_actor("router", namespace=NAMESPACE)
-    except ValueError:
-        return None
-    workers = []
-    for role in ("prefill", "decode"):
-        i = 0
-        while True:
+def cluster_names() -> list[str]:
+    """The names of the pdserve clusters on this Ray cluster."""
+    return sorted({n.split("/", 1)[0] for n in ray.util.list_named_actors() if "/" in n})
+
+
+def cluster_actors(name: str) -> dict[str, Any]:
+    """Every actor of cluster ``name`` (router and workers, serving or still starting), by label
+    (``router``, ``prefill-0``, ...)."""
+    actors = {}
+    for actor in ray.util.list_named_actors():
+        if actor.startswith(f"{name}/"):
             try:
-                workers.append(ray.get_actor(f"{role}-{i}", namespace=NAMESPACE))
-            except ValueError:
-                break
-            i += 1
-    return Cluster(router, workers, ray.get(router.address.remote()))
+                actors[actor.split("/", 1)[1]] = ray.get_actor(actor)
+            except ValueError:  # it ended since it was listed
+                continue
+    return actors
+
+
+def find_cluster(name: str) -> Cluster | None:
+    """Cluster ``name`` of this Ray cluster, once its router serves; None if it has no router."""
+    actors = cluster_actors(name)
+    router = actors.pop("router", None)
+    if router is None:
+        return None
+    return Cluster(router, [actors[k] for k in sorted(actors)], ray.get(router.address.remote()))
+
+
+def local_cluster() -> str | None:
+    """The Ray cluster a launch without ``--address`` joins: ``$RAY_ADDRESS`` if set, else the
+    one ``ray start`` left running on this machine if its GCS process is alive, else None."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    address = read_ray_address()
+    return address if address and address in find_gcs_addresses() else None
+
+
+def start_head() -> str:
+    """``ray start --head`` on this machine; its GCS address. A failure is a :class:`LaunchError`
+    with ``ray``'s last output line; Ctrl-C during the start stops what was started."""
+    try:
+        subprocess.run([RAY, "start", "--head", "--disable-usage-stats"], check=True,
+                       capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        last = next((ln for ln in reversed(exc.stderr.splitlines()) if ln.strip()), "")
+        raise LaunchError(f"`ray start --head` failed: {last.strip()}") from exc
+    except KeyboardInterrupt:
+        stop_head()
+        raise
+    return str(read_ray_address())
+
+
+def stop_head() -> None:
+    """``ray stop``: ends every Ray process of this machine (used on a head pdserve started)."""
+    subprocess.run([RAY, "stop"], check=False, capture_output=True)
+
+
+def current_address() -> str:
+    """The GCS address of the Ray cluster this process is connected to."""
+    return str(ray.get_runtime_context().gcs_address)
+
+
+def disconnect(stop_head_if_unused: bool = False) -> list[str]:
+    """Leave the Ray cluster; with ``stop_head_if_unused``, also stop its head (``ray stop``)
+    unless a pdserve cluster still runs on it. Returns the names of those still running."""
+    left = cluster_names() if ray.is_initialized() else []
+    ray.shutdown()
+    if stop_head_if_unused and not left:
+        stop_head()
+    return left

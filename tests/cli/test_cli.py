@@ -1,6 +1,7 @@
 """The ``pdserve`` console script, run as a real subprocess: ``make-tiny-model`` and ``generate``
 (token ids, precomputed patches, PNG images, JSON output, bfloat16 on the CPU), and one-line
-errors with exit code 2 (bad input, devices this machine cannot run)."""
+errors with exit code 2 (bad input, devices this machine cannot run), unexpected errors as one
+line too, and ``--debug`` showing the traceback."""
 
 from __future__ import annotations
 
@@ -265,6 +266,38 @@ def test_unknown_device_is_a_one_line_error_on_servers_and_launch(cache_dir: Pat
     """(generate: the tests above; prefill builds its config like decode.)"""
     proc = pdserve(cache_dir, *command, "--device", "tpu")
     assert_one_line_error(proc, "choose one of auto, cpu, cuda, npu")
+
+
+def test_debug_shows_the_traceback(cache_dir: Path) -> None:
+    assert_one_line_error(pdserve(cache_dir, "launch", "--name", "a/b"), "--name 'a/b'")
+    proc = pdserve(cache_dir, "--debug", "launch", "--name", "a/b")
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "InvalidRequestError: --name 'a/b'" in proc.stderr
+
+
+@pytest.mark.parametrize(("exc", "line", "status"), [
+    (RuntimeError("ray::ServerActor.address()\n  File x\nRuntimeError: gone"),
+     "error: RuntimeError: gone", 1),
+    (ValueError("bad\n value"), "error: bad value", 2),
+    (subprocess.CalledProcessError(1, ["ray", "start"], stderr=b"noise\nport 6379 taken\n"),
+     "error: `ray start` exited with status 1: port 6379 taken", 1),
+    (KeyError(), "error: KeyError", 1),
+    (KeyboardInterrupt(), "error: interrupted", 130),
+])
+def test_unexpected_errors_are_one_line_unless_debug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], exc: BaseException,
+    line: str, status: int,
+) -> None:
+    import cli.main
+
+    def fail(args: object) -> int:
+        raise exc
+
+    monkeypatch.setattr(cli.main, "COMMANDS", (("fail", "always fails", None, fail),))
+    assert cli.main.main(["fail"]) == status
+    assert capsys.readouterr().err == line + "\n"
+    with pytest.raises(type(exc)):
+        cli.main.main(["--debug", "fail"])
 
 
 def test_generate_with_video_patches(

@@ -88,34 +88,3 @@ def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
             break
         time.sleep(0.5)
     assert not left, left
-
-
-def test_detach_status_and_stop(tmp_path: Path) -> None:
-    model = write_tiny_model(tmp_path / "detach-model")
-    env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
-
-    def pdserve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True,
-                              text=True, env=env, cwd=ROOT, timeout=timeout)
-
-    try:
-        launched = pdserve("launch", "--detach", "--model", str(model), "--port", "0")
-        assert launched.returncode == 0, launched.stdout + launched.stderr
-        address = next(line.split()[1] for line in launched.stdout.splitlines()
-                       if line.startswith("READY "))
-        status = pdserve("status")
-        assert status.returncode == 0 and "servers alive: 3/3" in status.stdout, status.stdout
-        request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[5, 6]),
-                                      sampling=gpb.SamplingParams(max_new_tokens=4))
-        with grpc.insecure_channel(address) as ch:
-            msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60))
-        assert sum(len(m.token_ids) for m in msgs) == 4
-    finally:
-        stopped = pdserve("stop")
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    deadline = time.monotonic() + 30
-    while (left := processes_matching(str(model)) + processes_matching("raylet")) and \
-            time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, left
