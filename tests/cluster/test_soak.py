@@ -44,11 +44,12 @@ from tests.cluster.harness import Node
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all
 
-pytestmark = pytest.mark.slow
+MINUTES = float(os.environ.get("PDSERVE_SOAK_MINUTES", "0"))  # 0: just BURSTS bursts
+# a long run outlives the suite's per-test timeout by its length
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600 + 60 * MINUTES)]
 REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "400"))
 BURSTS = int(os.environ.get("PDSERVE_SOAK_BURSTS", "2"))
 IDLE_S = float(os.environ.get("PDSERVE_SOAK_IDLE_S", "10"))
-MINUTES = float(os.environ.get("PDSERVE_SOAK_MINUTES", "0"))  # 0: just BURSTS bursts
 CONCURRENCY = int(os.environ.get("PDSERVE_SOAK_CONCURRENCY", "32"))
 CANCEL_P = float(os.environ.get("PDSERVE_SOAK_CANCEL_P", "0.1"))
 FAIL_P = os.environ.get("PDSERVE_SOAK_FAIL_P", "0.01")
