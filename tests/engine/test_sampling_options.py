@@ -25,7 +25,7 @@ from engine.tokenizer import Tokenizer
 from proto.convert import sampling_kwargs, sampling_message
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.preprocess import ModelAssets, Preprocessor
-from router.relay import END, relay
+from router.relay import END, Outgoing, relay
 
 V = 24
 
@@ -219,8 +219,8 @@ def _relay(tok: Tokenizer, msgs: list[gpb.GenerateResponse], stops: tuple[str, .
     async def go() -> tuple[list[gpb.GenerateResponse], _Run]:
         run = _Run(5)
         feeder = asyncio.create_task(run.feed(msgs))
-        out = [m async for m in relay(run, "r", tok.detokenizer(), False,  # type: ignore[arg-type]
-                                      stops)]
+        outgoing = Outgoing("r", 5, tok.detokenizer(), False, stops)
+        out = [m async for m in relay(run, outgoing)]  # type: ignore[arg-type]
         await feeder
         return out, run
     return asyncio.run(go())

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import grpc
 import pytest
 
+from engine.tokenizer import Tokenizer
+from proto.pdserve.v1 import generate_pb2 as gpb
 from router.errors import WorkerFailure
 from router.recovery import KVFailurePolicy, Recovery, RecoveryConfig, Step
+from router.relay import Outgoing, relay
 from router.workers import COOLDOWN_BASE_S, COOLDOWN_MAX_S, DECODE, PREFILL, WorkerPool
 from tests.router.test_readiness import BOOT, FakeStub, worker
 
@@ -114,3 +119,50 @@ def test_a_suspect_worker_is_asked_before_its_next_request() -> None:
         await pool.close()
 
     asyncio.run(main())
+
+
+class _Attempt:
+    """What the relay uses of a RoomRun: a queue fed with one attempt's worker messages, then
+    a failure (or nothing: the attempt's last message is the final one)."""
+
+    def __init__(self, msgs: list[gpb.GenerateResponse], failure: WorkerFailure | None) -> None:
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.aborted = False
+        self.decode = SimpleNamespace(address="d")
+        for m in msgs:
+            self.queue.put_nowait(m)
+        if failure is not None:
+            self.queue.put_nowait(failure)
+
+    def close(self) -> None:
+        raise AssertionError("no stop string here: the relay never closes the run")
+
+
+def test_one_outgoing_stream_across_attempts(tiny_dir: Path) -> None:
+    """A decode fails after some tokens; the next attempt's tokens continue the same client
+    stream: text decoded across the seam, usage of the whole request."""
+    tok = Tokenizer.from_dir(tiny_dir)
+    assert tok is not None
+    ids = tok.encode("alpha beta gamma delta epsilon")
+    cut = len(ids) // 2
+    first = _Attempt([gpb.GenerateResponse(token_ids=[t]) for t in ids[:cut]], DOWN)
+    rest = [gpb.GenerateResponse(token_ids=[t]) for t in ids[cut:]]
+    rest[-1].finished, rest[-1].finish_reason = True, "length"
+    rest[-1].usage.prompt_tokens, rest[-1].usage.completion_tokens = 7 + cut, len(ids) - cut
+    second = _Attempt(rest, None)
+
+    async def go() -> list[gpb.GenerateResponse]:
+        out = Outgoing("r", 7, tok.detokenizer(), False, ())
+        msgs = []
+        with pytest.raises(WorkerFailure):
+            async for m in relay(cast(Any, first), out):
+                msgs.append(m)
+        assert out.token_ids == ids[:cut]  # what a failover resubmits after the prompt
+        msgs += [m async for m in relay(cast(Any, second), out)]
+        return msgs
+
+    msgs = asyncio.run(go())
+    assert [t for m in msgs for t in m.token_ids] == ids
+    assert "".join(m.text for m in msgs) == tok.decode(ids)
+    assert msgs[-1].finished and (msgs[-1].usage.prompt_tokens,
+                                  msgs[-1].usage.completion_tokens) == (7, len(ids))
