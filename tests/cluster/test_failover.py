@@ -24,8 +24,8 @@ from tests.cluster.streams import Stream, wait_for
 from tests.cluster.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
-NEW = 250  # long enough that every stream is still running when its decode dies
-PROMPTS = [[(i * 31 + j * 7) % 500 for j in range(6 + 5 * i)] for i in range(6)]
+NEW = 200  # long enough that every stream is still running when its decode dies
+PROMPTS = [[(i * 31 + j * 7) % 500 for j in range(6 + 5 * i)] for i in range(5)]
 
 
 @pytest.fixture(scope="module")

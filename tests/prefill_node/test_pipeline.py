@@ -102,68 +102,80 @@ def image_cases(special: dict) -> list:  # noqa: ANN001
     ]
 
 
-def check_equal(model: Path, special: dict, pp_size: int = 2) -> None:  # noqa: ANN001
+Pipeline = tuple[list[Node], Node, str]
+
+
+def check_equal(model: Path, special: dict, p: Pipeline) -> None:  # noqa: ANN001
+    stages, d, bootstrap = p
     cases = image_cases(special)
     expected = expected_tokens(model, cases, 10)
-    with pipeline(model, pp_size) as (stages, d, bootstrap):
-        assert bootstrap.count(",") == pp_size - 1
-        for room, ((ids, ims), exp) in enumerate(zip(cases, expected, strict=True), start=1):
-            got = run_room(stages[0].address, d.address, bootstrap,
-                           worker_request(room, ids, 10, ims))
-            assert got == exp, f"case {room}"
-        assert_idle(stages, d)
-        # several rooms at once, batched across steps on every stage
-        reqs = [worker_request(100 + i, ids, 10, ims) for i, (ids, ims) in enumerate(cases * 3)]
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            got_all = list(pool.map(
-                lambda r: run_room(stages[0].address, d.address, bootstrap, r), reqs))
-        assert got_all == expected * 3
-        assert_idle(stages, d)
+    assert bootstrap.count(",") == len(stages) - 1
+    for room, ((ids, ims), exp) in enumerate(zip(cases, expected, strict=True), start=1):
+        got = run_room(stages[0].address, d.address, bootstrap,
+                       worker_request(room, ids, 10, ims))
+        assert got == exp, f"case {room}"
+    assert_idle(stages, d)
+    # several rooms at once, batched across steps on every stage
+    reqs = [worker_request(100 + i, ids, 10, ims) for i, (ids, ims) in enumerate(cases * 3)]
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        got_all = list(pool.map(
+            lambda r: run_room(stages[0].address, d.address, bootstrap, r), reqs))
+    assert got_all == expected * 3
+    assert_idle(stages, d)
 
 
-def test_two_stages_equal_colocated(tiny_dir: Path) -> None:
-    check_equal(tiny_dir, tiny_config_dict())  # 2 layers: one per stage
+@pytest.fixture(scope="module")
+def tiny_pipeline(tiny_dir: Path) -> Iterator[Pipeline]:
+    """Two stages of the tiny model (2 layers: one per stage) and a decode, shared by the tests
+    that need no other setup (their room ids differ)."""
+    with pipeline(tiny_dir) as p:
+        yield p
+
+
+def test_two_stages_equal_colocated(tiny_dir: Path, tiny_pipeline: Pipeline) -> None:
+    check_equal(tiny_dir, tiny_config_dict(), tiny_pipeline)
 
 
 def test_uneven_stages_equal_colocated(hf_dir: Path) -> None:
-    check_equal(hf_dir, HF_SPECIAL)  # 3 layers: stage 0 owns layer 0, stage 1 layers 1 and 2
+    with pipeline(hf_dir) as p:  # 3 layers: stage 0 owns layer 0, stage 1 layers 1 and 2
+        check_equal(hf_dir, HF_SPECIAL, p)
 
 
-def test_aborts_leave_nothing_on_any_node(tiny_dir: Path) -> None:
-    with pipeline(tiny_dir) as (stages, d, bootstrap):
-        req = worker_request(7, list(range(10, 90)), 10)
-        with grpc.insecure_channel(stages[0].address) as pch:
-            pstub = worker_pb2_grpc.PrefillWorkerStub(pch)
-            # 1. a room gated on stage 0 (no decode): the router aborts it
-            fut = pstub.Prefill.future(wpb.PrefillRequest(request=req), timeout=30)
-            time.sleep(0.3)
-            assert pstub.AbortRoom(wpb.AbortRoomRequest(room=7, reason="test")).found
-            with pytest.raises(grpc.RpcError):
-                fut.result()
-            assert_idle(stages, d)
-            # 2. destinations on every stage, no prefill request: the client cancels
-            with grpc.insecure_channel(d.address) as dch:
-                dstub = worker_pb2_grpc.DecodeWorkerStub(dch)
-                stream = dstub.Decode(wpb.DecodeRequest(request=worker_request(8, [1, 2, 3], 5),
-                                                        prefill_bootstrap=bootstrap))
-                threading.Timer(0.5, stream.cancel).start()
-                with pytest.raises(grpc.RpcError):
-                    list(stream)
-            assert_idle(stages, d)
-            # 3. a long generation cancelled after its first tokens
-            long_req = worker_request(9, list(range(10, 90)), 400)
-            with grpc.insecure_channel(d.address) as dch:
-                dstub = worker_pb2_grpc.DecodeWorkerStub(dch)
-                stream = dstub.Decode(wpb.DecodeRequest(request=long_req,
-                                                        prefill_bootstrap=bootstrap))
-                pstub.Prefill(wpb.PrefillRequest(request=long_req), timeout=30)
-                assert next(stream).token_ids
-                stream.cancel()
-            assert_idle(stages, d)
-        # and the pipeline still serves afterwards
-        got = run_room(stages[0].address, d.address, bootstrap, worker_request(10, [4, 5, 6], 4))
-        assert got == expected_tokens(tiny_dir, [([4, 5, 6], ())], 4)[0]
+def test_aborts_leave_nothing_on_any_node(tiny_dir: Path, tiny_pipeline: Pipeline) -> None:
+    stages, d, bootstrap = tiny_pipeline
+    req = worker_request(7, list(range(10, 90)), 10)
+    with grpc.insecure_channel(stages[0].address) as pch:
+        pstub = worker_pb2_grpc.PrefillWorkerStub(pch)
+        # 1. a room gated on stage 0 (no decode): the router aborts it
+        fut = pstub.Prefill.future(wpb.PrefillRequest(request=req), timeout=30)
+        time.sleep(0.3)
+        assert pstub.AbortRoom(wpb.AbortRoomRequest(room=7, reason="test")).found
+        with pytest.raises(grpc.RpcError):
+            fut.result()
         assert_idle(stages, d)
+        # 2. destinations on every stage, no prefill request: the client cancels
+        with grpc.insecure_channel(d.address) as dch:
+            dstub = worker_pb2_grpc.DecodeWorkerStub(dch)
+            stream = dstub.Decode(wpb.DecodeRequest(request=worker_request(8, [1, 2, 3], 5),
+                                                    prefill_bootstrap=bootstrap))
+            threading.Timer(0.5, stream.cancel).start()
+            with pytest.raises(grpc.RpcError):
+                list(stream)
+        assert_idle(stages, d)
+        # 3. a long generation cancelled after its first tokens
+        long_req = worker_request(9, list(range(10, 90)), 400)
+        with grpc.insecure_channel(d.address) as dch:
+            dstub = worker_pb2_grpc.DecodeWorkerStub(dch)
+            stream = dstub.Decode(wpb.DecodeRequest(request=long_req,
+                                                    prefill_bootstrap=bootstrap))
+            pstub.Prefill(wpb.PrefillRequest(request=long_req), timeout=30)
+            assert next(stream).token_ids
+            stream.cancel()
+        assert_idle(stages, d)
+    # and the pipeline still serves afterwards
+    got = run_room(stages[0].address, d.address, bootstrap, worker_request(10, [4, 5, 6], 4))
+    assert got == expected_tokens(tiny_dir, [([4, 5, 6], ())], 4)[0]
+    assert_idle(stages, d)
 
 
 def test_stages_require_and_send_the_internal_token(tiny_dir: Path, tmp_path: Path) -> None:

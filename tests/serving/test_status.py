@@ -18,7 +18,13 @@ from engine.errors import (
     OutOfPagesError,
 )
 from proto.convert import ConversionError
-from serving.status import STATUS_ERRORS, STATUS_TABLE, abort_with_status, status_for
+from serving.status import (
+    PREFILL_SIDE,
+    STATUS_ERRORS,
+    STATUS_TABLE,
+    abort_with_status,
+    status_for,
+)
 from transfer.errors import (
     BackendUnavailableError,
     EngineCallError,
@@ -58,10 +64,18 @@ def _with_subclasses(cls: type[Exception]) -> Iterator[type[Exception]]:
         yield from _with_subclasses(sub)
 
 
+# the rooms whose code runs inside a servicer; the launcher's and the CLI's errors (``deploy``,
+# ``cli``) never reach one, so they need no status
+SERVED_ROOMS = frozenset({"engine", "transfer", "proto", "serving", "prefill_node", "decode_node",
+                          "router"})
+
+
 def project_exceptions() -> list[type[Exception]]:
-    """Every exception class of ours: the engine's, the transfer layer's, and the conversion's."""
-    return [*_with_subclasses(EngineError), *_with_subclasses(TransferError),
-            *_with_subclasses(ConversionError)]
+    """Every exception class of ours a call can meet: the engine's, the transfer layer's, and
+    the conversion's (subclasses defined in the rooms that serve calls)."""
+    found = [*_with_subclasses(EngineError), *_with_subclasses(TransferError),
+             *_with_subclasses(ConversionError)]
+    return [cls for cls in found if cls.__module__.split(".")[0] in SERVED_ROOMS]
 
 
 def test_every_project_exception_has_its_own_entry() -> None:
@@ -99,16 +113,20 @@ class _Context:
 
     def __init__(self) -> None:
         self.ended: tuple[grpc.StatusCode, str] | None = None
+        self.trailing: tuple[tuple[str, str], ...] = ()
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: tuple[tuple[str, str], ...] = ()) -> None:
         self.ended = (code, details)
+        self.trailing = trailing_metadata
         raise grpc.aio.AbortError()
 
 
-def _abort(exc: Exception, where: str = "") -> _Context:
+def _abort(exc: Exception, where: str = "",
+           trailing: tuple[tuple[str, str], ...] = ()) -> _Context:
     context = _Context()
     with pytest.raises(grpc.aio.AbortError):
-        asyncio.run(abort_with_status(context, exc, where))  # type: ignore[arg-type]
+        asyncio.run(abort_with_status(context, exc, where, trailing))  # type: ignore[arg-type]
     return context
 
 
@@ -117,6 +135,8 @@ def test_abort_with_status_ends_the_call_with_the_table_status() -> None:
         Code.INVALID_ARGUMENT, "empty prompt")
     assert _abort(TransferError("refused"), where="prefill bootstrap h:1").ended == (
         Code.UNAVAILABLE, "prefill bootstrap h:1: refused")
+    marked = _abort(TransferError("refused"), trailing=PREFILL_SIDE)  # the router's blame mark
+    assert marked.trailing == PREFILL_SIDE == (("pdserve-prefill-side", "1"),)
 
 
 def test_abort_with_status_reraises_what_the_table_does_not_map() -> None:
