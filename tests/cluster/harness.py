@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,13 @@ class Node:
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    """A loopback port free right now, for a node that must come back on the same address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _env() -> dict[str, str]:

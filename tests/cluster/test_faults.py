@@ -10,7 +10,6 @@ prompt is long with a small prefill chunk, so the prefill is still pushing KV wh
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
-from tests.cluster.harness import Node
+from tests.cluster.harness import Node, free_port
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.streams import Stream, wait_for
 from tests.cluster.test_cluster import start_all, stop_all
@@ -34,12 +33,6 @@ FAST_FAIL = ["--heartbeat-interval-s", "0.5", "--quarantine-s", "1", "--bootstra
              "10", "--waiting-timeout-s", "20"]
 LONG = [(j * 13) % 500 for j in range(2500)]  # ~160 prefill chunks of 16 tokens
 FAIL_WITHIN_S = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -40,7 +39,7 @@ from engine.request import SamplingParams
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from router.workers import COOLDOWN_BASE_S
-from tests.cluster.harness import Node
+from tests.cluster.harness import Node, free_port
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all
 
@@ -89,12 +88,6 @@ def expected(tiny_dir: Path) -> list[list[int]]:
     vs = variants()
     params = [SamplingParams(max_new_tokens=v.new, ignore_eos=True) for v in vs]
     return [r.token_ids for r in engine.generate([Prompt(token_ids=v.ids) for v in vs], params)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
