@@ -28,6 +28,7 @@ from proto.pdserve.v1 import worker_pb2 as wpb
 from serving.auth import internal_metadata
 from tests.cluster.harness import Node, running
 from tests.cluster.stats import assert_all_idle
+from tests.cluster.test_cluster import start_all, stop_all
 from tests.cluster.test_disagg_workers import NODE_ARGS, run_room, worker_request
 from tests.conftest import HF_SPECIAL
 
@@ -40,13 +41,16 @@ def pipeline(model: Path, pp_size: int = 2) -> Iterator[tuple[list[Node], Node, 
     """Prefill stages (last started first) and a decode node; yields (stages in rank order,
     decode, stage 0's bootstrap string)."""
     args = ["--model", str(model), *NODE_ARGS]
-    with running(["prefill", *args, "--pp-size", str(pp_size), "--pp-rank",
-                  str(pp_size - 1)]) as [last]:
+    last, d = start_all([["prefill", *args, "--pp-size", str(pp_size), "--pp-rank",
+                          str(pp_size - 1)], ["decode", *args]])  # at once: neither needs the other
+    try:
         stages = [last]
-        with _earlier(args, pp_size, stages), running(["decode", *args]) as [d]:
+        with _earlier(args, pp_size, stages):
             with grpc.insecure_channel(stages[0].address) as ch:
                 load = worker_pb2_grpc.PrefillWorkerStub(ch).GetLoad(wpb.GetLoadRequest())
             yield stages, d, load.bootstrap
+    finally:
+        stop_all([d, last])
 
 
 @contextmanager
@@ -185,7 +189,9 @@ def test_stages_require_and_send_the_internal_token(tiny_dir: Path, tmp_path: Pa
     secret.write_text("pipeline-secret")
     args = ["--model", str(tiny_dir), *NODE_ARGS, "--internal-token-file", str(secret)]
     [expected] = expected_tokens(tiny_dir, [([1, 2, 3, 4, 5], ())], 6)
-    with running(["prefill", *args, "--pp-size", "2", "--pp-rank", "1"]) as [last]:
+    last, d = start_all([["prefill", *args, "--pp-size", "2", "--pp-rank", "1"],
+                         ["decode", *args]])
+    try:
         with grpc.insecure_channel(last.address) as ch:
             stub = worker_pb2_grpc.PipelineStageStub(ch)
             with pytest.raises(grpc.RpcError) as err:
@@ -196,7 +202,6 @@ def test_stages_require_and_send_the_internal_token(tiny_dir: Path, tmp_path: Pa
             assert (info.pp_rank, info.pp_size) == (1, 2)
         with running(["prefill", *args, "--pp-size", "2", "--pp-rank", "0",
                       "--pp-next", last.address]) as [first], \
-                running(["decode", *args]) as [d], \
                 running(["router", "--model", str(tiny_dir), "--port", "0", "--prefill",
                          first.address, "--decode", d.address, "--internal-token-file",
                          str(secret)]) as [router]:
@@ -209,3 +214,5 @@ def test_stages_require_and_send_the_internal_token(tiny_dir: Path, tmp_path: Pa
             meta = internal_metadata("pipeline-secret")
             assert_all_idle([first.address, last.address, d.address, router.address],
                             metadata=meta)
+    finally:
+        stop_all([d, last])
