@@ -5,9 +5,10 @@ after an idle pause), the prefill killed (``kill -9``) in the first burst and a 
 the second, each restarted on its address by the test.
 
 The router's default recovery (:mod:`router.recovery`) must hide every fault: every request that
-was not cancelled completes, equal to the in-process engine; the router counts its retries,
-recomputes and failovers; the restarted nodes serve again (no sticky failure); and every node
-holds nothing at the end (the leak check).
+was not cancelled completes, equal to the in-process engine; the router counts its retries and
+recomputes (and failovers, when the decode kill catches a stream mid-generation); the
+restarted nodes serve again (no sticky failure); and every node holds nothing at the end (the
+leak check).
 
 Small by default (CI): ``PDSERVE_SOAK_REQUESTS`` (300) in ``PDSERVE_SOAK_BURSTS`` (2) bursts
 ``PDSERVE_SOAK_IDLE_S`` (10) seconds apart, at ``PDSERVE_SOAK_CONCURRENCY`` (32) streams, with
@@ -250,7 +251,9 @@ def test_soak(cluster: Cluster, expected: list[list[int]]) -> None:
     assert not failed, [(o.code, o.details) for o in failed[:5]]
     assert not wrong, wrong[:10]
     assert len(done) + len(cancelled) == len(outs)
-    assert router.kv_retries > 0 and router.kv_recomputes > 0 and router.decode_failovers > 0
+    # the decode kill may catch every one of its streams before their first token (then they
+    # are retries, not failovers): mid-stream failover is asserted in tests/cluster/test_failover
+    assert router.kv_retries > 0 and router.kv_recomputes > 0
     assert injected > 0
     _restarted_nodes_serve(c, vs, expected)
     assert_all_idle([n.address for n in c.nodes.values()], 20.0)  # the leak check
