@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (also the prefill chunk size)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full instead of reusing the KV of full pages "
+                        "of earlier prompts with the same prefix (tokens and images); "
+                        "prefill and decode nodes do not use the prefix cache yet")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -59,7 +63,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, num_pages=args.num_pages, kv_budget_bytes=args.kv_budget_mb << 20,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dtype=dtype_name(dtype), device=str(device),
-        graphs=not args.no_graphs,
+        graphs=not args.no_graphs, enable_prefix_cache=not args.no_prefix_cache,
     )
 
 

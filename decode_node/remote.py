@@ -67,6 +67,10 @@ class RemoteQueues:
     def __init__(self, engine: LLMEngine, seed: Seed | None = None) -> None:
         """``seed``: a speculative decoder's hook, given each adopted request and the draft
         feature of its aux row."""
+        # no prefix cache here yet: adopted rooms' pages are filled by a prefill and freed
+        # through the bootstrap clients, paths that know nothing of shared cached pages (issue
+        # #15, wiring the cache into the decode node is a later item)
+        engine.disable_prefix_cache()
         self.engine = engine
         self._seed = seed
         self.prealloc: dict[int, RemoteRoom] = {}

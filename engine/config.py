@@ -296,3 +296,6 @@ class EngineConfig:
     # the decoder layers this engine holds (weights and KV pool): None for all; a pipeline's
     # first stage holds its share only and runs through prefill_node.pipeline.first_runner
     layers: range | None = None
+    # reuse the KV of full pages of earlier prompts with the same prefix (tokens and images);
+    # see engine/prefix_cache.py
+    enable_prefix_cache: bool = True

@@ -33,10 +33,12 @@ from engine.model_runner import ModelRunner, StepForward
 from engine.mrope import num_image_tokens
 from engine.page_allocator import PageAllocator
 from engine.penalties import apply_penalties
+from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampling import Sampler, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
+from engine.visual_digest import visual_keys
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class LLMEngine:
         self.scratch_page = num_pages
         self.pool = KVPool(num_pages + 1, config.page_size, text.num_key_value_heads, text.head_dim,
                            list(layers), dtype, self.device)
+        allocator = PageAllocator(num_pages)
+        cache = PrefixCache(config.page_size, allocator) if config.enable_prefix_cache else None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=num_pages,
@@ -129,7 +133,8 @@ class LLMEngine:
                 vocab_size=text.vocab_size,
                 lookahead_tokens=config.lookahead_tokens,
             ),
-            PageAllocator(num_pages),
+            allocator,
+            cache,
         )
         attn = make_attention(self.pool)
         self.runner = ModelRunner(self.model, attn)
@@ -171,7 +176,12 @@ class LLMEngine:
         state.generator = make_generator(sampling.seed, self.device)
         if request_id is None:
             request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        return Request(request_id, list(token_ids), sampling, payload=state)
+        keys: tuple[tuple[int, bytes], ...] = ()
+        if self.scheduler.prefix_cache is not None:
+            cfg = self.model_config
+            keys = visual_keys(state, token_ids, (cfg.image_token_id, cfg.video_token_id),
+                               sampling.resumed_tokens)
+        return Request(request_id, list(token_ids), sampling, payload=state, visual_keys=keys)
 
     def add_request(
         self,
@@ -189,6 +199,37 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> Request | None:
         return self.scheduler.abort(request_id)
+
+    # ---- prefix cache and figures --------------------------------------------------------------
+
+    def disable_prefix_cache(self) -> None:
+        """Turn the prefix cache off for good, dropping what it holds (a node whose pages
+        travel between processes calls this: its KV paths do not know about shared pages)."""
+        self.scheduler.disable_prefix_cache()
+
+    def stats(self) -> dict[str, int]:
+        """Page and prefix-cache figures. ``kv_pages_in_use`` are held by requests (0 once
+        every request finished: anything else is a leak); ``kv_pages_cached`` are held only by
+        the prefix cache (evictable on demand, not a leak); ``kv_pages_free`` are in the
+        allocator. The three add up to ``kv_pages_total``."""
+        sched = self.scheduler
+        cache = sched.prefix_cache
+        out = {
+            "kv_pages_total": sched.allocator.num_pages,
+            "kv_pages_free": sched.allocator.num_free,
+            "kv_pages_in_use": sched.num_request_pages,
+            "kv_pages_cached": cache.num_evictable if cache is not None else 0,
+            "prefix_cache_enabled": int(cache is not None),
+        }
+        if cache is not None:
+            st = cache.stats
+            out.update(prefix_cache_pages=cache.num_cached_pages,
+                       prefix_cache_queries=st.queries,
+                       prefix_cache_queried_tokens=st.queried_tokens,
+                       prefix_cache_hit_tokens=st.hit_tokens,
+                       prefix_cache_inserted_blocks=st.inserted_blocks,
+                       prefix_cache_evicted_blocks=st.evicted_blocks)
+        return out
 
     # ---- the loop ------------------------------------------------------------------------------
 

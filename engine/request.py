@@ -166,7 +166,10 @@ class Request:
 
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
     ``history`` is the token history of a request with penalties (``engine.penalties`` makes it
-    on first use). Requests compare by identity.
+    on first use). ``visual_keys`` are ``(first placeholder index, content digest)`` of each
+    image and video in prompt order (``engine.visual_digest``); with ``prefix_state`` (the
+    prefix cache's cursor) they are the prefix cache's (``engine.prefix_cache``). Requests
+    compare by identity.
     """
 
     request_id: str
@@ -180,6 +183,8 @@ class Request:
     payload: object | None = None
     batch_row: int = -1
     history: object | None = None
+    visual_keys: tuple[tuple[int, bytes], ...] = ()
+    prefix_state: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

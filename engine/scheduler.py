@@ -17,6 +17,17 @@ number of pages running requests may still need. A request is admitted only if
     tokens:    [ computed .......... | chunk ]   (schedule() allocates pages covering the chunk)
     worst:     ceil((prompt + max_new_tokens) / page_size) pages, reserved at admission
 
+Prefix cache (``engine/prefix_cache.py``, optional): admission first looks up the longest
+cached prefix of a fresh request's prompt; the request takes those pages (one reference each)
+and starts with ``num_computed_tokens`` at the cached length. Cached pages no request holds are
+*evictable*, and the scheduler counts ``available = allocator.num_free + evictable``: admission
+asks ``available - owed`` to cover the request's worst case (less the pages it got from the
+cache, counting the evictable ones it pins as no longer available), and an allocation that finds
+too few free pages evicts cached ones first, so the no-starvation guarantee above still holds.
+Full blocks enter the cache as their KV completes (after each update, and when a request
+finishes or is aborted); finishing frees the request's references, which may leave pages
+cached-only (evictable) rather than free.
+
 Batch rows: admission also gives a request a free row in ``[0, max_num_seqs)``
 (``Request.batch_row``), the index of its state in the model runner's persistent batch
 (``engine/input_batch.py``); finishing or aborting it returns the row. So the rows held are
@@ -31,6 +42,7 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.page_allocator import PageAllocator
+from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request
 
 
@@ -96,17 +108,23 @@ class Scheduler:
     """Scheduler core shared by prefill and decode nodes (see the module docstring).
 
     A request may arrive with ``num_computed_tokens > 0`` and ``page_ids`` already holding that KV
-    (a decode node adopting transferred KV); the scheduler then owns and frees those pages too.
+    (a decode node adopting transferred KV); the scheduler then owns and frees those pages too
+    (such a request is not looked up in the prefix cache).
     """
 
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
+                 prefix_cache: PrefixCache | None = None) -> None:
         if config.num_pages > allocator.num_pages:
             raise ValueError(
                 f"SchedulerConfig.num_pages={config.num_pages} exceeds the allocator's "
                 f"{allocator.num_pages} pages"
             )
+        if prefix_cache is not None and (prefix_cache.allocator is not allocator
+                                         or prefix_cache.page_size != config.page_size):
+            raise ValueError("the prefix cache must share the scheduler's allocator and page size")
         self.config = config
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self._waiting: dict[str, Request] = {}  # FIFO by insertion order
         self._running: dict[str, Request] = {}  # admission order
         self._worst: dict[str, int] = {}  # request_id -> pages reserved at admission
@@ -125,6 +143,24 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def num_available_pages(self) -> int:
+        """Free pages plus cached pages no request holds (evicted on demand)."""
+        cache = self.prefix_cache
+        return self.allocator.num_free + (cache.num_evictable if cache is not None else 0)
+
+    @property
+    def num_request_pages(self) -> int:
+        """Pages held by requests (a page shared by several counts once; a cached page a
+        request holds counts here, a cached-only page does not)."""
+        return self.allocator.num_pages - self.num_available_pages
+
+    def disable_prefix_cache(self) -> None:
+        """Stop caching: drop every cached block (requests keep their pages)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self.prefix_cache = None
 
     @property
     def num_owed_pages(self) -> int:
@@ -247,9 +283,17 @@ class Scheduler:
 
     def _try_admit(self, req: Request) -> bool:
         worst = self.worst_case_pages(req)
-        held = len(req.page_ids)
-        if self.allocator.num_free - self.num_owed_pages < worst - held:
+        cache = self.prefix_cache
+        hit: list[int] = []
+        pinned = 0
+        if cache is not None and not req.page_ids and req.num_computed_tokens == 0:
+            hit = cache.match(req)
+            pinned = cache.num_pinned_by(hit)
+        held = len(req.page_ids) + len(hit)
+        if self.num_available_pages - pinned - self.num_owed_pages < worst - held:
             return False
+        if cache is not None and not req.page_ids and req.num_computed_tokens == 0:
+            cache.take(req, hit)
         del self._waiting[req.request_id]
         self._running[req.request_id] = req
         self._worst[req.request_id] = worst
@@ -270,6 +314,9 @@ class Scheduler:
     def _allocate_pages(self, req: Request, end: int) -> None:
         missing = -(-end // self.config.page_size) - len(req.page_ids)
         if missing > 0:
+            short = missing - self.allocator.num_free
+            if short > 0 and self.prefix_cache is not None:
+                self.prefix_cache.evict(short)
             after = req.page_ids[-1] if req.page_ids else None
             req.page_ids.extend(self.allocator.allocate(missing, after=after))
             self._held += missing
@@ -306,6 +353,11 @@ class Scheduler:
                 req.output_logprobs.append(sample[1])
             elif self._append_token(req, token, sample[1]):
                 finished.append(req)
+        cache = self.prefix_cache
+        if cache is not None:  # full blocks completed this step become shareable
+            for item in output.items:
+                if item.request.finish_reason is None:
+                    cache.insert(item.request)
         return finished
 
     def decoding(self) -> list[Request]:
@@ -327,7 +379,10 @@ class Scheduler:
         if not req.num_computed_tokens < computed <= req.num_tokens + len(tokens) - 1:
             raise ValueError(f"request {req.request_id!r}: bad computed count {computed}")
         req.num_computed_tokens = computed
-        return any(self._append_token(req, tok, lp) for tok, lp in tokens)
+        done = any(self._append_token(req, tok, lp) for tok, lp in tokens)
+        if not done and self.prefix_cache is not None:
+            self.prefix_cache.insert(req)
+        return done
 
     def _append_token(self, req: Request, token: int, logprob: float) -> bool:
         req.output_token_ids.append(token)
@@ -361,8 +416,13 @@ class Scheduler:
         else:
             del self._waiting[rid]
         req.finish_reason = reason
+        cache = self.prefix_cache
+        if cache is not None and req.page_ids:
+            cache.insert(req)  # its computed KV is valid, finished or aborted
         pages, req.page_ids = req.page_ids, []
         self.allocator.free(pages)
+        if cache is not None:
+            cache.release(pages)
 
     # ---- checks --------------------------------------------------------------------------------
 
@@ -372,7 +432,7 @@ class Scheduler:
         assert self._held == sum(len(r.page_ids) for r in running)
         assert self._reserved == sum(self._worst[r.request_id] for r in running)
         assert set(self._worst) == set(self._running)
-        assert self.allocator.num_free >= self.num_owed_pages, "running requests could starve"
+        assert self.num_available_pages >= self.num_owed_pages, "running requests could starve"
         rows = sorted([r.batch_row for r in running] + self._free_rows)
         assert rows == list(range(self.config.max_num_seqs)), "batch rows leaked or shared"
         for req in running:
@@ -380,11 +440,17 @@ class Scheduler:
             assert len(req.page_ids) >= cdiv(req.num_computed_tokens, self.config.page_size)
             assert len(req.page_ids) <= self._worst[req.request_id]
         self.allocator.check_integrity()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check()
 
     def check_no_leaks(self) -> None:
-        """Assert the scheduler is empty and every page it took is back in the allocator."""
+        """Assert the scheduler is empty and every page it took is back: free in the
+        allocator, or cached-only (evictable) in the prefix cache, which is not a leak."""
         assert not self._waiting and not self._running, "requests left in the scheduler"
         assert self._reserved == 0 and self._held == 0 and not self._worst
         assert len(self._free_rows) == self.config.max_num_seqs, "batch rows leaked"
-        assert self.allocator.num_free == self._initial_free, "KV pages leaked"
+        assert self.num_available_pages == self._initial_free, "KV pages leaked"
         self.allocator.check_integrity()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check()
+            assert self.prefix_cache.num_evictable == self.prefix_cache.num_cached_pages

@@ -47,6 +47,10 @@ class PrefillRooms:
 
     def __init__(self, engine: LLMEngine, bootstrap: PrefillBootstrapServer,
                  on_done: OnDone) -> None:
+        # no prefix cache here yet: a chunk pushes the pages it computed, so pages a cache hit
+        # skipped would never reach the decode (issue #15, wiring the cache into the prefill
+        # node is a later item)
+        engine.disable_prefix_cache()
         self.engine = engine
         self.bootstrap = bootstrap
         self._on_done = on_done
