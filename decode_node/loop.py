@@ -72,13 +72,17 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
     def submit_remote(
         self, room: int, token_ids: Sequence[int], sampling: SamplingParams,
         client: DecodeBootstrapClient | list[DecodeBootstrapClient],
+        images: Sequence[ImageInput] = (), *, videos: Sequence[VideoInput] = (),
     ) -> None:
         """Queue a room whose prompt a prefill node computes; raises ``InvalidRequestError``.
 
         ``client`` is the prefill's bootstrap client, or one client per pipeline stage in stage
-        order (the last stage sends the aux row)."""
+        order (the last stage sends the aux row). ``images`` and ``videos`` are the prompt's:
+        the prefix cache keys its blocks by their content too."""
         clients = client if isinstance(client, list) else [client]
-        req = Request(str(room), list(token_ids), sampling)
+        req = self.engine.new_request(token_ids, images, sampling, request_id=str(room),
+                                      videos=videos)
+        req.payload = None  # the aux row's mrope delta makes it at adoption
         with self.lock:
             if room in self.remote or self.engine.scheduler.get(req.request_id):
                 raise InvalidRequestError(f"room {room} is already running here")
@@ -102,8 +106,9 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
             out: dict[str, float] = {
                 "waiting_requests": sched.num_waiting + self.remote.num_rooms,
                 "running_requests": sched.num_running,
-                "kv_pages_used": sched.allocator.num_used,
+                "kv_pages_used": sched.num_request_pages,
                 "kv_pages_total": sched.allocator.num_pages,
+                "kv_pages_cached": sched.num_cached_only_pages,
                 "rooms_active": self.remote.num_rooms,
             }
             if self.spec is not None:

@@ -3,8 +3,16 @@
 A remote room moves through:
 
 * **prealloc**: waits until the pool can hold its prompt's pages *and* the scheduler can still
-  finish every running request (``free - owed >= worst case of this request``); then its prompt
-  pages are taken and sent to the prefill as the room's destination.
+  finish every running request (``available - owed >= worst case of this request``, less the
+  pages its prefix-cache hit brings); then its prompt pages are taken and sent to the prefill as
+  the room's destination.
+
+  Delta transfer: with the engine's prefix cache (``engine/prefix_cache.py``) the room first
+  looks up the longest cached prefix of its prompt here and pins those pages
+  (``RemoteRoom.cached``); the destination then covers only the pages after them and tells the
+  prefill how many it holds (``Destination.cached_pages``), so their KV is never sent. At
+  adoption the request takes the cached pages followed by the transferred ones; a room that
+  fails returns its cached pages at once (no prefill ever writes them).
 * **transfer**: polled each loop iteration. On ``Success`` the aux row is committed, its echoed
   room id checked, and the request joins the scheduler with the prompt computed and the first
   token appended (or finishes at once when that token ends it). On ``Failed`` the room is
@@ -42,7 +50,8 @@ class RemoteRoom:
     room: int
     request: Request  # prompt and sampling; no pages until prealloc
     clients: list[DecodeBootstrapClient]  # one per prefill stage; the last one sends the aux row
-    pages: list[int] | None = None
+    pages: list[int] | None = None  # the transfer's destination pages
+    cached: list[int] = field(default_factory=list)  # pinned prefix-cache pages before them
     holding: list[DecodeBootstrapClient] = field(default_factory=list)  # took the pages
 
     @property
@@ -67,10 +76,6 @@ class RemoteQueues:
     def __init__(self, engine: LLMEngine, seed: Seed | None = None) -> None:
         """``seed``: a speculative decoder's hook, given each adopted request and the draft
         feature of its aux row."""
-        # no prefix cache here yet: adopted rooms' pages are filled by a prefill and freed
-        # through the bootstrap clients, paths that know nothing of shared cached pages (issue
-        # #15, wiring the cache into the decode node is a later item)
-        engine.disable_prefix_cache()
         self.engine = engine
         self._seed = seed
         self.prealloc: dict[int, RemoteRoom] = {}
@@ -78,6 +83,7 @@ class RemoteQueues:
         self._to_free: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._shares: dict[tuple[int, ...], int] = {}  # pages of a failed pipeline room: holders
         self._owed: set[tuple[int, ...]] = set()  # pages of given-up rooms not yet back
+        self.cached_pages_hit = 0  # prompt pages rooms found in the prefix cache (not sent)
 
     def free_later(self, pages: list[int]) -> None:
         """Bootstrap-client callback (any thread): pages that are safe to reuse."""
@@ -118,7 +124,7 @@ class RemoteQueues:
 
     def tick(self) -> list[RoomOutcome]:
         """One pass: free what became safe, admit preallocs, poll transfers."""
-        alloc = self.engine.scheduler.allocator
+        sched = self.engine.scheduler
         while not self._to_free.empty():
             pages = self._to_free.get()
             key = tuple(pages)
@@ -128,28 +134,35 @@ class RemoteQueues:
                 continue
             self._shares.pop(key, None)
             self._owed.discard(key)
-            alloc.free(pages)
+            sched.free_pages(pages)
         self._admit()
         return self._poll()
 
     def _admit(self) -> None:
         sched = self.engine.scheduler
         page_size = self.engine.config.page_size
+        cache = sched.prefix_cache
         for room, r in list(self.prealloc.items()):
             need = -(-r.request.num_prompt_tokens // page_size)
-            if sched.allocator.num_free - sched.num_owed_pages < sched.worst_case_pages(r.request):
+            hit = cache.match(r.request) if cache is not None else []
+            pinned = cache.num_pinned_by(hit) if cache is not None else 0
+            available = sched.num_available_pages - pinned - sched.num_owed_pages
+            if available < sched.worst_case_pages(r.request) - len(hit):
                 return  # FIFO: nobody overtakes the head
-            pages = sched.allocator.allocate(need)
+            if cache is not None and hit:
+                cache.pin(hit)  # before taking pages, so that no eviction takes them
+            pages = sched.take_pages(need - len(hit))
             try:
-                r.aux_client.send_destination(room, pages)
+                r.aux_client.send_destination(room, pages, cached_pages=len(hit))
             except TransferError:
-                sched.allocator.free(pages)
+                sched.free_pages(pages + hit)
                 return  # no aux slot now: retry on a later tick
-            r.pages = pages
+            r.pages, r.cached = pages, hit
+            self.cached_pages_hit += len(hit)
             r.holding = [r.aux_client]
             for c in r.clients[:-1]:  # earlier stages: same pages, no aux row
                 try:
-                    c.send_destination(room, pages, aux=False)
+                    c.send_destination(room, pages, aux=False, cached_pages=len(hit))
                 except TransferError:
                     pass  # the room failed on that stage; _poll fails the whole room
                 else:
@@ -176,11 +189,13 @@ class RemoteQueues:
         for c in r.clients[:-1]:
             c.commit_without_aux(r.room)
         row = r.aux_client.commit(r.room)
-        req, pages = r.request, r.pages or []
+        req, pages, sched = r.request, r.pages or [], self.engine.scheduler
         if row.room != r.room:
-            self.engine.scheduler.allocator.free(pages)
+            sched.free_pages(r.cached + pages)
             return RoomOutcome(r, error=f"aux row names room {row.room}, expected {r.room}")
-        req.page_ids = pages
+        if sched.prefix_cache is not None:
+            sched.prefix_cache.take(req, r.cached, pinned=True)
+        req.page_ids = r.cached + pages
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_token_ids.append(row.first_token)
         req.output_logprobs.append(row.logprob)
@@ -190,7 +205,9 @@ class RemoteQueues:
         reason = self._first_token_finishes(req)
         if reason is not None:
             req.finish_reason = reason
-            self.engine.scheduler.allocator.free(pages)
+            if sched.prefix_cache is not None:
+                sched.prefix_cache.insert(req)  # its prompt's KV is whole: keep it for others
+            sched.free_pages(req.page_ids)
             req.page_ids = []
             return RoomOutcome(r, finished=True)
         self.engine.scheduler.add(req)
@@ -208,7 +225,11 @@ class RemoteQueues:
         return None
 
     def _give_up(self, r: RemoteRoom, reason: str) -> None:
-        """Fail the room on every stage; its pages come back once every holder is quiet."""
+        """Fail the room on every stage; its pages come back once every holder is quiet (its
+        pinned cached pages at once: no prefill writes them)."""
+        sched = self.engine.scheduler
+        sched.free_pages(r.cached)
+        r.cached = []
         released = 0
         for c in r.clients:
             c.abort(r.room, reason)  # now Failed, unless it was delivered a moment ago
@@ -222,7 +243,7 @@ class RemoteQueues:
             c.release(r.room)  # a holder hands the pages to free_later once safe
         if r.pages:
             if released == 0:
-                self.engine.scheduler.allocator.free(r.pages)
+                sched.free_pages(r.pages)
                 return
             self._owed.add(tuple(r.pages))
             if released > 1:

@@ -140,7 +140,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                                        videos=videos)
                 return
             clients = await self._connect(request.prefill_bootstrap, context)
-            await to_thread_atomic(self.loop.submit_remote, req.room, ids, sampling, clients)
+            await to_thread_atomic(self.loop.submit_remote, req.room, ids, sampling, clients,
+                                   images, videos=videos)
         except STATUS_ERRORS as exc:
             await abort_with_status(context, exc)
 

@@ -28,6 +28,12 @@ class DraftRunner:
         self.pool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
                            [draft.cfg.layer_id], pool.dtype, pool.device)
         self.attn = make_attention(self.pool)
+        cache = engine.scheduler.prefix_cache
+        if cache is not None:
+            # the draft's KV shares the target's page ids, and a block's last draft row depends
+            # on the token after the block: key blocks by it too, so a hit skips the draft's
+            # compute with the draft KV it would have written (engine/prefix_cache.py)
+            cache.set_draft_mode(True)
 
     def buffer_infos(self) -> list[BufferInfo]:
         """The target's KV buffer entries followed by the draft's (what the transfer layer

@@ -130,17 +130,23 @@ class PrefixCache:
         being available when a request takes them."""
         return sum(1 for p in pages if p in self._lru)
 
-    def take(self, req: Request, pages: list[int]) -> None:
-        """Give ``req`` (holding no pages yet) the matched ``pages``: one reference each; its
-        first ``len(pages) * page_size`` tokens count as computed."""
+    def pin(self, pages: list[int]) -> None:
+        """Take one reference on each of the matched ``pages`` (no longer evictable)."""
+        self.allocator.share(pages)
+        for page in pages:
+            self._lru.pop(page, None)
+
+    def take(self, req: Request, pages: list[int], *, pinned: bool = False) -> None:
+        """Give ``req`` (holding no pages yet) the matched ``pages``: one reference each (taken
+        here, or by :meth:`pin` already when ``pinned``); its first ``len(pages) * page_size``
+        tokens count as computed."""
         assert not req.page_ids and req.num_computed_tokens == 0, "take() on a started request"
         self.stats.queries += 1
         self.stats.queried_tokens += req.num_prompt_tokens
         if not pages:
             return
-        self.allocator.share(pages)
-        for page in pages:
-            self._lru.pop(page, None)
+        if not pinned:
+            self.pin(pages)
         req.page_ids = list(pages)
         req.num_computed_tokens = len(pages) * self.page_size
         _cursor(req).handled = len(pages)

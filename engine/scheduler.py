@@ -156,6 +156,26 @@ class Scheduler:
         request holds counts here, a cached-only page does not)."""
         return self.allocator.num_pages - self.num_available_pages
 
+    @property
+    def num_cached_only_pages(self) -> int:
+        """Cached pages no request holds (evictable: not a leak)."""
+        return self.prefix_cache.num_evictable if self.prefix_cache is not None else 0
+
+    def take_pages(self, n: int, after: int | None = None) -> list[int]:
+        """Allocate ``n`` pages (``PageAllocator.allocate``), evicting cached-only pages when too
+        few are free; a decode node takes its transfer destinations through this too."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self.prefix_cache.evict(short)
+        return self.allocator.allocate(n, after=after)
+
+    def free_pages(self, pages: list[int]) -> None:
+        """Drop one reference on each of ``pages`` (taken by :meth:`take_pages` or from the
+        prefix cache); cached pages left with only the cache's reference become evictable."""
+        self.allocator.free(pages)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(pages)
+
     def disable_prefix_cache(self) -> None:
         """Stop caching: drop every cached block (requests keep their pages)."""
         if self.prefix_cache is not None:
@@ -314,11 +334,8 @@ class Scheduler:
     def _allocate_pages(self, req: Request, end: int) -> None:
         missing = -(-end // self.config.page_size) - len(req.page_ids)
         if missing > 0:
-            short = missing - self.allocator.num_free
-            if short > 0 and self.prefix_cache is not None:
-                self.prefix_cache.evict(short)
             after = req.page_ids[-1] if req.page_ids else None
-            req.page_ids.extend(self.allocator.allocate(missing, after=after))
+            req.page_ids.extend(self.take_pages(missing, after=after))
             self._held += missing
 
     def update(self, output: SchedulerOutput, sampled: list[tuple[int, float]]) -> list[Request]:
@@ -420,9 +437,7 @@ class Scheduler:
         if cache is not None and req.page_ids:
             cache.insert(req)  # its computed KV is valid, finished or aborted
         pages, req.page_ids = req.page_ids, []
-        self.allocator.free(pages)
-        if cache is not None:
-            cache.release(pages)
+        self.free_pages(pages)
 
     # ---- checks --------------------------------------------------------------------------------
 

@@ -8,6 +8,10 @@ joins the scheduler. After each step the pages its chunk completed are pushed; t
 pushes the rest and finishes the transfer. Only then does ``Scheduler.update`` finish the
 request and free its pages: a page is never reused while a write from it may be in flight.
 
+A prefix-cache hit (``engine/prefix_cache.py``) makes the first chunk start past the cached
+pages, which hold valid KV and are pushed with it; the bootstrap server drops the pages the
+decode holds already (``Destination.cached_pages``).
+
 Every method runs with the owning loop's lock held. Invariant: a room ends exactly once, through
 :meth:`PrefillRooms.finish`, which releases everything it holds and calls ``on_done(room,
 error)`` (``error`` None on success).
@@ -47,10 +51,6 @@ class PrefillRooms:
 
     def __init__(self, engine: LLMEngine, bootstrap: PrefillBootstrapServer,
                  on_done: OnDone) -> None:
-        # no prefix cache here yet: a chunk pushes the pages it computed, so pages a cache hit
-        # skipped would never reach the decode (issue #15, wiring the cache into the prefill
-        # node is a later item)
-        engine.disable_prefix_cache()
         self.engine = engine
         self.bootstrap = bootstrap
         self._on_done = on_done
@@ -147,7 +147,8 @@ class PrefillRooms:
             "running_requests": sched.num_running,
             "waiting_tokens": sum(r.request.num_prompt_tokens - r.request.num_computed_tokens
                                   for r in self._rooms.values()),
-            "kv_pages_used": sched.allocator.num_used,
+            "kv_pages_used": sched.num_request_pages,
             "kv_pages_total": sched.allocator.num_pages,
+            "kv_pages_cached": sched.num_cached_only_pages,
             "rooms_active": self.bootstrap.num_rooms,
         }

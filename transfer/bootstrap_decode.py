@@ -132,8 +132,12 @@ class DecodeBootstrapClient:
             if not self._alive:
                 self._fail(self._rooms[room], "prefill peer is dead")
 
-    def send_destination(self, room: int, pages: Sequence[int], *, aux: bool = True) -> None:
+    def send_destination(self, room: int, pages: Sequence[int], *, aux: bool = True,
+                         cached_pages: int = 0) -> None:
         """Hand the room's reserved pages to the client and tell the prefill where to write.
+
+        ``cached_pages``: how many of the prompt's first pages this decode holds already (its
+        prefix cache); ``pages`` are the destinations of the prompt's pages after those.
 
         Takes an aux slot. From here the client owns ``pages`` until :meth:`commit` or
         :meth:`release`. Raises if no aux slot is free (the pages stay the caller's).
@@ -155,7 +159,7 @@ class DecodeBootstrapClient:
             r.pages, r.aux_slot, r.expects_aux = page_list, (slot if aux else None), aux
             r.sent_at = time.monotonic()
             r.status = advance(r.status, KVPoll.WaitingForInput)
-            msg = Destination(room, list(r.pages), slot)
+            msg = Destination(room, list(r.pages), slot, cached_pages)
         self._send(msg)
 
     def poll(self, room: int) -> KVPoll:

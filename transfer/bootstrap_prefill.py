@@ -63,6 +63,7 @@ class _Room:
     conn: _Conn | None = None
     dest: Destination | None = None
     cursor: int = 0  # destination pages already written
+    skip: int = 0  # source pages still to drop: the decode holds them (Destination.cached_pages)
     inflight: int = 0  # send_chunk calls in progress
     quiesced: bool = True  # no failed engine call may still land bytes
     peer_aborted: bool = False  # the decode sent Abort: answer AbortAck
@@ -92,6 +93,7 @@ class PrefillBootstrapServer:
         self._rooms: dict[int, _Room] = {}
         self._conns: list[_Conn] = []
         self._refused: tuple[float, str] | None = None  # (when, why) of the last refused decode
+        self.pages_not_sent = 0  # source pages dropped because the decode had them cached
         self._stop = threading.Event()
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(self.config.tick_s * 4)
@@ -134,7 +136,11 @@ class PrefillBootstrapServer:
         self, room: int, src_pages: Sequence[int], *, last: AuxRow | None = None,
         finish: bool = False,
     ) -> KVPoll:
-        """Write the next ``len(src_pages)`` destination pages of ``room`` from ``src_pages``.
+        """Write the room's next ``len(src_pages)`` prompt pages (in prompt order, from the
+        first) to their destination pages.
+
+        The first ``Destination.cached_pages`` prompt pages are not written: the decode holds
+        them already (delta transfer). So callers pass every page of the prompt, cached or not.
 
         Pass the aux row as ``last`` on the last chunk: it is written after the pages and is
         followed by ``Status(Success)``. A pipeline stage that does not own the aux row (its
@@ -149,6 +155,12 @@ class PrefillBootstrapServer:
                 return r.status
             if r.dest is None or r.conn is None:
                 raise TransferError(f"room {room} has no destination yet: poll() gates compute")
+            drop = min(r.skip, len(src))
+            r.skip -= drop
+            self.pages_not_sent += drop
+            src = src[drop:]
+            if not src and last is None and not finish:
+                return r.status
             if r.cursor + len(src) > len(r.dest.pages):
                 self._fail(r, f"{r.cursor + len(src)} pages sent, destination has "
                               f"{len(r.dest.pages)}", quiesced=True)
@@ -163,10 +175,11 @@ class PrefillBootstrapServer:
             r.status = advance(r.status, KVPoll.Transferring)
         error: TransferError | None = None
         try:
-            self.manager.send_kvcache(
-                reg.session_id, src, reg.kv_ptrs, dst,
-                dst_layer_ids=reg.kv_layer_ids or None, dst_bytes_per_page=reg.kv_bytes_per_page,
-            )
+            if src:
+                self.manager.send_kvcache(
+                    reg.session_id, src, reg.kv_ptrs, dst, dst_layer_ids=reg.kv_layer_ids or None,
+                    dst_bytes_per_page=reg.kv_bytes_per_page,
+                )
             if last is not None:
                 self._send_aux(reg, aux_slot, dataclasses.replace(last, room=room))
         except TransferError as exc:
@@ -344,12 +357,12 @@ class PrefillBootstrapServer:
                 daemon=True,
             ).start()
             return r
-        r.conn, r.dest = conn, d
+        r.conn, r.dest, r.skip = conn, d, d.cached_pages
         bad = [p for p in d.pages if not 0 <= p < conn.reg.num_pages]
         slot_ok = 0 <= d.aux_slot < conn.reg.aux_num_rows or d.aux_slot == NO_AUX_SLOT
-        if bad or not slot_ok:
-            self._fail(r, f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot})",
-                       quiesced=True)
+        if bad or not slot_ok or d.cached_pages < 0:
+            self._fail(r, f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot}, "
+                          f"cached pages {d.cached_pages})", quiesced=True)
         else:
             r.status = advance(r.status, KVPoll.WaitingForInput)
         return r

@@ -18,7 +18,7 @@ import msgpack
 from transfer.errors import MessageError
 from transfer.status import KVPoll
 
-VERSION = 1
+VERSION = 2
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -57,11 +57,16 @@ class RegisterReply:
 
 @dataclass(frozen=True)
 class Destination:
-    """Where one room's KV goes on the decode: page ids in prompt order and the aux row slot."""
+    """Where one room's KV goes on the decode: page ids in prompt order and the aux row slot.
+
+    ``cached_pages``: the room's first prompt pages that the decode holds already (its prefix
+    cache). The prefill sends none of them: ``pages`` are the destinations of the prompt's pages
+    from that index on (delta transfer)."""
 
     room: int
     pages: list[int]
     aux_slot: int
+    cached_pages: int = 0
 
 
 @dataclass(frozen=True)

@@ -87,12 +87,6 @@ class EagleEngine:
             raise ValueError("the engine's lookahead_tokens must be at least num_draft_tokens")
         self.engine, self.k = engine, k
         self.drafter = DraftRunner(engine, draft)
-        cache = engine.scheduler.prefix_cache
-        if cache is not None:
-            # the draft's KV shares the target's page ids, and a block's last draft row depends
-            # on the token after the block: key blocks by it too, so a hit skips the draft's
-            # compute with the draft KV it would have written (engine/prefix_cache.py)
-            cache.set_draft_mode(True)
         self.graph = SpecGraphRunner(engine, self.drafter, k)
         self.states: dict[str, DraftState] = {}
         self.stats = SpecStats()

@@ -41,6 +41,9 @@ class FirstStageLoop(PrefillThread):
         self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
         runner: FirstStageRunner, link: NextStageLink,
     ) -> None:
+        # no prefix cache on a pipeline: a hit here would leave the later stages without the
+        # cached prefix's hidden states (each stage keeps only its own layers' KV)
+        engine.disable_prefix_cache()
         super().__init__(engine, bootstrap, self._ended)
         self.runner = runner
         self.link = link
