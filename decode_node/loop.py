@@ -36,6 +36,7 @@ class TokenEvent:
     error: str | None = None
     drafted: int = 0  # speculative decoding: draft tokens proposed / accepted, on the last event
     accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held (Request.num_cached_tokens)
 
 
 Emit = Callable[[list[TokenEvent]], None]
@@ -106,9 +107,8 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
             out: dict[str, float] = {
                 "waiting_requests": sched.num_waiting + self.remote.num_rooms,
                 "running_requests": sched.num_running,
-                "kv_pages_used": sched.num_request_pages,
-                "kv_pages_total": sched.allocator.num_pages,
-                "kv_pages_cached": sched.num_cached_only_pages,
+                **self.engine.stats(),
+                "kv_pages_not_sent": self.remote.cached_pages_hit,
                 "rooms_active": self.remote.num_rooms,
             }
             if self.spec is not None:
@@ -181,4 +181,5 @@ def _event(req: Request, new: int, drafted: int = 0, accepted: int = 0) -> Token
     ids = req.output_token_ids[len(req.output_token_ids) - new :] if new else []
     lps = req.output_logprobs[len(req.output_logprobs) - new :] if new else []
     return TokenEvent(req.request_id, ids, lps, req.finish_reason, req.num_prompt_tokens,
-                      req.num_output_tokens, drafted=drafted, accepted=accepted)
+                      req.num_output_tokens, drafted=drafted, accepted=accepted,
+                      cached_tokens=req.num_cached_tokens)

@@ -197,6 +197,7 @@ class RemoteQueues:
             sched.prefix_cache.take(req, r.cached, pinned=True)
         req.page_ids = r.cached + pages
         req.num_computed_tokens = req.num_prompt_tokens
+        req.num_cached_tokens = row.cached_tokens  # compute the prefill's cache saved
         req.output_token_ids.append(row.first_token)
         req.output_logprobs.append(row.logprob)
         req.payload = RequestState(images=[], mrope_table=None, delta=row.mrope_delta,

@@ -182,12 +182,16 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateResponse:
-    """One stream message for consecutive events of one request."""
+    """One stream message for consecutive events of one request. ``usage.cached_tokens`` rides
+    on every message that has any (the router keeps the first it sees: a client stream can end
+    on a stop string before the worker's last message)."""
     msg = gpb.GenerateResponse(request_id=request_id)
     for ev in events:
         msg.token_ids.extend(ev.token_ids)
         msg.logprobs.extend(ev.logprobs)
     last = events[-1]
+    if last.cached_tokens:
+        msg.usage.cached_tokens = last.cached_tokens
     if last.finish_reason is not None:
         msg.finished = True
         msg.finish_reason = last.finish_reason.value

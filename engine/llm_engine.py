@@ -207,19 +207,19 @@ class LLMEngine:
         travel between processes calls this: its KV paths do not know about shared pages)."""
         self.scheduler.disable_prefix_cache()
 
-    def stats(self) -> dict[str, int]:
-        """Page and prefix-cache figures. ``kv_pages_in_use`` are held by requests (0 once
-        every request finished: anything else is a leak); ``kv_pages_cached`` are held only by
-        the prefix cache (evictable on demand, not a leak); ``kv_pages_free`` are in the
-        allocator. The three add up to ``kv_pages_total``."""
+    def stats(self) -> dict[str, float]:
+        """Page and prefix-cache figures, in ``Admin.GetStats`` names. ``kv_pages_used`` are
+        held by requests (0 once every request finished: anything else is a leak);
+        ``kv_pages_cached`` are held only by the prefix cache (evictable on demand, not a
+        leak); ``kv_pages_free`` are in the allocator. The three add up to ``kv_pages_total``.
+        The prefix cache's counters (``prefix_cache_*``) are there only while it is on."""
         sched = self.scheduler
         cache = sched.prefix_cache
-        out = {
+        out: dict[str, float] = {
             "kv_pages_total": sched.allocator.num_pages,
             "kv_pages_free": sched.allocator.num_free,
-            "kv_pages_in_use": sched.num_request_pages,
-            "kv_pages_cached": cache.num_evictable if cache is not None else 0,
-            "prefix_cache_enabled": int(cache is not None),
+            "kv_pages_used": sched.num_request_pages,
+            "kv_pages_cached": sched.num_cached_only_pages,
         }
         if cache is not None:
             st = cache.stats
@@ -227,6 +227,7 @@ class LLMEngine:
                        prefix_cache_queries=st.queries,
                        prefix_cache_queried_tokens=st.queried_tokens,
                        prefix_cache_hit_tokens=st.hit_tokens,
+                       prefix_cache_hit_rate=st.hit_tokens / max(1, st.queried_tokens),
                        prefix_cache_inserted_blocks=st.inserted_blocks,
                        prefix_cache_evicted_blocks=st.evicted_blocks)
         return out

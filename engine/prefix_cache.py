@@ -148,7 +148,7 @@ class PrefixCache:
         if not pinned:
             self.pin(pages)
         req.page_ids = list(pages)
-        req.num_computed_tokens = len(pages) * self.page_size
+        req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.page_size
         _cursor(req).handled = len(pages)
         self.stats.hit_tokens += req.num_computed_tokens
 

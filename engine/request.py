@@ -185,6 +185,7 @@ class Request:
     history: object | None = None
     visual_keys: tuple[tuple[int, bytes], ...] = ()
     prefix_state: object | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache (not computed)
 
     @property
     def num_prompt_tokens(self) -> int:

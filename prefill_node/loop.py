@@ -61,7 +61,7 @@ class PrefillThread(EngineThread[None]):
         with self.lock:
             return self.rooms.finish(room, reason)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         with self.lock:
             return self.rooms.stats()
 
@@ -138,5 +138,5 @@ class PrefillLoop(PrefillThread):
             seed = seeds.get(req.request_id)
             hidden = self._hidden if seed is None else tuple(seed.tolist())
             room = int(req.request_id)
-            rows[room] = AuxRow(room, token, logprob, state.delta, hidden)
+            rows[room] = AuxRow(room, token, logprob, state.delta, hidden, req.num_cached_tokens)
         return rows

@@ -140,15 +140,15 @@ class PrefillRooms:
         gated = sum(1 for r in self._rooms.values() if not r.admitted)
         return self.engine.scheduler.num_waiting + gated
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         sched = self.engine.scheduler
         return {
+            **self.engine.stats(),
             "waiting_requests": self.num_queued(),
             "running_requests": sched.num_running,
             "waiting_tokens": sum(r.request.num_prompt_tokens - r.request.num_computed_tokens
                                   for r in self._rooms.values()),
-            "kv_pages_used": sched.num_request_pages,
-            "kv_pages_total": sched.allocator.num_pages,
-            "kv_pages_cached": sched.num_cached_only_pages,
             "rooms_active": self.bootstrap.num_rooms,
+            "kv_pages_not_sent": self.bootstrap.pages_not_sent,
+            "kv_bytes_not_sent": self.bootstrap.bytes_not_sent,
         }

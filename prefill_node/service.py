@@ -111,9 +111,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> wpb.LoadReport:
         return load_report(self.loop.stats(), bootstrap=self.bootstrap_address)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, float]:
         """Figures for ``Admin.GetStats`` (blocking)."""
-        figures: dict[str, int] = {**self.loop.stats(), **self.admission.counters,
+        figures: dict[str, float] = {**self.loop.stats(), **self.admission.counters,
                                    **self.counters}
         figures.update(aux_figures(self.loop.bootstrap.manager.aux))
         figures.update(fault_figures(self.loop.bootstrap.manager.faults))

@@ -238,6 +238,7 @@ class HttpDoor:
                 if msg.finished:
                     out.finish_reason = msg.finish_reason or "stop"
                     out.prompt_tokens = msg.usage.prompt_tokens
+                    out.cached_tokens = msg.usage.cached_tokens
                     out.completion_tokens = msg.usage.completion_tokens or out.completion_tokens
                 if msg.text:
                     out.text.append(msg.text)

@@ -67,21 +67,21 @@ class Outcome:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
     text: list[str] = field(default_factory=list)
 
-    def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
 
-
-def total_usage(outs: list[Outcome]) -> dict[str, int]:
+def total_usage(outs: list[Outcome]) -> dict[str, Any]:
     """The usage of all completions of one request: the prompt counted once (every completion
-    has the same one), completion tokens summed (as OpenAI and vLLM count ``n``)."""
+    has the same one), completion tokens summed (as OpenAI and vLLM count ``n``), the prompt's
+    cached tokens once too (``prompt_tokens_details.cached_tokens``, as OpenAI names them)."""
     prompt = max((o.prompt_tokens for o in outs), default=0)
     completion = sum(o.completion_tokens for o in outs)
+    cached = min(max((o.cached_tokens for o in outs), default=0), prompt)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Chunks:

@@ -72,7 +72,8 @@ async def relay(run: RoomRun, out: Outgoing) -> AsyncIterator[gpb.GenerateRespon
 class Outgoing:
     """One request's client stream across its attempts: merges batches of worker messages
     into client messages, cuts stop strings, keeps the tokens streamed so far and the usage
-    (prompt tokens of the request, completion tokens of every attempt together)."""
+    (prompt tokens of the request, completion tokens of every attempt together, cached tokens
+    of the first attempt that reported any, at most the prompt's)."""
 
     def __init__(self, request_id: str, prompt_tokens: int,
                  detok: IncrementalDetokenizer | None, logprobs: bool,
@@ -81,14 +82,18 @@ class Outgoing:
         self.prompt_tokens = prompt_tokens
         self.stops = StopMatcher(list(stops)) if stops and detok is not None else None
         self.token_ids: list[int] = []  # every token the client was sent
+        self.cached_tokens = 0
         self.run: RoomRun | None = None  # the attempt running now (set by relay)
 
     def message(self, msgs: list[gpb.GenerateResponse]) -> gpb.GenerateResponse:
+        if not self.cached_tokens:
+            self.cached_tokens = min(max(m.usage.cached_tokens for m in msgs), self.prompt_tokens)
         msg = merge(msgs, self.request_id, self.detok, self.logprobs)
         self.token_ids.extend(msg.token_ids)
         if msg.finished:
             msg.usage.prompt_tokens = self.prompt_tokens
             msg.usage.completion_tokens = len(self.token_ids)
+            msg.usage.cached_tokens = self.cached_tokens
         if self.stops is None:
             return msg
         text = self.stops.feed(msg.text)
@@ -97,7 +102,8 @@ class Outgoing:
                 assert self.run is not None
                 self.run.close()  # the workers stop now: nothing stays held
                 msg.usage.CopyFrom(gpb.Usage(prompt_tokens=self.prompt_tokens,
-                                             completion_tokens=len(self.token_ids)))
+                                             completion_tokens=len(self.token_ids),
+                                             cached_tokens=self.cached_tokens))
             msg.text, msg.finished, msg.finish_reason = text, True, "stop"
             return msg
         msg.text = text + self.stops.flush() if msg.finished else text

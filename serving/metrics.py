@@ -34,7 +34,11 @@ COUNTERS = {"requests_total": "requests", "requests_rejected": "requests_rejecte
             "transfers_failed": "transfers_failed", "drafted_tokens": "drafted_tokens",
             "accepted_tokens": "accepted_tokens", "spec_rounds": "spec_rounds",
             "faults_injected": "faults_injected", "kv_retries": "kv_retries",
-            "kv_recomputes": "kv_recomputes", "decode_failovers": "decode_failovers"}
+            "kv_recomputes": "kv_recomputes", "decode_failovers": "decode_failovers",
+            "prefix_cache_queried_tokens": "prefix_cache_queried_tokens",
+            "prefix_cache_hit_tokens": "prefix_cache_hit_tokens",
+            "prefix_cache_evicted_blocks": "prefix_cache_evicted_blocks",
+            "kv_pages_not_sent": "kv_pages_not_sent", "kv_bytes_not_sent": "kv_bytes_not_sent"}
 
 
 class StatsCollector(Collector):
@@ -49,7 +53,8 @@ class StatsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         figures = {_RENAMES.get(k, k): v for k, v in self.source().items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if "kv_pages_total" in figures and "kv_pages_used" in figures:
+        if "kv_pages_total" in figures and "kv_pages_used" in figures \
+                and "kv_pages_free" not in figures:
             figures["kv_pages_free"] = figures["kv_pages_total"] - figures["kv_pages_used"]
         for name, value in sorted(figures.items()):
             doc = f"{name} as Admin.GetStats reports it"

@@ -1,8 +1,9 @@
 """Aux rows: the small per-room record the prefill writes next to the KV.
 
 A row holds the first generated token, its logprob, the last hidden state for the draft model
-(``hidden_size`` float32 values), the request's mrope delta and the room id echoed back so the
-decode can detect a row that belongs to another room. Rows have a fixed size (a multiple of 64
+(``hidden_size`` float32 values), the request's mrope delta, how many prompt tokens the prefill
+found in its prefix cache (the request's ``usage.cached_tokens``) and the room id echoed back so
+the decode can detect a row that belongs to another room. Rows have a fixed size (a multiple of 64
 bytes) and live in one host buffer that is registered with the engine once; slots are owned by
 one room at a time through :meth:`AuxBuffer.alloc` / :meth:`AuxBuffer.free`.
 
@@ -20,7 +21,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-_HEADER = struct.Struct("<qf4xqQ")  # first_token, logprob, (pad), mrope_delta, room
+_HEADER = struct.Struct("<qfIqQ")  # first_token, logprob, cached_tokens, mrope_delta, room
 _ROW_ALIGN = 64
 
 
@@ -45,6 +46,7 @@ class AuxRow:
     logprob: float
     mrope_delta: int
     hidden: tuple[float, ...]
+    cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache
 
 
 class AuxBuffer:
@@ -96,15 +98,16 @@ class AuxBuffer:
 
     def write(self, slot: int, row: AuxRow) -> None:
         hidden = _floats(row.hidden, self.layout.hidden_size)
-        data = _HEADER.pack(row.first_token, row.logprob, row.mrope_delta, row.room) + hidden
+        data = _HEADER.pack(row.first_token, row.logprob, row.cached_tokens, row.mrope_delta,
+                            row.room) + hidden
         ctypes.memmove(self.row_ptr(slot), data, len(data))
 
     def read(self, slot: int) -> AuxRow:
         data = ctypes.string_at(self.row_ptr(slot), self.row_bytes)
-        first_token, logprob, mrope_delta, room = _HEADER.unpack_from(data)
+        first_token, logprob, cached, mrope_delta, room = _HEADER.unpack_from(data)
         hidden = array("f")
         hidden.frombytes(data[_HEADER.size : _HEADER.size + 4 * self.layout.hidden_size])
-        return AuxRow(room, first_token, logprob, mrope_delta, tuple(hidden))
+        return AuxRow(room, first_token, logprob, mrope_delta, tuple(hidden), cached)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_rows:

@@ -93,7 +93,9 @@ class PrefillBootstrapServer:
         self._rooms: dict[int, _Room] = {}
         self._conns: list[_Conn] = []
         self._refused: tuple[float, str] | None = None  # (when, why) of the last refused decode
-        self.pages_not_sent = 0  # source pages dropped because the decode had them cached
+        # source pages dropped because the decode had them cached, and their bytes
+        self.pages_not_sent = 0
+        self.bytes_not_sent = 0
         self._stop = threading.Event()
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(self.config.tick_s * 4)
@@ -158,6 +160,7 @@ class PrefillBootstrapServer:
             drop = min(r.skip, len(src))
             r.skip -= drop
             self.pages_not_sent += drop
+            self.bytes_not_sent += drop * sum(r.conn.reg.kv_bytes_per_page)
             src = src[drop:]
             if not src and last is None and not finish:
                 return r.status

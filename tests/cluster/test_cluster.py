@@ -35,6 +35,7 @@ from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from tests.cluster.harness import Node, start_node, stop_node
+from tests.cluster.stats import get_stats
 
 pytestmark = pytest.mark.slow
 
@@ -443,6 +444,73 @@ def test_first_message_arrives_long_before_the_last(cluster: Cluster) -> None:
     assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == new
     assert rest[-1].finished and len(rest) >= 2
     assert ttft < total / 4, f"first message after {ttft:.3f}s of {total:.3f}s"
+    cluster.wait_idle()
+
+
+# ---- prefix caching ----------------------------------------------------------------------------
+
+
+PREFIX = [100 + (j * 13) % 397 for j in range(15 * PAGE_SIZE)]  # 15 pages shared by the prompts
+
+
+def _prefix_case(name: str, ids: list[int], image: ImageInput | None = None) -> Case:
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    sampling = gpb.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    if image is None:
+        return Case(name, gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids), sampling=sampling),
+                    Prompt(token_ids=ids), params)
+    # the router expands the one placeholder; the engine takes the expanded ids
+    at = ids.index(IMAGE_PAD)
+    expanded = [*ids[:at], *[IMAGE_PAD] * num_image_tokens(image.grid_thw, MERGE),
+                *ids[at + 1:]]
+    msg = gpb.Image(patches=patches_message(image.patches.numpy(), image.grid_thw))
+    return Case(name, gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids), images=[msg],
+                                          sampling=sampling),
+                Prompt(token_ids=expanded, images=[image]), params)
+
+
+def test_shared_prefixes_hit_every_cache_and_equal_the_engine_without_one(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    """Prompts sharing a 15-page prefix, one after the other: the first fills the prefill's and
+    the decode's caches; then the prefill computes only the tail (``usage.cached_tokens``) and
+    sends only the pages the decode lacks (``kv_pages_not_sent`` on both sides), in 1P1D, 2P1D
+    and colocated (the decode's own cache). Two prompts that differ only in their image share
+    the blocks before it, never after. Every output equals an engine without a prefix cache."""
+    images = [ImageInput(torch.from_numpy(patches(seed, (1, 4, 4))[0]), (1, 4, 4))
+              for seed in (1, 2)]
+    vision = [*ids_of(5, 20), VISION_START, IMAGE_PAD, VISION_END, *ids_of(6, 9)]
+    cases = [_prefix_case(f"tail{i}", [*PREFIX, *ids_of(50 + i, 5 + 3 * i)]) for i in range(4)]
+    cases += [_prefix_case(f"image{i}", [*PREFIX, *vision], image)
+              for i, image in enumerate(images)]
+    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=512, page_size=PAGE_SIZE,
+                                              max_num_batched_tokens=CHUNK,
+                                              enable_prefix_cache=False))
+    expected = engine.generate([c.prompt for c in cases], [c.params for c in cases])
+    p1, decode = cluster.prefills[0].address, cluster.decode.address
+    before = {a: get_stats(a) for a in (p1, decode)}
+    topologies = ["1p1d", "1p1d", "2p1d", "colocated", "1p1d", "1p1d"]
+    cached = []
+    for case, exp, topology in zip(cases, expected, topologies, strict=True):
+        msgs = list(cluster.stub(topology).Generate(case.request, timeout=STREAM_TIMEOUT_S))
+        assert_same(msgs, exp, case.name)
+        cached.append(msgs[-1].usage.cached_tokens)
+    after = {a: get_stats(a) for a in (p1, decode)}
+    shared = len(PREFIX)
+    assert cached[0] == 0  # nobody held the prefix yet
+    assert cached[1] == cached[3] == shared  # the prefill's cache, then the decode's own
+    assert cached[2] in (0, shared)  # whichever prefill the 2P1D router picked
+    # the image starts in page 17 (of 8 tokens): pages 0-16 are shared, none after it
+    image_page = (shared + 20) // PAGE_SIZE
+    assert cached[4] <= image_page * PAGE_SIZE and cached[5] == image_page * PAGE_SIZE
+    spared = {a: after[a].kv_pages_not_sent - before[a].kv_pages_not_sent for a in after}
+    # tail1 and image0 (1P1D) found the 15 pages on the decode, image1 found 17; the decode
+    # counts the 2P1D room (tail2) too, the first prefill only if it ran it
+    assert spared[p1] >= 15 + 15 + 17 and spared[decode] >= 15 * 3 + 17, spared
+    assert after[p1].kv_bytes_not_sent > before[p1].kv_bytes_not_sent
+    assert after[decode].prefix_cache_hit_tokens > before[decode].prefix_cache_hit_tokens
+    assert 0 < after[decode].prefix_cache_hit_rate <= 1
+    assert after[decode].kv_pages_cached > 0  # kept after the requests ended: not a leak
     cluster.wait_idle()
 
 
