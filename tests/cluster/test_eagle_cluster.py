@@ -141,6 +141,21 @@ def test_disaggregated_eagle_equals_plain_decoding(disaggregated: dict[str, Node
           (disaggregated[f"decode{k}"], worker_pb2_grpc.DecodeWorkerStub)])
 
 
+def test_repeated_prompts_hit_both_caches_and_still_equal_plain_decoding(
+    disaggregated: dict[str, Node], want: list[list[int]]
+) -> None:
+    """The cases again through k=3 (after the parametrized runs): the prefill finds their full
+    pages in its cache, draft KV included, and the decode holds them too, so only the last
+    pages travel (delta transfer)."""
+    prefill, decode = disaggregated["prefill"], disaggregated["decode3"]
+    before = get_stats(decode.address)
+    check(generate_all(disaggregated["router3"]), want)
+    after = get_stats(decode.address)
+    assert after.kv_pages_not_sent - before.kv_pages_not_sent == 6 + 1 + 5  # full pages held
+    assert get_stats(prefill.address).prefix_cache_hit_tokens > 0
+    idle([(prefill, worker_pb2_grpc.PrefillWorkerStub), (decode, worker_pb2_grpc.DecodeWorkerStub)])
+
+
 def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]]) -> None:
     model = ["--model", str(model_dir)]
     worker = ["decode", *model, *NODE, "--draft", str(model_dir / "draft"),
@@ -148,8 +163,10 @@ def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[
     with running(worker) as [d], running(["router", *model, "--port", "0",
                                           "--colocated", d.address]) as [r]:
         check(generate_all(r), want)
+        check(generate_all(r), want)  # again: the prompts' pages come from the cache
         idle([(d, worker_pb2_grpc.DecodeWorkerStub)])
         stats = get_stats(d.address)
+        assert stats.prefix_cache_hit_tokens == 8 * (6 + 1 + 5)
         assert stats.drafted_tokens > 0 and stats.spec_rounds > 0
         assert stats.accepted_tokens <= stats.drafted_tokens
         assert 1.0 <= stats.acceptance_length <= 6.0
