@@ -163,3 +163,48 @@ def test_decode_killed_mid_transfer_frees_the_prefill_room(cluster: Cluster) -> 
         cluster.restart("decode")
         _serves_again(stub)
     assert_all_idle(cluster.addresses)
+
+
+def test_restarted_nodes_come_back_with_empty_caches(cluster: Cluster, tiny_dir: Path) -> None:
+    """A prompt's pages are cached on both nodes; a restarted decode no longer holds them (the
+    prefill sends every page again) and a restarted prefill computes the whole prompt again.
+    Then prompts larger than what the pools keep evict cached pages on both nodes. Every
+    output equals an engine without a prefix cache, and nothing is held after."""
+    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=2048, page_size=8,
+                                              enable_prefix_cache=False))
+    shared = LONG[:200]  # 24 full pages a later request can reuse (the last token never)
+    bigs = [[(j * 7 + k) % 500 for j in range(1100)] for k in range(4)]  # 138 pages each
+    want = [r.token_ids for r in engine.generate(
+        [Prompt(token_ids=ids) for ids in [shared, *bigs]],
+        SamplingParams(max_new_tokens=6, ignore_eos=True))]
+
+    def spared(name: str) -> int:
+        return get_stats(cluster.address(name)).kv_pages_not_sent
+
+    with grpc.insecure_channel(cluster.address("router")) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+
+        def cached(ids: list[int], expect: list[int]) -> int:
+            msgs = list(stub.Generate(_req(ids, 6), timeout=60))
+            assert [t for m in msgs for t in m.token_ids] == expect
+            return msgs[-1].usage.cached_tokens
+
+        cached(shared, want[0])
+        before = spared("decode")
+        assert cached(shared, want[0]) == 192 and spared("decode") == before + 24
+        cluster.kill("decode")
+        cluster.restart("decode")
+        _serves_again(stub)
+        prefill_before = spared("prefill")
+        assert cached(shared, want[0]) == 192  # the prefill's cache survived
+        assert spared("decode") == 0 and spared("prefill") == prefill_before  # all sent
+        cluster.kill("prefill")
+        cluster.restart("prefill")
+        _serves_again(stub)
+        assert cached(shared, want[0]) == 0  # computed again, but the decode had the pages
+        assert spared("decode") == 24 and spared("prefill") == 24
+        for ids, expect in zip(bigs, want[1:], strict=True):
+            cached(ids, expect)
+    for name in ("prefill", "decode"):
+        assert get_stats(cluster.address(name)).prefix_cache_evicted_blocks > 0, name
+    assert_all_idle(cluster.addresses)
