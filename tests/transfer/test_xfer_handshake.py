@@ -94,6 +94,42 @@ def test_room_succeeds_and_leaves_nothing(pair: Pair) -> None:
     pair.assert_clean()
 
 
+def test_delta_transfer_skips_the_pages_the_decode_holds(pair: Pair) -> None:
+    """The decode holds the prompt's first 3 pages (its prefix cache): the prefill passes every
+    page in prompt order and only the rest travel, into the 3 destination pages."""
+    pair.server.add_room(ROOM)
+    pair.client.add_room(ROOM)
+    dst = pair.pages.take(3)
+    pair.client.send_destination(ROOM, dst, cached_pages=3)
+    wait_for(lambda: pair.server.poll(ROOM) is KVPoll.WaitingForInput, 2)
+    assert pair.server.send_chunk(ROOM, [0, 1]) is KVPoll.WaitingForInput  # nothing to send
+    assert pair.server.send_chunk(ROOM, [2, 10, 11]) is KVPoll.Transferring
+    row = replace(ROW, cached_tokens=40)  # the prefill's own cache hit rides in the aux row
+    assert pair.server.send_chunk(ROOM, [12], last=row) is KVPoll.Success
+    wait_for(lambda: pair.client.poll(ROOM) is KVPoll.Success, 2)
+    assert pair.client.commit(ROOM) == replace(row, room=ROOM)
+    for src_e, dst_e in zip(pair.p_node.entries(), pair.d_node.entries(), strict=True):
+        assert torch.equal(dst_e[dst], src_e[[10, 11, 12]])
+    assert pair.server.pages_not_sent == 3
+    per_page = sum(e[0].numel() * e.element_size() for e in pair.p_node.entries())
+    assert pair.server.bytes_not_sent == 3 * per_page
+    pair.server.release(ROOM)
+    pair.pages.give(dst)
+    pair.assert_clean()
+
+
+def test_negative_cached_pages_fail_the_room(pair: Pair) -> None:
+    pair.server.add_room(ROOM)
+    pair.client.add_room(ROOM)
+    pair.client.send_destination(ROOM, pair.pages.take(2), cached_pages=-1)
+    wait_for(lambda: pair.server.poll(ROOM) is KVPoll.Failed, 2)
+    assert "cached pages -1" in pair.server.failure_reason(ROOM)
+    wait_for(lambda: pair.client.poll(ROOM) is KVPoll.Failed, 2)
+    pair.client.release(ROOM)
+    pair.server.release(ROOM)
+    pair.assert_clean()
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
