@@ -514,6 +514,29 @@ def test_shared_prefixes_hit_every_cache_and_equal_the_engine_without_one(
     cluster.wait_idle()
 
 
+def test_cancel_while_a_shared_prefix_is_in_use(cluster: Cluster, tiny_dir: Path) -> None:
+    """Two streams hold the same cached prefix pages; cancelling one mid-stream leaves the
+    other's pages alone (it completes equal to the engine) and frees everything after."""
+    survivor = _prefix_case("survivor", [*PREFIX, *ids_of(70, 7)])
+    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=512, page_size=PAGE_SIZE,
+                                              enable_prefix_cache=False))
+    [exp] = engine.generate([survivor.prompt], [survivor.params])
+    stub = cluster.stub("1p1d")
+    list(stub.Generate(survivor.request, timeout=STREAM_TIMEOUT_S))  # the prefix is cached now
+    victim = stub.Generate(gpb.GenerateRequest(
+        token_ids=gpb.TokenIds(ids=[*PREFIX, *ids_of(71, 9)]),
+        sampling=gpb.SamplingParams(max_new_tokens=1000, ignore_eos=True)),
+        timeout=STREAM_TIMEOUT_S)
+    next(victim)  # running on the decode, on the shared pages
+    reader = Reader(stub.Generate(survivor.request, timeout=STREAM_TIMEOUT_S)).start()
+    victim.cancel()  # type: ignore[attr-defined]
+    reader.join()
+    assert reader.error is None, reader.error
+    assert_same(reader.msgs, exp, survivor.name)
+    assert reader.msgs[-1].usage.cached_tokens == len(PREFIX)
+    cluster.wait_idle()
+
+
 # ---- pipeline-parallel prefill ------------------------------------------------------------------
 
 
