@@ -44,10 +44,11 @@ class _Feed:
     async def _run(self) -> None:
         w, delay, last_why = self.worker, BACKOFF_MIN_S, ""
         while True:
-            call = w.stub.SubscribeKvEvents(wpb.SubscribeKvEventsRequest(), metadata=w.metadata,
-                                            wait_for_ready=True)
+            call = None
             seq: int | None = None  # the last event's number in this stream
             try:
+                call = w.stub.SubscribeKvEvents(wpb.SubscribeKvEventsRequest(),
+                                                metadata=w.metadata, wait_for_ready=True)
                 async for batch in call:
                     seq = apply_events(self.tree, batch, seq)
                     delay = BACKOFF_MIN_S
@@ -57,7 +58,8 @@ class _Feed:
             except (grpc.aio.UsageError, SequenceGap) as exc:  # UsageError: channel closed
                 why = str(exc)
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
                 self.tree.clear()
             if why != last_why:  # once per change, not once per retry
                 log.warning("KV events of %s worker %s: %s", w.kind, w.address, why)
@@ -91,6 +93,7 @@ class KvEventFeeds:
 
     def __init__(self) -> None:
         self._feeds: dict[tuple[str, str], _Feed] = {}  # (kind, address) -> its feed
+        self._ending: set[asyncio.Task[None]] = set()  # cancelled, kept until they end
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, pool: WorkerPool) -> None:
@@ -98,7 +101,7 @@ class KvEventFeeds:
         self._task = asyncio.create_task(self._follow(pool))
 
     async def close(self) -> None:
-        tasks = [f.task for f in self._feeds.values()]
+        tasks = [*(f.task for f in self._feeds.values()), *self._ending]
         if self._task is not None:
             tasks.append(self._task)
         for task in tasks:
@@ -119,6 +122,8 @@ class KvEventFeeds:
         for key, feed in list(self._feeds.items()):
             if current.get(key) is not feed.worker:
                 feed.task.cancel()
+                self._ending.add(feed.task)
+                feed.task.add_done_callback(self._ending.discard)
                 del self._feeds[key]
         for key, w in current.items():
             if key not in self._feeds:
