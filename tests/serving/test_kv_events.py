@@ -149,3 +149,24 @@ def test_event_tree_counts_equal_blocks_and_ignores_orphans() -> None:
     assert tree.match([1, 2, 3, 4]) == 0  # the first block is gone, so the match ends there
     tree.remove(b"b")
     assert len(tree) == 0
+
+
+def test_draft_mode_ids_chain_to_the_parent_entry() -> None:
+    """With EAGLE a block's key holds the token after it; a child names that exact entry."""
+    async def main() -> None:
+        alloc = PageAllocator(16)
+        cache = PrefixCache(PS, alloc)
+        cache.set_draft_mode(True)
+        hub = KvEventHub()
+        cache.listener = hub
+        cached(cache, alloc, "a", [1, 2, 3, 4, 5, 6, 7])  # 3 blocks: the token after each known
+        cached(cache, alloc, "b", [1, 2, 8, 9, 9, 9, 0])  # [1, 2] followed by 8: 3 new entries
+        [snap] = await take(hub.stream(), 1)
+        assert kinds([snap]) == ["cleared"] + ["stored"] * 6
+        tree = EventTree()
+        apply_events(tree, snap, None)
+        assert len(tree) == 6  # every parent was found (b's [8, 9] names b's [1, 2] entry)
+        assert tree.match([1, 2, 3, 4, 5, 6]) == 6 and tree.match([1, 2, 8, 9, 9, 9]) == 6
+        hub.close()
+
+    asyncio.run(main())
