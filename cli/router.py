@@ -56,6 +56,22 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-failovers", type=int, default=2, metavar="N",
                    help="times a stream whose decode failed mid-generation moves to another "
                         "decode with the tokens streamed so far (0: never; default: 2)")
+    p.add_argument("--policy", choices=["least-loaded", "cache-aware"], default="least-loaded",
+                   help="how a prefill and a decode worker are picked: 'least-loaded', or "
+                        "'cache-aware': the worker holding the longest prefix of the prompt in "
+                        "its prefix cache, unless the loads are imbalanced (default: "
+                        "least-loaded)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="cache-aware: follow each worker's cache events (SubscribeKvEvents) "
+                        "instead of guessing its cache from the prompts sent to it")
+    p.add_argument("--balance-abs-threshold", type=int, default=32, metavar="N",
+                   help="cache-aware: the loads are imbalanced (the least loaded worker wins) "
+                        "when they differ by more than N requests (default: 32) ...")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5, metavar="X",
+                   help="... and the largest is more than X times the smallest (default: 1.5)")
+    p.add_argument("--max-tree-blocks", type=int, default=1 << 16, metavar="N",
+                   help="cache-aware without --kv-events: blocks (pages) remembered per worker, "
+                        "least recently used dropped first (default: 65536)")
     add_server_args(p, default_port=50051)
 
 
@@ -75,7 +91,7 @@ def router_security(args: argparse.Namespace) -> ServerSecurity:
 
 def run_router(args: argparse.Namespace) -> int:
     """Build the config from ``args`` and serve until SIGTERM; bad flags print one error line."""
-    from router.config import RouterConfig, parse_addresses
+    from router.config import RouterConfig, RoutingConfig, parse_addresses
     from router.recovery import KVFailurePolicy, RecoveryConfig
     from router.server import serve_router
 
@@ -92,6 +108,9 @@ def run_router(args: argparse.Namespace) -> int:
             http_port=args.http_port, served_model_name=args.served_model_name,
             recovery=RecoveryConfig(KVFailurePolicy(args.kv_failure_policy), args.kv_retries,
                                     args.decode_failovers),
+            routing=RoutingConfig(args.policy, args.balance_abs_threshold,
+                                  args.balance_rel_threshold, args.max_tree_blocks,
+                                  args.kv_events),
         )
         security = router_security(args)
     except (ValueError, OSError) as exc:

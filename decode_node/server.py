@@ -16,6 +16,7 @@ from engine.models.eagle import load_draft
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
+from serving.kv_events import kv_event_hub
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.setup import make_kv_manager
@@ -52,6 +53,7 @@ async def serve_decode(
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
                              engine.model_config.text.num_hidden_layers)
     service = DecodeService(max_waiting)
+    service.kv_events = hub = kv_event_hub(engine)
     loop = DecodeLoop(engine, service.emit, spec)
     clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config)
     service.bind(loop, asyncio.get_running_loop(), clients)
@@ -61,5 +63,6 @@ async def serve_decode(
         role="decode", stats=service.stats, security=security,
         metrics_port=metrics_port,
     )
-    await serve_until_signal(server, bound, loop.stop, clients.close)
+    await serve_until_signal(server, bound, loop.stop, clients.close,
+                             on_signal=hub.close if hub is not None else None)
 

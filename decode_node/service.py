@@ -13,6 +13,7 @@ ends the call with the status of :mod:`serving.status`.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -30,6 +31,7 @@ from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
 from serving.admission import DEFAULT_MAX_WAITING, AdmissionGate
 from serving.blocking import to_thread_atomic
+from serving.kv_events import KvEventHub, kv_event_stream
 from serving.request_log import request_line
 from serving.status import PREFILL_SIDE, STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
@@ -62,6 +64,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: DecodeLoop | None = None
         self._clients: BootstrapClients | None = None
+        self.instance_id = secrets.token_hex(8)  # LoadReport.instance_id: new at every start
+        self.kv_events: KvEventHub | None = None  # the prefix cache's events, when it has one
 
     def bind(
         self, loop: DecodeLoop, aio: asyncio.AbstractEventLoop, clients: BootstrapClients
@@ -166,7 +170,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return load_report(self.loop.stats())
+        return load_report(self.loop.stats(), instance_id=self.instance_id,
+                           page_size=self.loop.engine.config.page_size)
+
+    async def SubscribeKvEvents(  # noqa: N802
+        self, request: wpb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.KvEventBatch]:
+        async for batch in kv_event_stream(self.kv_events, context):
+            yield batch
 
     def stats(self) -> dict[str, float]:
         """Figures for ``Admin.GetStats`` (blocking). ``rooms_active`` counts every room a

@@ -30,6 +30,11 @@ and cached-only (evictable); the scheduler counts ``free + evictable`` as availa
 Invariants (checked by :meth:`PrefixCache.check`): ``_blocks`` and ``_page_key`` are inverse
 maps; every cached page has a refcount >= 1; a cached page is in ``_lru`` iff its refcount is 1.
 
+Listener (optional, :attr:`PrefixCache.listener`): told of every block stored and removed and of
+:meth:`PrefixCache.clear`, on the thread that changes the cache (a node's engine thread, under its
+loop lock), so it must be cheap. A block's *id* there is its key as bytes: the chain hash, with
+the ``next`` token appended in draft mode; the parent's id is the key the block's chain extends.
+
 Pure Python: no torch here (the scheduler core uses it).
 """
 
@@ -39,12 +44,26 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.page_allocator import PageAllocator
 from engine.request import Request
 
 BlockKey = tuple[bytes, int]  # (chain hash, next token or -1)
 NO_NEXT = -1
+
+
+class CacheListener(Protocol):
+    """What a :class:`PrefixCache` tells of its changes (see the module docstring)."""
+
+    def block_stored(self, block_id: bytes, parent_id: bytes, token_ids: list[int]) -> None:
+        """A block entered the cache; ``parent_id`` is empty for a sequence's first block."""
+
+    def blocks_removed(self, block_ids: list[bytes]) -> None:
+        """Blocks were evicted."""
+
+    def cleared(self) -> None:
+        """Every block was dropped."""
 
 
 @dataclass
@@ -81,6 +100,7 @@ class PrefixCache:
         self.allocator = allocator
         self.draft_mode = False
         self.stats = PrefixCacheStats()
+        self.listener: CacheListener | None = None
         self._blocks: dict[BlockKey, int] = {}  # key -> page
         self._page_key: dict[int, BlockKey] = {}  # page -> key
         self._lru: OrderedDict[int, None] = OrderedDict()  # evictable pages, oldest first
@@ -173,6 +193,8 @@ class PrefixCache:
                 self._blocks[key] = page
                 self._page_key[page] = key
                 self.stats.inserted_blocks += 1
+                if self.listener is not None:
+                    self._tell_stored(req, cursor, k, key)
             k += 1
         cursor.handled = k
 
@@ -190,12 +212,16 @@ class PrefixCache:
     def evict(self, n: int) -> int:
         """Free up to ``n`` evictable pages, least recently released first; returns how many."""
         freed: list[int] = []
+        keys: list[BlockKey] = []
         while len(freed) < n and self._lru:
             page, _ = self._lru.popitem(last=False)
-            del self._blocks[self._page_key.pop(page)]
+            keys.append(self._page_key.pop(page))
+            del self._blocks[keys[-1]]
             freed.append(page)
         self.allocator.free(freed)
         self.stats.evicted_blocks += len(freed)
+        if self.listener is not None and keys:
+            self.listener.blocks_removed([block_id(key) for key in keys])
         return len(freed)
 
     def clear(self) -> None:
@@ -207,6 +233,8 @@ class PrefixCache:
         self._page_key.clear()
         self._lru.clear()
         self.allocator.free(pages)
+        if self.listener is not None:
+            self.listener.cleared()
 
     # ---- checks --------------------------------------------------------------------------------
 
@@ -222,6 +250,16 @@ class PrefixCache:
 
     # ---- helpers -------------------------------------------------------------------------------
 
+    def _tell_stored(self, req: Request, cursor: PrefixCursor, k: int, key: BlockKey) -> None:
+        """Tell the listener block ``k`` of ``req`` (key ``key``) was stored."""
+        assert self.listener is not None
+        size = self.page_size
+        tokens = _tokens(req, k * size, (k + 1) * size)
+        parent = b""
+        if k > 0:  # in draft mode the parent's key ends with this block's first token
+            parent = block_id((cursor.chains[k - 1], tokens[0] if self.draft_mode else NO_NEXT))
+        self.listener.block_stored(block_id(key), parent, tokens)
+
     def _chain(self, req: Request, cursor: PrefixCursor, k: int) -> bytes:
         chains = cursor.chains
         size = self.page_size
@@ -234,6 +272,12 @@ class PrefixCache:
                     h.update(digest)
             chains.append(h.digest())
         return chains[k]
+
+
+def block_id(key: BlockKey) -> bytes:
+    """A block key as the listener's bytes: the chain hash, plus the next token in draft mode."""
+    chain, nxt = key
+    return chain if nxt == NO_NEXT else chain + nxt.to_bytes(8, "little", signed=True)
 
 
 def _cursor(req: Request) -> PrefixCursor:

@@ -16,6 +16,7 @@ from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
+from serving.kv_events import kv_event_hub
 from serving.metrics import TransferMetrics
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
@@ -69,6 +70,7 @@ async def serve_prefill(
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
                                        config=bootstrap_config)
     service = PrefillService(max_waiting)
+    service.kv_events = hub = kv_event_hub(engine)
     loop = PrefillLoop(engine, bootstrap, service.on_done, drafter)
     service.bind(loop, asyncio.get_running_loop(), f"{advertise_host}:{bootstrap.address[1]}")
     loop.start()
@@ -77,4 +79,5 @@ async def serve_prefill(
         role="prefill", stats=service.stats, security=security,
         metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager),
     )
-    await serve_until_signal(server, bound, loop.stop, bootstrap.close)
+    await serve_until_signal(server, bound, loop.stop, bootstrap.close,
+                             on_signal=hub.close if hub is not None else None)

@@ -8,7 +8,9 @@ status of :mod:`serving.status`."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -21,6 +23,7 @@ from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
 from serving.admission import DEFAULT_MAX_WAITING, AdmissionGate
 from serving.blocking import to_thread_atomic
+from serving.kv_events import KvEventHub, kv_event_stream
 from serving.request_log import request_line
 from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
@@ -40,6 +43,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: PrefillThread | None = None
         self.bootstrap_address = ""
+        self.instance_id = secrets.token_hex(8)  # LoadReport.instance_id: new at every start
+        self.kv_events: KvEventHub | None = None  # the prefix cache's events, when it has one
 
     def bind(self, loop: PrefillThread, aio: asyncio.AbstractEventLoop, bootstrap: str) -> None:
         """Attach the prefill loop (whose ``on_done`` is :meth:`on_done`), the asyncio loop
@@ -109,7 +114,15 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return load_report(self.loop.stats(), bootstrap=self.bootstrap_address)
+        return load_report(self.loop.stats(), bootstrap=self.bootstrap_address,
+                           instance_id=self.instance_id,
+                           page_size=self.loop.engine.config.page_size)
+
+    async def SubscribeKvEvents(  # noqa: N802
+        self, request: wpb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.KvEventBatch]:
+        async for batch in kv_event_stream(self.kv_events, context):
+            yield batch
 
     def stats(self) -> dict[str, float]:
         """Figures for ``Admin.GetStats`` (blocking)."""

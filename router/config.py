@@ -9,6 +9,8 @@ from router.recovery import RecoveryConfig
 
 MODE_DISAGGREGATED = "disaggregated"
 MODE_COLOCATED = "colocated"
+LEAST_LOADED = "least-loaded"
+CACHE_AWARE = "cache-aware"
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,36 @@ class VideoLimits:
         if self.max_videos < 0 or self.max_frames < 1 or self.max_patch_bytes < 1:
             raise ValueError("video limits: max_videos must be >= 0 (0: no videos), "
                              "max_frames and max_patch_bytes >= 1")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How the router picks a worker (:mod:`router.policy`).
+
+    ``cache-aware``: the worker with the longest prefix of the prompt in its cache (as the
+    router's tree of it says), unless the healthy workers' loads (requests) differ by more than
+    ``balance_abs_threshold`` and the largest exceeds ``balance_rel_threshold`` times the
+    smallest; then, or when nothing matches, the least loaded. ``kv_events``: the trees follow
+    the workers' ``SubscribeKvEvents`` streams instead of the prompts this router sent.
+    """
+
+    policy: str = LEAST_LOADED
+    balance_abs_threshold: int = 32  # requests
+    balance_rel_threshold: float = 1.5
+    max_tree_blocks: int = 1 << 16  # blocks of each worker's tree in approximate mode
+    kv_events: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in (LEAST_LOADED, CACHE_AWARE):
+            raise ValueError(f"--policy must be {LEAST_LOADED} or {CACHE_AWARE}, "
+                             f"got {self.policy!r}")
+        if self.kv_events and self.policy != CACHE_AWARE:
+            raise ValueError(f"--kv-events needs --policy {CACHE_AWARE}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("--balance-abs-threshold must be >= 0 and "
+                             "--balance-rel-threshold >= 1")
+        if self.max_tree_blocks < 1:
+            raise ValueError("--max-tree-blocks must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -48,6 +80,7 @@ class RouterConfig:
     http_port: int | None = None  # OpenAI-compatible HTTP door (router.http_door); None = off
     served_model_name: str | None = None  # the model id of the HTTP door; default: dir name
     recovery: RecoveryConfig = RecoveryConfig()  # what failed workers lead to (router.recovery)
+    routing: RoutingConfig = RoutingConfig()  # how workers are picked (router.policy)
 
     def __post_init__(self) -> None:
         if self.colocated and (self.prefill or self.decode):

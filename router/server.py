@@ -7,6 +7,7 @@ import logging
 
 from proto.pdserve.v1 import generate_pb2_grpc
 from router.config import RouterConfig
+from router.policy import make_policy
 from router.preprocess import ModelAssets
 from router.service import GenerationService
 from router.workers import Readiness, WorkerPool
@@ -38,7 +39,9 @@ async def serve_router(config: RouterConfig, host: str, port: int,
                       refresh_s=config.load_refresh_s, timeout_s=config.worker_timeout_s,
                       metadata=internal_metadata(config.internal_token))
     await pool.start()
-    service = GenerationService(config, assets, pool)
+    policy = make_policy(config.routing)
+    await policy.start(pool)
+    service = GenerationService(config, assets, pool, policy)
     server, bound, health = await start_server(
         [(generate_pb2_grpc.add_GenerationServicer_to_server, service, SERVICE_NAME)], host, port,
         role="router", stats=service.stats, security=security,
@@ -67,6 +70,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
             http_bound = await door.start(host, config.http_port)
         except BaseException:
             await server.stop(grace=None)
+            await policy.close()
             await pool.close()
             raise
         print(f"HTTP {http_bound}", flush=True)
@@ -77,4 +81,5 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         if door is not None:
             await door.close()
         await server.stop(grace=SHUTDOWN_GRACE_S)
+        await policy.close()
         await pool.close()

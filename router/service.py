@@ -28,6 +28,7 @@ from proto.pdserve.v1 import generate_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.config import RouterConfig
 from router.errors import DoorError, WorkerFailure
+from router.policy import LeastLoaded, Policy
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
 from router.recovery import RECOVERABLE, Recovery, Step
 from router.relay import Outgoing, relay
@@ -62,12 +63,15 @@ class LocalContext:
 
 
 class GenerationService(generate_pb2_grpc.GenerationServicer):
-    """Serves the public API over a :class:`WorkerPool`."""
+    """Serves the public API over a :class:`WorkerPool`, picking workers with ``policy``
+    (:mod:`router.policy`; default: least loaded)."""
 
-    def __init__(self, config: RouterConfig, assets: ModelAssets, pool: WorkerPool) -> None:
+    def __init__(self, config: RouterConfig, assets: ModelAssets, pool: WorkerPool,
+                 policy: Policy | None = None) -> None:
         self.config = config
         self.assets = assets
         self.pool = pool
+        self.policy = policy or LeastLoaded()
         self.prep = Preprocessor(assets, config.max_new_tokens_default, config.max_images,
                                  config.video_limits)
         self.ids: set[str] = set()  # request ids from admission to the end of their stream
@@ -189,7 +193,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
     async def _admit(self, rid: str, prepared: PreparedRequest, step: Step | None,
                      resumed: list[int], context: grpc.aio.ServicerContext) -> RoomRun:
-        """Pick the workers, draw the room id, register and start one attempt's room.
+        """Pick the workers (:attr:`policy`, given the attempt's prompt), draw the room id,
+        register and start one attempt's room.
 
         ``step`` is None for the first attempt, else how this one runs (:mod:`router.recovery`);
         ``resumed`` are the tokens the client already has (they extend the prompt).
@@ -200,7 +205,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         ``UNAVAILABLE`` naming it; a prefill that does not answer too, unless the recovery policy
         lets the decode compute the prompt (then it does).
         """
-        decode = self.pool.pick(self.pool.decode)
+        prompt = [*prepared.token_ids, *resumed]
+        decode = self.policy.pick(self.pool.decode, prompt)
         await self.pool.ensure(decode)
         if not decode.healthy:
             raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
@@ -210,7 +216,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         short = len(prepared.token_ids) < self.config.local_prefill_threshold
         local = self.config.mode == "colocated" or short or step is Step.LOCAL
         if not local:
-            prefill = self.pool.pick(self.pool.prefill)
+            prefill = self.policy.pick(self.pool.prefill, prompt)
             await self.pool.ensure(prefill)
             bootstrap = prefill.report.bootstrap if prefill.healthy else ""
             if not bootstrap:
@@ -229,8 +235,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         sampling = gpb.SamplingParams()
         sampling.CopyFrom(prepared.sampling)
         sampling.max_new_tokens -= len(resumed)
-        wreq = wpb.WorkerRequest(room=room, request_id=rid,
-                                 token_ids=[*prepared.token_ids, *resumed],
+        wreq = wpb.WorkerRequest(room=room, request_id=rid, token_ids=prompt,
                                  images=prepared.images, sampling=sampling,
                                  videos=prepared.videos, resumed_tokens=len(resumed))
         run = RoomRun(room, wreq, decode, prefill, bootstrap, self.spawn,

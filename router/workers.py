@@ -33,6 +33,10 @@ that is not cooling down. The cool-down doubles with each failure in a row (``CO
 up to ``COOLDOWN_MAX_S``); failures during a cool-down (other requests meeting the same fault)
 do not count; it is never dropped, so it serves again once it answers (alone, at once). A request
 that completes on it (:meth:`Worker.note_success`) ends the cool-down and resets the count.
+
+Cache epoch: :attr:`Worker.cache_epoch` counts the times its prefix cache may have been lost: a
+request failed on it, or its ``GetLoad`` reports a new ``instance_id`` (it restarted). The
+cache-aware policy (:mod:`router.policy`) drops what it believed of the worker's cache then.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ class Worker:
     failures: int = 0  # request failures blamed on it since its last completed request
     cooldown_until: float = 0.0  # time.monotonic() before which it sorts after the others
     suspect: bool = False  # a request failed on it since its last successful GetLoad
+    cache_epoch: int = 0  # +1 whenever its prefix cache may be gone (see the module docstring)
 
     @property
     def decode_stub(self) -> worker_pb2_grpc.DecodeWorkerStub:
@@ -112,15 +117,33 @@ class Worker:
         return self.stub
 
     def score(self) -> tuple[int, int, int]:
-        """Sort key: healthy workers not cooling down first, then cooling ones, unhealthy last;
-        then outstanding prompt tokens and running requests."""
-        rep = self.report
-        tokens = max(self.outstanding_tokens, rep.waiting_tokens)
-        running = max(self.running, rep.running_requests + rep.waiting_requests)
-        rank = 2 if not self.healthy else 1 if self.cooling else 0
+        """Sort key: :attr:`rank`, then (prefill) outstanding prompt tokens and requests, or
+        (decode) requests and outstanding prompt tokens."""
+        tokens = max(self.outstanding_tokens, self.report.waiting_tokens)
         if self.kind == DECODE:
-            return (rank, running, tokens)
-        return (rank, tokens, running)
+            return (self.rank, self.load, tokens)
+        return (self.rank, tokens, self.load)
+
+    @property
+    def rank(self) -> int:
+        """0: healthy and not cooling down; 1: cooling down; 2: its last ``GetLoad`` failed."""
+        return 2 if not self.healthy else 1 if self.cooling else 0
+
+    @property
+    def load(self) -> int:
+        """Requests on it: this router's, or all that it last reported, whichever is more."""
+        rep = self.report
+        return max(self.running, rep.running_requests + rep.waiting_requests)
+
+    def take_report(self, report: wpb.LoadReport) -> None:
+        """A successful ``GetLoad``: keep ``report``; a new instance id means a restart."""
+        old = self.report.instance_id
+        if old and report.instance_id != old:
+            self.cache_epoch += 1
+            log.warning("%s worker %s restarted (instance %s, was %s)", self.kind, self.address,
+                        report.instance_id or "?", old)
+        self.report = report
+        self.healthy, self.error, self.suspect = True, "", False
 
     @property
     def cooling(self) -> bool:
@@ -131,6 +154,7 @@ class Worker:
         """A request failed on this worker: ask it again (``GetLoad``) before its next request
         and cool it down (see the module docstring)."""
         self.suspect = True
+        self.cache_epoch += 1
         if self.cooling:
             return  # the same fault, seen by another request: no escalation
         self.failures += 1
@@ -223,10 +247,9 @@ class WorkerPool:
         """One ``GetLoad`` on ``w``; with ``wait_s`` it waits that long for a connection
         (``wait_for_ready``) instead of failing at once on a channel that is down."""
         try:
-            w.report = await w.stub.GetLoad(
+            w.take_report(await w.stub.GetLoad(
                 wpb.GetLoadRequest(), timeout=self.timeout_s if wait_s is None else wait_s,
-                metadata=w.metadata, wait_for_ready=wait_s is not None)
-            w.healthy, w.error, w.suspect = True, "", False
+                metadata=w.metadata, wait_for_ready=wait_s is not None))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             name = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
             error = f"GetLoad failed: {name}"

@@ -50,8 +50,10 @@ class AdminService(admin_pb2_grpc.AdminServicer):
 _LOAD_FIELDS = frozenset(wpb.LoadReport.DESCRIPTOR.fields_by_name)
 
 
-def load_report(figures: Mapping[str, float], bootstrap: str = "") -> wpb.LoadReport:
-    """A worker's ``LoadReport`` from its figures (names that are no field are dropped) and, for
-    a prefill worker, its bootstrap address."""
+def load_report(figures: Mapping[str, float], bootstrap: str = "", *, instance_id: str = "",
+                page_size: int = 0) -> wpb.LoadReport:
+    """A worker's ``LoadReport`` from its figures (names that are no field are dropped), its
+    instance id and page size and, for a prefill worker, its bootstrap address."""
     fields: dict[str, Any] = {k: v for k, v in figures.items() if k in _LOAD_FIELDS}
-    return wpb.LoadReport(**fields, bootstrap=bootstrap)
+    return wpb.LoadReport(**fields, bootstrap=bootstrap, instance_id=instance_id,
+                          page_size=page_size)

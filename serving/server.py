@@ -107,14 +107,18 @@ async def wait_for_signal() -> None:
 
 
 async def serve_until_signal(
-    server: grpc.aio.Server, bound: int, *cleanups: Callable[[], object]
+    server: grpc.aio.Server, bound: int, *cleanups: Callable[[], object],
+    on_signal: Callable[[], None] | None = None,
 ) -> None:
-    """Print ``READY <bound>``, serve until SIGINT/SIGTERM, then let in-flight calls drain
+    """Print ``READY <bound>``, serve until SIGINT/SIGTERM, then call ``on_signal`` (to end calls
+    that never end by themselves, such as event streams), let in-flight calls drain
     (``SHUTDOWN_GRACE_S``) and run ``cleanups`` in order (awaiting any that return awaitables)."""
     print(f"READY {bound}", flush=True)
     try:
         await wait_for_signal()
     finally:
+        if on_signal is not None:
+            on_signal()
         await server.stop(grace=SHUTDOWN_GRACE_S)
         for cleanup in cleanups:
             result = cleanup()

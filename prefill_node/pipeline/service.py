@@ -11,6 +11,7 @@ import grpc
 from prefill_node.pipeline.later import LaterStage
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
+from serving.admin import load_report
 from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
 from transfer.faults import fault_figures
@@ -59,7 +60,7 @@ class LaterStageWorkerFace(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return wpb.LoadReport(bootstrap=self.info.bootstrap, **self.stage.stats())
+        return load_report(self.stage.stats(), bootstrap=self.info.bootstrap)
 
     def stats(self) -> dict[str, int]:
         """Figures for ``Admin.GetStats`` (blocking)."""

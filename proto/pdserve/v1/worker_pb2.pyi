@@ -68,7 +68,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("waiting_requests", "running_requests", "waiting_tokens", "kv_pages_used", "kv_pages_total", "rooms_active", "aux_slots_used", "bootstrap")
+    __slots__ = ("waiting_requests", "running_requests", "waiting_tokens", "kv_pages_used", "kv_pages_total", "rooms_active", "aux_slots_used", "bootstrap", "instance_id", "page_size")
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,8 @@ class LoadReport(_message.Message):
     ROOMS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     AUX_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     waiting_requests: int
     running_requests: int
     waiting_tokens: int
@@ -85,7 +87,51 @@ class LoadReport(_message.Message):
     rooms_active: int
     aux_slots_used: int
     bootstrap: str
-    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., bootstrap: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    page_size: int
+    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., bootstrap: _Optional[str] = ..., instance_id: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class SubscribeKvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvBlockStored(_message.Message):
+    __slots__ = ("block_hash", "parent_hash", "token_ids")
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_hash: bytes
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KvBlocksRemoved(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("seq", "stored", "removed", "cleared")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stored: KvBlockStored
+    removed: KvBlocksRemoved
+    cleared: KvCleared
+    def __init__(self, seq: _Optional[int] = ..., stored: _Optional[_Union[KvBlockStored, _Mapping]] = ..., removed: _Optional[_Union[KvBlocksRemoved, _Mapping]] = ..., cleared: _Optional[_Union[KvCleared, _Mapping]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
 
 class StageRoom(_message.Message):
     __slots__ = ("room", "prompt_tokens", "sampling", "mrope_delta", "prompt_ids", "resumed_tokens")

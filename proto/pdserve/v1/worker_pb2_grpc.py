@@ -51,6 +51,11 @@ class PrefillWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/pdserve.v1.PrefillWorker/SubscribeKvEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -76,6 +81,13 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """The node's prefix-cache changes, for the router's cache-aware policy (see KvEventBatch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +105,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -187,6 +204,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/SubscribeKvEvents',
+            pdserve_dot_v1_dot_worker__pb2.SubscribeKvEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """A decode worker receives a room's KV and streams its tokens; a colocated worker also
@@ -214,6 +258,11 @@ class DecodeWorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.SubscribeKvEvents = channel.unary_stream(
+                '/pdserve.v1.DecodeWorker/SubscribeKvEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.SubscribeKvEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -239,6 +288,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKvEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +311,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'SubscribeKvEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKvEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.SubscribeKvEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KvEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -341,6 +401,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/GetLoad',
             pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKvEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/SubscribeKvEvents',
+            pdserve_dot_v1_dot_worker__pb2.SubscribeKvEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,
