@@ -4,7 +4,8 @@ Used by ``pdserve bench --compare`` and ``bench.serving``. Every process gets
 ``OMP_NUM_THREADS=1`` (so clusters of different sizes compete for cores the same way, one
 engine thread per process); its output is read by a thread of its own, so a chatty node never
 blocks on a full pipe. :meth:`Processes.stop_all` ends every process started (SIGTERM, then
-SIGKILL), and runs however the benchmark ends.
+SIGKILL), and runs however the benchmark ends. A node started with ``--metrics-port 0`` has its
+Prometheus counters read by :meth:`Proc.counters`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = 120.0
@@ -32,6 +36,7 @@ class Proc:
     popen: subprocess.Popen[str]
     log: list[str] = field(default_factory=list)
     port: int | None = None
+    metrics_port: int | None = None
     ready: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -39,10 +44,13 @@ class Proc:
         return f"127.0.0.1:{self.port}"
 
     def read(self) -> None:
-        """Reader thread: record output; note the ``READY <port>`` line."""
+        """Reader thread: record output; note the ``METRICS <port>`` and ``READY <port>``
+        lines (a node prints the first before the second)."""
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
             self.log.append(line)
+            if self.metrics_port is None and line.startswith("METRICS "):
+                self.metrics_port = int(line.split()[1])
             if self.port is None and line.startswith("READY "):
                 self.port = int(line.split()[1])
                 self.ready.set()
@@ -50,6 +58,18 @@ class Proc:
 
     def tail(self, lines: int = 30) -> str:
         return "".join(self.log[-lines:])
+
+    def counters(self) -> dict[str, float]:
+        """The node's Prometheus counters now, by sample name (``pdserve_<name>_total``), from
+        its ``/metrics``; empty for a node started without ``--metrics-port``."""
+        if self.metrics_port is None:
+            return {}
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        return {sample.name: sample.value for family in text_string_to_metric_families(text)
+                if family.type == "counter" for sample in family.samples
+                if sample.name.endswith("_total")}
 
 
 class Processes:

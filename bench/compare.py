@@ -7,13 +7,22 @@ Targets (``--compare-targets``, in this order by default):
 * ``disaggregated+eagle``: the disaggregated cluster with the model's EAGLE draft (``DIR/draft``)
   on both workers and rounds of K draft tokens on the decode (``--num-draft-tokens``, default 4);
 * ``transformers``: transformers' ``generate`` on the same checkpoint (:mod:`bench.hf_baseline`),
-  static batches of ``--max-concurrency``.
+  static batches of ``--max-concurrency`` (token-id prompts only, no multi-turn load);
+* ``disaggregated-no-cache``, ``colocated-no-cache``: those clusters with workers started with
+  ``--no-prefix-cache``, the baselines of the prefix cache (on by default everywhere else).
 
 Each cluster is started on loopback (:mod:`bench.clusters`, one engine thread per
-process), warmed up with one request, measured at every ``--request-rate`` and torn down before
-the next starts, so no two setups share the machine. Every row gets ratios against the baseline
-row (``--baseline``) at the same rate and the share of requests whose tokens equal the
-baseline's (greedy everywhere, so they should).
+process), warmed up with one request outside the load (so the first measured run starts with an
+empty prefix cache), measured at every ``--request-rate`` and torn down before the next starts,
+so no two setups share the machine. A cluster stays up across rates: a later rate finds the
+earlier runs' prompts in its prefix cache (``cached_tokens_per_request`` shows it). Every row
+gets ratios against the baseline row (``--baseline``) at the same rate and the share of requests
+whose tokens equal the baseline's (greedy everywhere, so they should).
+
+A cluster's workers serve ``/metrics`` on a free port; the counters of :data:`KV_COUNTERS` are
+read from each before and after every measured run, so a row has what each node did in that run
+(``node_counters``) and the KV bytes the prefill pushed to the decode per request
+(``kv_bytes_sent_per_request``, aux rows included; ``None`` without a prefill node).
 """
 
 from __future__ import annotations
@@ -31,7 +40,12 @@ from pathlib import Path
 from bench import clusters as cc
 from bench import loadgen
 
-TARGETS = ("disaggregated", "colocated", "disaggregated+eagle", "transformers")
+DEFAULT_TARGETS = ("disaggregated", "colocated", "disaggregated+eagle", "transformers")
+NO_CACHE = "-no-cache"
+TARGETS = (*DEFAULT_TARGETS, "disaggregated" + NO_CACHE, "colocated" + NO_CACHE)
+# the counters (``pdserve_<name>_total``) a row reports per node; absent ones are left out
+KV_COUNTERS = ("transfer_bytes", "kv_bytes_not_sent", "kv_pages_not_sent",
+               "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
 DEFAULT_K = 4
 GOODPUT_LEVEL = 0.9  # a rate "meets the SLO" when this share of its requests does
 Row = dict[str, object]
@@ -42,7 +56,7 @@ def rate_key(rate: float) -> float | None:
     return rate if math.isfinite(rate) else None
 
 
-def run_compare(model: Path, targets: Sequence[str], works: Sequence[loadgen.Workload],
+def run_compare(model: Path, targets: Sequence[str], works: loadgen.Load,
                 rates: Sequence[float], *, max_concurrency: int, num_draft_tokens: int,
                 seed: int, log: Callable[[str], None], slo_ttft_ms: float | None = None,
                 slo_tpot_ms: float | None = None) -> tuple[list[Row], list[list[list[int]]]]:
@@ -54,6 +68,8 @@ def run_compare(model: Path, targets: Sequence[str], works: Sequence[loadgen.Wor
     for target in targets:
         log(f"{target}: starting")
         if target == "transformers":
+            if isinstance(works, loadgen.MultiTurn):
+                raise ValueError("the transformers baseline does not run a multi-turn load")
             for rate in rates:
                 report, ids = _transformers(model, works, rate, max_concurrency, seed,
                                             slo_ttft_ms, slo_tpot_ms)
@@ -64,14 +80,16 @@ def run_compare(model: Path, targets: Sequence[str], works: Sequence[loadgen.Wor
         procs = cc.Processes()
         try:
             address = _start(procs, target, model, engine, k)
-            asyncio.run(loadgen.run(address, works[:1], max_concurrency=1))  # warm-up
+            asyncio.run(loadgen.run(address, [loadgen.WARMUP], max_concurrency=1))
             for rate in rates:
                 log(f"{target}: {len(works)} requests at rate {rate_key(rate) or 'max'}")
+                before = _counters(procs)
                 traces, wall = asyncio.run(loadgen.run(
                     address, works, max_concurrency=max_concurrency, request_rate=rate,
                     seed=seed))
                 rows.append({"target": target, "request_rate": rate_key(rate),
-                             **loadgen.report(traces, wall, k, slo_ttft_ms, slo_tpot_ms)})
+                             **loadgen.report(traces, wall, k, slo_ttft_ms, slo_tpot_ms),
+                             **kv_figures(before, _counters(procs), len(traces))})
                 outputs.append([t.token_ids for t in traces])
         finally:
             procs.stop_all()
@@ -79,6 +97,10 @@ def run_compare(model: Path, targets: Sequence[str], works: Sequence[loadgen.Wor
 
 
 def _start(procs: cc.Processes, target: str, model: Path, engine: list[str], k: int) -> str:
+    engine = [*engine, "--metrics-port", "0"]
+    if target.endswith(NO_CACHE):
+        engine.append("--no-prefix-cache")
+        target = target.removesuffix(NO_CACHE)
     if target == "colocated":
         return cc.start_colocated(procs, model, engine)
     if target == "disaggregated+eagle":
@@ -87,6 +109,29 @@ def _start(procs: cc.Processes, target: str, model: Path, engine: list[str], k: 
             raise RuntimeError(f"{model} has no EAGLE draft in draft/ (needed by {target})")
         return cc.start_disaggregated(procs, model, engine, draft, k)
     return cc.start_disaggregated(procs, model, engine)
+
+
+def _counters(procs: cc.Processes) -> dict[str, dict[str, float]]:
+    """Each worker's counters of :data:`KV_COUNTERS` now, by process name."""
+    out: dict[str, dict[str, float]] = {}
+    for proc in procs.procs:
+        now = proc.counters()
+        if now:
+            out[proc.name] = {name: now[f"pdserve_{name}_total"] for name in KV_COUNTERS
+                              if f"pdserve_{name}_total" in now}
+    return out
+
+
+def kv_figures(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+               requests: int) -> Row:
+    """A run's ``node_counters`` (each node's counters grown from ``before`` to ``after``) and
+    ``kv_bytes_sent_per_request``: the bytes the nodes that send KV pushed, over ``requests``
+    (``None`` if no node sends KV)."""
+    grown = {node: {k: int(v - before.get(node, {}).get(k, 0.0)) for k, v in figures.items()}
+             for node, figures in after.items()}
+    sent = [f["transfer_bytes"] for f in grown.values() if "transfer_bytes" in f]
+    return {"node_counters": grown,
+            "kv_bytes_sent_per_request": round(sum(sent) / max(1, requests)) if sent else None}
 
 
 def _transformers(model: Path, works: Sequence[loadgen.Workload], rate: float,
@@ -155,16 +200,20 @@ def ratios(r: Row, base: Row) -> dict[str, float]:
         assert isinstance(a, (int, float)) and isinstance(b, (int, float))
         return round(a / b, 3) if b else float("nan")
 
-    return {"request_throughput": ratio("request_throughput"),
-            "output_tokens_per_s": ratio("output_tokens_per_s"),
-            "ttft_p50": ratio("ttft_ms", "p50"), "tpot_p50": ratio("tpot_ms", "p50")}
+    out = {"request_throughput": ratio("request_throughput"),
+           "output_tokens_per_s": ratio("output_tokens_per_s"),
+           "ttft_p50": ratio("ttft_ms", "p50"), "tpot_p50": ratio("tpot_ms", "p50")}
+    if r.get("kv_bytes_sent_per_request") is not None \
+            and base.get("kv_bytes_sent_per_request") is not None:
+        out["kv_bytes_sent_per_request"] = ratio("kv_bytes_sent_per_request")
+    return out
 
 
 def table(rows: Sequence[Row], baseline: str) -> str:
     """The rows as a Markdown table (times in ms; ``x`` columns are ratios to ``baseline``)."""
     head = ["target", "rate (req/s)", "req/s", "output tok/s", "TTFT p50 / p99",
-            "TPOT p50 / p99", "ITL p50 / p99", "accept len",
-            f"tok/s x {baseline}", f"TTFT p50 x {baseline}"]
+            "TPOT p50 / p99", "ITL p50 / p99", "accept len", "cached tok/req", "KV KiB/req",
+            f"tok/s x {baseline}", f"TTFT p50 x {baseline}", f"KV/req x {baseline}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         ratio = row.get("ratios") or {}
@@ -174,7 +223,9 @@ def table(rows: Sequence[Row], baseline: str) -> str:
                  f"{row['request_throughput']:.2f}", f"{row['output_tokens_per_s']:.0f}",
                  _pair(row, "ttft_ms"), _pair(row, "tpot_ms"), _pair(row, "itl_ms"),
                  str(row.get("acceptance_length", "-")),
-                 _num(ratio.get("output_tokens_per_s")), _num(ratio.get("ttft_p50"))]
+                 f"{row.get('cached_tokens_per_request', 0):.0f}", _kib(row),
+                 _num(ratio.get("output_tokens_per_s")), _num(ratio.get("ttft_p50")),
+                 _num(ratio.get("kv_bytes_sent_per_request"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -187,3 +238,8 @@ def _pair(row: Row, key: str) -> str:
 
 def _num(x: object) -> str:
     return f"{x:.2f}" if isinstance(x, float) and math.isfinite(x) else "-"
+
+
+def _kib(row: Row) -> str:
+    sent = row.get("kv_bytes_sent_per_request")
+    return f"{sent / 1024:.1f}" if isinstance(sent, (int, float)) else "-"

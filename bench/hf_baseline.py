@@ -94,7 +94,8 @@ def _generator(model: Any, torch: Any, transformers: Any) -> Any:
                                  logits_processor=transformers.LogitsProcessorList([clock]))
         traces = []
         for row, work in zip(out[:, width:].tolist(), batch, strict=True):
-            trace = loadgen.Trace(begin, token_ids=row[:work.new_tokens])
+            trace = loadgen.Trace(begin, token_ids=row[:work.new_tokens],
+                                  prompt_tokens=len(work.token_ids or []))
             trace.arrivals = [(t, 1) for t in clock.times[:work.new_tokens]]
             traces.append(trace)
         return traces

@@ -3,7 +3,9 @@
 Used by ``pdserve bench`` and ``bench.serving``. A request's trace is the arrival time and
 token count of every stream message; TTFT is the first message carrying tokens, TPOT the mean
 time per output token after the first, ITL one sample per token after the first message (its
-message's gap divided by the tokens the message carried).
+message's gap divided by the tokens the message carried). A load is a list of independent
+:class:`Workload` requests or a :class:`MultiTurn` set of conversations, whose turns are built
+from the answers the server gave to the turns before.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +53,8 @@ class Trace:
     token_ids: list[int] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache (``usage``)
     error: str | None = None
 
     @property
@@ -117,6 +121,40 @@ def shared_prefix_workloads(count: int, prefix_len: int, suffix_len: int, output
             for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class MultiTurn:
+    """Conversations that run concurrently, each turn after the answer to the one before.
+
+    ``messages[c][t]`` is the new user message (token ids) of turn ``t`` in conversation ``c``.
+    Turn ``t``'s prompt is the conversation so far: every earlier message followed by the
+    token ids the server actually answered it with, then message ``t``
+    (:meth:`prompt`). Every turn asks for ``new_tokens``."""
+
+    messages: list[list[list[int]]]
+    new_tokens: int
+
+    def __len__(self) -> int:
+        """The number of requests: turns over all conversations."""
+        return sum(len(turns) for turns in self.messages)
+
+    def prompt(self, conversation: int, answers: Sequence[Sequence[int]]) -> list[int]:
+        """The prompt of the turn after ``answers`` (one per earlier turn) in ``conversation``."""
+        out: list[int] = []
+        for message, answer in zip(self.messages[conversation], answers, strict=False):
+            out += message
+            out += answer
+        return out + self.messages[conversation][len(answers)]
+
+
+def multi_turn_workloads(conversations: int, turns: int, message_len: int, output: int,
+                         vocab: int, seed: int = 0) -> MultiTurn:
+    """``conversations`` chats of ``turns`` user messages of ``message_len`` random token ids."""
+    rng = random.Random(seed)
+    top = min(vocab, 500) - 1
+    return MultiTurn([[[rng.randint(0, top) for _ in range(message_len)] for _ in range(turns)]
+                      for _ in range(conversations)], output)
+
+
 def image_workloads(count: int, output: int, seed: int = 0) -> list[Workload]:
     """Text prompts with one small random PNG each."""
     import io
@@ -166,6 +204,8 @@ async def one_request(stub: generate_pb2_grpc.GenerationStub, work: Workload,
             trace.token_ids.extend(msg.token_ids)
             if msg.finished:
                 trace.drafted, trace.accepted = msg.usage.drafted_tokens, msg.usage.accepted_tokens
+                trace.prompt_tokens = msg.usage.prompt_tokens
+                trace.cached_tokens = msg.usage.cached_tokens
     except grpc.aio.AioRpcError as exc:
         trace.error = f"{exc.code().name}: {exc.details()}"
     return trace
@@ -184,30 +224,57 @@ def arrival_offsets(count: int, request_rate: float, seed: int = 0) -> list[floa
     return out
 
 
-async def run(address: str, works: Sequence[Workload], *, max_concurrency: int,
+Load = Sequence[Workload] | MultiTurn
+# the bench's warm-up request: token ids no dataset draws in this order, so it leaves nothing in
+# a prefix cache that a measured run could find
+WARMUP = Workload(2, token_ids=list(range(3, 35)))
+
+
+async def run(address: str, works: Load, *, max_concurrency: int,
               request_rate: float = math.inf, seed: int = 0,
               on_done: Callable[[Trace], None] | None = None) -> tuple[list[Trace], float]:
     """Send ``works`` with Poisson arrivals at ``request_rate`` per second (``inf``: all at
-    once) and at most ``max_concurrency`` in flight; returns the traces and the wall time."""
-    offsets = arrival_offsets(len(works), request_rate, seed)
+    once) and at most ``max_concurrency`` requests in flight; returns the traces and the wall
+    time. A :class:`MultiTurn` load arrives a conversation at a time (``request_rate`` counts
+    conversations), each sending its next turn when the answer to the last one has ended; its
+    traces are in conversation order, turns in order within each."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         gate = asyncio.Semaphore(max_concurrency)
 
-        async def send(work: Workload) -> Trace:
-            async with gate:
-                trace = await one_request(stub, work)
+        async def send(work: Workload | None) -> Trace:
+            if work is None:  # a turn after a failed one: no answer to build its prompt from
+                trace = Trace(time.perf_counter(), error="an earlier turn failed")
+            else:
+                async with gate:
+                    trace = await one_request(stub, work)
             if on_done is not None:
                 on_done(trace)
             return trace
 
+        async def converse(c: int) -> list[Trace]:
+            assert isinstance(works, MultiTurn)
+            traces: list[Trace] = []
+            for _ in works.messages[c]:
+                ok = all(t.ok for t in traces)
+                prompt = works.prompt(c, [t.token_ids for t in traces])
+                traces.append(await send(Workload(works.new_tokens, prompt) if ok else None))
+            return traces
+
+        units = len(works.messages) if isinstance(works, MultiTurn) else len(works)
+        offsets = arrival_offsets(units, request_rate, seed)
         start = time.perf_counter()
         tasks = []
-        for work, offset in zip(works, offsets, strict=True):
+        for i, offset in enumerate(offsets):
             await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(send(work)))
-        traces = await asyncio.gather(*tasks)
-        return list(traces), time.perf_counter() - start
+            tasks.append(asyncio.create_task(
+                converse(i) if isinstance(works, MultiTurn) else _one(send(works[i]))))
+        done = await asyncio.gather(*tasks)
+        return [t for traces in done for t in traces], time.perf_counter() - start
+
+
+async def _one(trace: Awaitable[Trace]) -> list[Trace]:
+    return [await trace]
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -237,6 +304,7 @@ def report(traces: Sequence[Trace], wall_s: float, num_draft_tokens: int = 0,
     done = [t for t in traces if t.ok]
     tokens = sum(len(t.token_ids) for t in done)
     tpots = [x for t in done if (x := t.tpot) is not None]
+    n = max(1, len(done))
     out: dict[str, object] = {
         "completed": len(done),
         "failed": len(traces) - len(done),
@@ -245,6 +313,8 @@ def report(traces: Sequence[Trace], wall_s: float, num_draft_tokens: int = 0,
         "request_throughput": round(len(done) / wall_s, 3) if wall_s else 0.0,
         "output_tokens_per_s": round(tokens / wall_s, 1) if wall_s else 0.0,
         "total_output_tokens": tokens,
+        "prompt_tokens_per_request": round(sum(t.prompt_tokens for t in done) / n, 1),
+        "cached_tokens_per_request": round(sum(t.cached_tokens for t in done) / n, 1),
         "ttft_ms": summary_ms([t.ttft for t in done]),
         "tpot_ms": summary_ms(tpots),
         "itl_ms": summary_ms([x for t in done for x in t.itl()]),

@@ -26,8 +26,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="router address (repeat to compare targets on the same requests)")
     p.add_argument("--compare", action="store_true",
                    help="start each of --compare-targets on loopback in turn and compare them")
-    p.add_argument("--compare-targets", default=",".join(compare.TARGETS),
-                   help=f"comma-separated, from {','.join(compare.TARGETS)}")
+    p.add_argument("--compare-targets", default=None,
+                   help=f"comma-separated, from {','.join(compare.TARGETS)} (default: "
+                        f"{','.join(compare.DEFAULT_TARGETS)}; without transformers for "
+                        "--dataset multi-turn); the -no-cache ones run without a prefix cache")
     p.add_argument("--baseline", default=None,
                    help="the row ratios are taken against (default: transformers with "
                         "--compare if run, else the first target)")
@@ -38,12 +40,26 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="draw latency against request rate per target (matplotlib)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--dataset", default="random",
-                   choices=["random", "code", "shared-prefix", "images", "jsonl"],
+                   choices=["random", "code", "shared-prefix", "multi-turn", "images", "jsonl"],
                    help="random token ids; code: text cut from the standard-library files "
-                        "the built-in model held out of training; a shared prefix; PNG "
-                        "images; prompts from --jsonl")
+                        "the built-in model held out of training; shared-prefix: random "
+                        "prompts of --input-len tokens that share their first "
+                        "--shared-prefix-ratio; multi-turn: --num-conversations chats of "
+                        "--num-turns turns, each turn's prompt the chat so far (earlier "
+                        "messages and the answers the server gave) and a new message of "
+                        "--turn-len random ids; PNG images; prompts from --jsonl")
     p.add_argument("--jsonl", type=Path, help="prompts file for --dataset jsonl")
     p.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
+    p.add_argument("--shared-prefix-ratio", type=float, default=0.5, metavar="R",
+                   help="--dataset shared-prefix: the share of each prompt all prompts have in "
+                        "common (0 to 1)")
+    p.add_argument("--num-conversations", type=int, default=8,
+                   help="--dataset multi-turn: conversations at once (--num-requests is "
+                        "conversations x turns; --request-rate counts conversations)")
+    p.add_argument("--num-turns", type=int, default=4, help="--dataset multi-turn: turns each")
+    p.add_argument("--turn-len", type=int, default=None,
+                   help="--dataset multi-turn: tokens of each new user message "
+                        "(default: --input-len)")
     p.add_argument("--output-len", type=int, default=64, help="mean new tokens")
     p.add_argument("--vocab", type=int, default=512, help="token ids are drawn below this")
     p.add_argument("--request-rate", type=float, action="append", metavar="R",
@@ -63,16 +79,24 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def workloads(args: argparse.Namespace) -> list[loadgen.Workload]:
+def workloads(args: argparse.Namespace) -> loadgen.Load:
     n = args.num_requests
     if args.dataset == "jsonl":
         if args.jsonl is None:
             raise ValueError("--dataset jsonl needs --jsonl FILE")
         return loadgen.jsonl_workloads(args.jsonl, args.output_len)[:n]
     if args.dataset == "shared-prefix":
-        half = max(1, args.input_len // 2)
-        return loadgen.shared_prefix_workloads(n, half, args.input_len - half, args.output_len,
-                                               args.vocab, args.seed)
+        if not 0.0 <= args.shared_prefix_ratio <= 1.0:
+            raise ValueError("--shared-prefix-ratio must be between 0 and 1")
+        shared = round(args.input_len * args.shared_prefix_ratio)
+        return loadgen.shared_prefix_workloads(n, shared, args.input_len - shared,
+                                               args.output_len, args.vocab, args.seed)
+    if args.dataset == "multi-turn":
+        if args.num_conversations < 1 or args.num_turns < 1:
+            raise ValueError("--num-conversations and --num-turns must be at least 1")
+        return loadgen.multi_turn_workloads(args.num_conversations, args.num_turns,
+                                            args.turn_len or args.input_len, args.output_len,
+                                            args.vocab, args.seed)
     if args.dataset == "code":
         from engine.builtin import builtin_model_dir
         from engine.tokenizer import Tokenizer
@@ -102,6 +126,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ValueError("give --target HOST:PORT (repeatable) or --compare, not both")
     works = workloads(args)
     rates = args.request_rate or [math.inf]
+    config = _config(args, rates, len(works))
     if args.compare:
         rows, outputs, baseline = _compare_rows(args, works, rates)
     else:
@@ -114,7 +139,7 @@ def _bench(args: argparse.Namespace) -> int:
                                   if k not in ("target", "request_rate")}
     else:
         compare.add_ratios(rows, outputs, baseline)
-        out = {"config": _config(args, rates), "baseline": baseline, "rows": rows}
+        out = {"config": config, "baseline": baseline, "rows": rows}
         if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
             out["goodput_max_rate"] = compare.goodput_rates(rows)
         print(compare.table(rows, baseline), file=sys.stderr)
@@ -125,12 +150,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from bench.plot import plot
 
-        plot(rows, args.plot, title=f"{args.num_requests} requests, {args.input_len} prompt "
-                                    f"tokens, {args.output_len} new")
+        plot(rows, args.plot, title=f"{len(works)} requests, {args.dataset}, "
+                                    f"{args.input_len} prompt tokens, {args.output_len} new")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 
-def _target_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates: list[float]
+def _target_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[float]
                  ) -> tuple[list[compare.Row], list[list[list[int]]]]:
     rows: list[compare.Row] = []
     outputs: list[list[list[int]]] = []
@@ -148,14 +173,21 @@ def _target_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates:
     return rows, outputs
 
 
-def _compare_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates: list[float]
+def _compare_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[float]
                   ) -> tuple[list[compare.Row], list[list[list[int]]], str]:
     from engine.builtin import builtin_model_dir
 
-    targets = [t.strip() for t in args.compare_targets.split(",") if t.strip()]
+    multi_turn = isinstance(works, loadgen.MultiTurn)
+    if args.compare_targets is None:
+        targets = [t for t in compare.DEFAULT_TARGETS if not (multi_turn and t == "transformers")]
+    else:
+        targets = [t.strip() for t in args.compare_targets.split(",") if t.strip()]
     unknown = sorted(set(targets) - set(compare.TARGETS))
     if unknown or not targets:
         raise ValueError(f"unknown --compare-targets {unknown}; choose from {compare.TARGETS}")
+    if multi_turn and "transformers" in targets:
+        raise ValueError("--dataset multi-turn does not run on the transformers baseline: "
+                         "leave it out of --compare-targets")
     baseline = args.baseline or ("transformers" if "transformers" in targets else targets[0])
     if baseline not in targets:
         raise ValueError(f"--baseline {baseline} is not one of --compare-targets")
@@ -170,8 +202,14 @@ def _compare_rows(args: argparse.Namespace, works: list[loadgen.Workload], rates
     return rows, outputs, baseline
 
 
-def _config(args: argparse.Namespace, rates: list[float]) -> dict[str, object]:
-    return {"dataset": args.dataset, "num_requests": args.num_requests,
+def _config(args: argparse.Namespace, rates: list[float], requests: int) -> dict[str, object]:
+    dataset: dict[str, object] = {}
+    if args.dataset == "shared-prefix":
+        dataset = {"shared_prefix_ratio": args.shared_prefix_ratio}
+    elif args.dataset == "multi-turn":
+        dataset = {"num_conversations": args.num_conversations, "num_turns": args.num_turns,
+                   "turn_len": args.turn_len or args.input_len}
+    return {"dataset": args.dataset, **dataset, "num_requests": requests,
             "input_len": args.input_len, "output_len": args.output_len,
             "max_concurrency": args.max_concurrency,
             "request_rates": [compare.rate_key(r) for r in rates],

@@ -45,8 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full instead of reusing the KV of full pages "
-                        "of earlier prompts with the same prefix (tokens and images); "
-                        "prefill and decode nodes do not use the prefix cache yet")
+                        "of earlier prompts with the same prefix (tokens and images); on a "
+                        "decode node also: ask the prefill for every page of the prompt")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

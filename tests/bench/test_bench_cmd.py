@@ -1,5 +1,6 @@
-"""``pdserve bench`` against a live local cluster (colocated, EAGLE on, held-out code prompts):
-every field of its JSON is there and the numbers are sane."""
+"""``pdserve bench`` against a live local cluster (colocated, EAGLE on, prefix cache on): held-out
+code prompts (every field of its JSON is there and the numbers are sane), then multi-turn chats
+on the same cluster (later turns find the conversation so far in the prefix cache)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,18 @@ def test_bench_json_has_every_field_and_sane_numbers(tmp_path: Path) -> None:
               "--draft", str(model / "draft"), "--num-draft-tokens", "3"]
     with running(worker) as [d], running(["router", "--model", str(model), "--port", "0",
                                           "--colocated", d.address]) as [r]:
-        out = tmp_path / "bench.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "cli.main", "bench", "--target", r.address,
-             "--num-requests", "12", "--dataset", "code", "--input-len", "24",
-             "--output-len", "10",
-             "--max-concurrency", "4", "--num-draft-tokens", "3", "--slo-ttft-ms", "60000",
-             "--json", str(out), "--no-progress"],
-            capture_output=True, text=True, timeout=300, cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        out, chats = tmp_path / "bench.json", tmp_path / "chats.json"
+        _bench(r.address, out, "--num-requests", "12", "--dataset", "code", "--input-len",
+               "24", "--output-len", "10", "--max-concurrency", "4", "--num-draft-tokens",
+               "3", "--slo-ttft-ms", "60000")
+        _bench(r.address, chats, "--dataset", "multi-turn", "--num-conversations", "2",
+               "--num-turns", "3", "--turn-len", "20", "--output-len", "4")
+    multi = json.loads(chats.read_text())
+    assert multi["completed"] == 6 and multi["failed"] == 0
+    assert multi["prompt_tokens_per_request"] == 44  # turns of 20, 20+4+20, 20+4+20+4+20
+    # the full pages of the turn before: 1 of turn 1's 23 computed tokens (20 + 3 answered;
+    # the last answer token has no KV), 2 of turn 2's 47; turn 1 finds none: (0 + 16 + 32) / 3
+    assert multi["cached_tokens_per_request"] == 16
     report = json.loads(out.read_text())
     for key in ("request_throughput", "output_tokens_per_s", "completed", "failed",
                 "acceptance_length", "goodput"):
@@ -46,3 +49,12 @@ def test_bench_json_has_every_field_and_sane_numbers(tmp_path: Path) -> None:
     assert report["total_output_tokens"] > 0 and report["output_tokens_per_s"] > 0
     assert 1.0 <= report["acceptance_length"] <= 4.0
     assert report["goodput"] == 1.0
+
+
+def _bench(address: str, out: Path, *args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "bench", "--target", address, *args,
+         "--json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
