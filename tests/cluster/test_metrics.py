@@ -145,7 +145,10 @@ def test_metrics_move_with_traffic_and_match_get_stats(cluster: dict[str, Node],
         assert "requests_running" in present
         if role != "router":  # the workers' queues and pages
             assert "requests_waiting" in present
-            assert value(samples, "pdserve_kv_pages_free", role=role) == stats.kv_pages_total
+            # idle: every page is free or held only by the prefix cache (evictable)
+            free = value(samples, "pdserve_kv_pages_free", role=role)
+            assert value(samples, "pdserve_kv_pages_cached", role=role) == stats.kv_pages_cached
+            assert free + stats.kv_pages_cached == stats.kv_pages_total
 
 
 @pytest.mark.slow
