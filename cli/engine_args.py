@@ -177,9 +177,10 @@ def advertise_host(args: argparse.Namespace) -> str:
 
 
 def add_draft_args(p: argparse.ArgumentParser, *, decode: bool) -> None:
+    where = "" if decode else "; on a pipeline-parallel prefill, its last stage only"
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="EAGLE draft directory (e.g. MODEL/draft from make-tiny-model "
-                        "--with-draft); prefill and decode nodes of a cluster must agree")
+                        f"--with-draft); prefill and decode nodes of a cluster must agree{where}")
     if decode:
         p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                        help="draft tokens per speculative round (with --draft)")

@@ -43,13 +43,15 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
 
 def _pipeline_error(args: argparse.Namespace) -> str | None:
     """Why the ``--pp-*`` and ``--draft`` flags do not fit together, or None."""
+    from prefill_node.pipeline.layout import DRAFT_ON_EARLY_STAGE
+
     if not 0 <= args.pp_rank < args.pp_size:
         return f"--pp-rank {args.pp_rank} is outside 0..{args.pp_size - 1}"
     if bool(args.pp_next) != (args.pp_rank < args.pp_size - 1):
         return ("every pipeline stage but the last needs --pp-next HOST:PORT, and the "
                 "last takes none")
-    if args.draft and args.pp_size > 1:
-        return "--draft is not supported with a pipeline-parallel prefill yet"
+    if args.draft and args.pp_rank < args.pp_size - 1:
+        return DRAFT_ON_EARLY_STAGE
     return None
 
 

@@ -1,12 +1,16 @@
-"""The EAGLE draft model next to a target engine: its KV pool and its forward over the rows the
+"""The EAGLE draft model next to a target model: its KV pool and its forward over the rows the
 target just computed (the draft prefill).
 
 The draft pool mirrors the target pool's pages (a request's ``page_ids`` index both), with one
 layer whose global id is the draft band ``num_hidden_layers + 0``, so a prefill node can push the
 draft KV next to the target's and a decode node receives it in the matching buffers.
+:class:`DraftHead` is that pool and forward beside any target pool (a whole model's, or the last
+pipeline stage's share); :class:`DraftRunner` adds the draft prefill over an engine's steps.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -16,18 +20,54 @@ from engine.kv_cache import BufferInfo, KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepForward
 from engine.models.eagle import EagleDraft
+from engine.models.qwen2_vl import Qwen2VLModel
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
 
-class DraftRunner:
-    def __init__(self, engine: LLMEngine, draft: EagleDraft) -> None:
-        draft.cfg.check_target(engine.model_config.text)
-        self.engine, self.draft = engine, draft
-        pool = engine.pool
-        self.pool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
-                           [draft.cfg.layer_id], pool.dtype, pool.device)
+def draft_row_ids(prompt: Sequence[int], start: int, num_tokens: int,
+                  first_token: int | None) -> list[int]:
+    """The token ids of a chunk's draft rows ``[start, start + num_tokens)``: row ``p`` takes
+    token ``p + 1``, the prompt's, or past its end ``first_token`` (the sampled first token; only
+    the prompt's last chunk needs it)."""
+    end = start + num_tokens
+    ids = list(prompt[start + 1 : end])
+    if end < len(prompt):
+        ids.append(prompt[end])
+    else:
+        assert first_token is not None, "the prompt's last chunk needs the sampled first token"
+        ids.append(first_token)
+    return ids
+
+
+class DraftHead:
+    """An EAGLE draft beside a target's KV pool: a one-layer draft pool mirroring
+    ``target_pool``'s pages, and the draft's forward (which embeds with ``target``'s
+    embedding)."""
+
+    def __init__(self, draft: EagleDraft, target: Qwen2VLModel, target_pool: KVPool) -> None:
+        draft.cfg.check_target(target.cfg.text)
+        self.draft, self.target = draft, target
+        p = target_pool
+        self.pool = KVPool(p.num_pages, p.page_size, p.num_kv_heads, p.head_dim,
+                           [draft.cfg.layer_id], p.dtype, p.device)
         self.attn = make_attention(self.pool)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, features: torch.Tensor, mrope: torch.Tensor,
+                batch: AttentionBatch) -> torch.Tensor:
+        """Draft rows ``(embedding of ids[t], features[t])`` at ``mrope`` ``[3, T]``, KV written at
+        ``batch.slot_mapping``; returns the output features ``[T, H]``."""
+        self.attn.prepare(batch)
+        return self.draft(self.target.embed(ids), features, mrope, self.attn)
+
+
+class DraftRunner(DraftHead):
+    """A :class:`DraftHead` beside an :class:`LLMEngine`'s pool, run over the engine's steps."""
+
+    def __init__(self, engine: LLMEngine, draft: EagleDraft) -> None:
+        super().__init__(draft, engine.model, engine.pool)
+        self.engine = engine
         cache = engine.scheduler.prefix_cache
         if cache is not None:
             # the draft's KV shares the target's page ids, and a block's last draft row depends
@@ -41,19 +81,11 @@ class DraftRunner:
         return [*self.engine.pool.buffer_infos(), *self.pool.buffer_infos()]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, features: torch.Tensor, mrope: torch.Tensor,
-                batch: AttentionBatch) -> torch.Tensor:
-        """Draft rows ``(embedding of ids[t], features[t])`` at ``mrope`` ``[3, T]``, KV written at
-        ``batch.slot_mapping``; returns the output features ``[T, H]``."""
-        self.attn.prepare(batch)
-        return self.draft(self.engine.model.embed(ids), features, mrope, self.attn)
-
-    @torch.inference_mode()
     def prefill(self, out: SchedulerOutput, samples: list[tuple[int, float]],
                 fwd: StepForward) -> dict[str, torch.Tensor]:
-        """The draft over the chunk rows the target just computed: row ``p`` pairs the target
-        feature of ``p`` with token ``p + 1`` (the next chunk's first token, or the sampled first
-        token on the prompt's last chunk), at row ``p``'s own position and KV slot.
+        """The draft over the chunk rows the target just computed (:func:`draft_row_ids`; the
+        prompt's last chunk pairs its last row with the sampled first token), at each row's own
+        position and KV slot.
 
         Returns, per request whose prompt ended in this step, the feature of its last row (it
         predicts the first draft token). The draft pool mirrors the target's pages, so the
@@ -63,9 +95,9 @@ class DraftRunner:
         bonus = iter(samples)
         last: list[tuple[Request, int]] = []
         for item in out.items:
-            prompt, end = item.request.prompt_token_ids, item.start + item.num_tokens
-            ids += prompt[item.start + 1 : end]
-            ids.append(prompt[end] if end < len(prompt) else next(bonus)[0])
+            first = next(bonus)[0] if item.needs_sample else None
+            ids += draft_row_ids(item.request.prompt_token_ids, item.start, item.num_tokens,
+                                 first)
             if item.needs_sample:
                 last.append((item.request, len(ids) - 1))
         ids_t = torch.tensor(ids, device=self.pool.device)

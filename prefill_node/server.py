@@ -37,9 +37,9 @@ async def serve_prefill(
 
     With ``pp_size > 1`` this process is stage ``pp_rank`` of a pipeline-parallel prefill
     (:mod:`prefill_node.pipeline.server`: the first stage or a later one); ``pp_next`` is the
-    next stage's gRPC address. ``max_waiting`` bounds the rooms waiting here (see
-    :mod:`prefill_node.service`); ``bootstrap_config`` sets the handshake timeouts of its
-    bootstrap endpoint.
+    next stage's gRPC address; ``draft`` goes to the last stage only. ``max_waiting`` bounds
+    the rooms waiting here (see :mod:`prefill_node.service`); ``bootstrap_config`` sets the
+    handshake timeouts of its bootstrap endpoint.
     """
     if pp_size > 1 or pp_next:
         from prefill_node.pipeline.layout import StageLayout
@@ -50,7 +50,7 @@ async def serve_prefill(
                          bootstrap_port=bootstrap_port, transfer_backend=transfer_backend,
                          advertise_host=advertise_host, max_waiting=max_waiting,
                          security=security, bootstrap_config=bootstrap_config,
-                         metrics_port=metrics_port)
+                         metrics_port=metrics_port, draft=draft)
         await (serve_first_stage(args) if layout.is_first else serve_later_stage(args))
         return
     engine = LLMEngine(model_dir, config)

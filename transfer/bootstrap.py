@@ -66,12 +66,17 @@ class ModelIdentity:
     decode whose draft band differs from its own (one side with a draft, the other without);
     0 declares nothing and skips that check. Nothing new crosses the wire: each side's band is
     read from the layer ids its registration already carries.
+
+    ``pipeline_draft_band`` is set on the stages of a pipeline-parallel prefill: the band of the
+    whole pipeline (its last stage runs the draft; empty when none does). A stage checks the
+    decode against it, not against its own buffers (which hold no draft before the last stage).
     """
 
     model_fingerprint: str
     page_size: int
     dtype: str
     num_hidden_layers: int = 0
+    pipeline_draft_band: tuple[int, ...] | None = None
 
 
 def check_token(secret: str | None, reg: Registration) -> None:
@@ -101,7 +106,12 @@ def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registrat
     if mismatches:
         name, mine, theirs = mismatches[0]
         raise IncompatiblePeerError(f"{name} differs: prefill has {mine!r}, decode has {theirs!r}")
-    check_draft_band(identity.num_hidden_layers, manager.kv_layer_ids, reg.kv_layer_ids)
+    band = identity.pipeline_draft_band
+    if band is None:
+        check_draft_band(identity.num_hidden_layers, manager.kv_layer_ids, reg.kv_layer_ids)
+    else:
+        check_draft_band(identity.num_hidden_layers, [*(manager.kv_layer_ids or []), *band],
+                         reg.kv_layer_ids, pipeline=True)
     if not len(reg.kv_ptrs) == len(reg.kv_bytes_per_page):
         raise IncompatiblePeerError("registration has ragged kv_ptrs / kv_bytes_per_page")
     try:
@@ -118,10 +128,12 @@ def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registrat
 
 
 def check_draft_band(
-    num_hidden_layers: int, prefill_ids: Sequence[int] | None, decode_ids: Sequence[int] | None
+    num_hidden_layers: int, prefill_ids: Sequence[int] | None, decode_ids: Sequence[int] | None,
+    *, pipeline: bool = False,
 ) -> None:
     """Raise :class:`IncompatiblePeerError` naming both sides unless the prefill's and the
-    decode's layer ids hold the same draft band (ids ``>= num_hidden_layers``).
+    decode's layer ids hold the same draft band (ids ``>= num_hidden_layers``); ``pipeline``:
+    the prefill is a pipeline, whose last stage takes ``--draft`` (the message says so).
 
     A decode with a draft fed by a prefill without one would receive no draft KV and draft from
     garbage; the reverse has nowhere to put it. Skipped when ``num_hidden_layers`` is 0 or a side
@@ -132,9 +144,11 @@ def check_draft_band(
     mine = sorted({i for i in prefill_ids if i >= num_hidden_layers})
     theirs = sorted({i for i in decode_ids if i >= num_hidden_layers})
     if mine != theirs:
+        side, who = (("pipeline prefill", "the pipeline's last stage and the decode") if pipeline
+                     else ("prefill", "both nodes"))
         raise IncompatiblePeerError(
-            f"EAGLE drafts differ: prefill has {_describe_draft(mine)}, decode has "
-            f"{_describe_draft(theirs)}; start both nodes with the same --draft, or neither"
+            f"EAGLE drafts differ: {side} has {_describe_draft(mine)}, decode has "
+            f"{_describe_draft(theirs)}; start {who} with the same --draft, or neither"
         )
 
 

@@ -3,7 +3,8 @@
 It keeps its rooms like a whole-model prefill (:mod:`prefill_node.rooms`); the differences, per
 room:
 
-* ``submit`` also announces the room to the next stage (sampling parameters, mrope delta).
+* ``submit`` also announces the room to the next stage (sampling parameters, mrope delta; the
+  prompt's ids when the first token's penalties or the last stage's EAGLE draft need them).
 * The gate opens only when the destination reached this stage *and* every later stage
   (``NextStageLink.is_ready``); until then the loop polls the next stage every few milliseconds.
 * Each step runs this stage's layers, then hands the items, hidden states and positions to the
@@ -35,11 +36,12 @@ from transfer.bootstrap_prefill import PrefillBootstrapServer
 
 class FirstStageLoop(PrefillThread):
     """The engine thread of the first stage: its layers of the model, linked to the next stage.
-    Serves the same calls as :class:`prefill_node.loop.PrefillLoop`."""
+    Serves the same calls as :class:`prefill_node.loop.PrefillLoop`. ``send_prompt_ids``: the
+    pipeline's last stage runs an EAGLE draft, whose rows need every room's prompt ids."""
 
     def __init__(
         self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
-        runner: FirstStageRunner, link: NextStageLink,
+        runner: FirstStageRunner, link: NextStageLink, *, send_prompt_ids: bool = False,
     ) -> None:
         # no prefix cache on a pipeline: a hit here would leave the later stages without the
         # cached prefix's hidden states (each stage keeps only its own layers' KV)
@@ -48,6 +50,7 @@ class FirstStageLoop(PrefillThread):
         self.runner = runner
         self.link = link
         self._on_done = on_done
+        self._send_prompt_ids = send_prompt_ids
 
     def submit(
         self, room: int, token_ids: Sequence[int], images: Sequence[ImageInput],
@@ -65,7 +68,8 @@ class FirstStageLoop(PrefillThread):
             self.link.announce(wpb.StageRoom(
                 room=room, prompt_tokens=req.num_prompt_tokens, mrope_delta=state.delta,
                 sampling=sampling_message(dataclasses.asdict(first_only)),
-                prompt_ids=req.prompt_token_ids if sampling.has_penalties else (),
+                prompt_ids=(req.prompt_token_ids
+                            if sampling.has_penalties or self._send_prompt_ids else ()),
                 resumed_tokens=sampling.resumed_tokens,
             ))
             self.lock.notify()

@@ -6,9 +6,11 @@ one at a time: announced rooms are claimed on this stage's bootstrap endpoint; a
 reported ready once its destination arrived here (and, for a middle stage, on every later
 stage); items run through this stage's layers into pages it allocates itself; the last stage
 samples the first token and writes the aux row with the last chunk, a middle stage finishes its
-chunk without one and forwards the step over its link to the next stage. A room that fails here
-is released at once (writes are synchronous, so none is in flight) and reported failed exactly
-once.
+chunk without one and forwards the step over its link to the next stage. A last stage with an
+EAGLE draft runs it over each chunk's rows after its layers (the announced prompt ids give each
+row's next token), into a draft pool mirroring its pages, so the draft KV travels with its
+pages, and puts the last row's feature in the aux row. A room that fails here is released at
+once (writes are synchronous, so none is in flight) and reported failed exactly once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from engine.attention import AttentionBatch
 from engine.attention_select import make_attention
+from engine.draft_runner import draft_row_ids
 from engine.input_batch import to_device, token_positions
 from engine.page_allocator import OutOfPagesError, PageAllocator
 from engine.penalties import TokenHistory, penalize
@@ -44,7 +47,7 @@ class _Room:
     generator: torch.Generator | None
     mrope_delta: int
     pages: list[int]
-    prompt_ids: list[int]  # for the first token's penalties (empty without penalties)
+    prompt_ids: list[int]  # for the first token's penalties and the draft's rows (or empty)
     pages_sent: int = 0
     ready_reported: bool = False
 
@@ -122,6 +125,11 @@ class LaterStage:
     def _add(self, new: wpb.StageRoom) -> None:
         sampling = SamplingParams(**sampling_kwargs(new.sampling, 1),
                                   resumed_tokens=new.resumed_tokens)
+        if self.share.draft is not None and len(new.prompt_ids) != new.prompt_tokens:
+            self._failed.append(wpb.StageAbort(room=new.room, reason=(
+                "the room's prompt ids did not reach the last pipeline stage, which runs the "
+                "EAGLE draft over them")))
+            return
         try:
             self.bootstrap.add_room(new.room)
         except TransferError as exc:
@@ -143,9 +151,14 @@ class LaterStage:
                 rows.extend(range(offset, offset + item.num_tokens))
                 live.append(item)
             offset += item.num_tokens
-        out = self._forward(live, hidden[rows], mrope[:, rows]) if live else None
-        tokens = self._sample(live, out) if self.is_last and out is not None else {}
-        self._push(live, tokens)
+        out, tokens, seeds = None, {}, {}
+        if live:
+            live_mrope = mrope[:, rows]
+            out, batch = self._forward(live, hidden[rows], live_mrope)
+            if self.is_last:
+                tokens = self._sample(live, out)
+                seeds = self._draft(live, out, live_mrope, batch, tokens)
+        self._push(live, tokens, seeds)
         samples = [tokens.get(it.room, (0, 0.0)) for it in step.items if it.needs_sample]
         forward = wpb.StageStep(items=step.items, mrope_positions=step.mrope_positions)
         if not self.is_last:
@@ -167,7 +180,8 @@ class LaterStage:
     @torch.inference_mode()
     def _forward(
         self, items: list[wpb.StageItem], hidden: torch.Tensor, mrope: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, AttentionBatch]:
+        """This stage's layers over the items' rows; their output and attention batch."""
         ps = self.page_size
         pages = [self._rooms[it.room].pages for it in items]
         table = np.zeros((len(items), max(1, *map(len, pages))), dtype=np.int32)  # [B, P]
@@ -178,11 +192,12 @@ class LaterStage:
         item, pos = token_positions([it.start for it in items], q_lens)
         slots = table[item, pos // ps].astype(np.int64) * ps + pos % ps  # [T]
         table_t, slots_t = to_device([table, slots], self.share.pool.device)
-        self.attn.prepare(AttentionBatch.build(q_lens, kv_lens, table_t, slots_t))
+        batch = AttentionBatch.build(q_lens, kv_lens, table_t, slots_t)
+        self.attn.prepare(batch)
         model = self.share.model
         x = hidden.to(model.dtype)
         return model.forward_layers(x, mrope, self.attn, self.share.layers,
-                                    final_norm=self.is_last)
+                                    final_norm=self.is_last), batch
 
     def _sample(
         self, items: list[wpb.StageItem], out: torch.Tensor
@@ -201,7 +216,30 @@ class LaterStage:
                                         [r.generator for r in rooms], _penalized(logits, rooms))
         return {r.room: (t, lp) for r, t, lp in zip(rooms, toks, lps, strict=True)}
 
-    def _push(self, items: list[wpb.StageItem], tokens: dict[int, tuple[int, float]]) -> None:
+    def _draft(
+        self, items: list[wpb.StageItem], features: torch.Tensor, mrope: torch.Tensor,
+        batch: AttentionBatch, tokens: dict[int, tuple[int, float]],
+    ) -> dict[int, torch.Tensor]:
+        """The EAGLE draft (if this stage runs one) over the rows just computed, at their own
+        positions and slots (its pool mirrors this stage's pages, so ``batch`` serves it too);
+        per room whose prompt ended here, its last row's feature ``[H]`` for the aux row."""
+        head = self.share.draft
+        if head is None:
+            return {}
+        ids: list[int] = []
+        last: dict[int, int] = {}
+        for it in items:
+            first = tokens[it.room][0] if it.needs_sample else None
+            ids += draft_row_ids(self._rooms[it.room].prompt_ids, it.start, it.num_tokens, first)
+            if it.needs_sample:
+                last[it.room] = len(ids) - 1
+        feats = head.forward(torch.tensor(ids, device=head.pool.device), features, mrope, batch)
+        return {room: feats[row] for room, row in last.items()}
+
+    def _push(self, items: list[wpb.StageItem], tokens: dict[int, tuple[int, float]],
+              seeds: dict[int, torch.Tensor]) -> None:
+        """Send each item's completed pages; the last chunk's aux row carries the sampled token
+        and the draft's last feature (``seeds``; zeros without a draft)."""
         for it in items:
             r = self._rooms.get(it.room)
             if r is None:
@@ -214,7 +252,9 @@ class LaterStage:
             last = None
             if it.needs_sample and self.is_last:
                 token, logprob = tokens[it.room]
-                last = AuxRow(it.room, token, logprob, r.mrope_delta, self._zeros)
+                seed = seeds.get(it.room)
+                hidden = self._zeros if seed is None else tuple(seed.tolist())
+                last = AuxRow(it.room, token, logprob, r.mrope_delta, hidden)
             status = self.bootstrap.send_chunk(it.room, pages, last=last,
                                                finish=it.needs_sample)
             if status is KVPoll.Failed:

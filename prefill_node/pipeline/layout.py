@@ -4,8 +4,9 @@ of the model and its KV pool.
 Stage ``r`` of ``s`` owns the contiguous global layers ``[r*L//s, (r+1)*L//s)``. Its pool holds
 only those layers, numbered locally from 0 but registered with their *global* ids, so the
 transfer layer pairs each stage's buffers with the right decode layers (layer remapping).
-The first stage embeds (text and images); the last stage applies the final norm and LM head and
-samples.
+The first stage embeds (text and images); the last stage applies the final norm and LM head,
+samples and, with ``--draft``, runs the EAGLE draft (its pool mirrors the stage's pages and
+carries the draft band's global layer id).
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from pathlib import Path
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import KVPool, pages_for_budget
+from engine.draft_runner import DraftHead
+from engine.kv_cache import BufferInfo, KVPool, pages_for_budget
+from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
+
+DRAFT_ON_EARLY_STAGE = ("--draft goes to the last pipeline stage only (it runs the EAGLE draft; "
+                        "the stages before it learn of the draft from their --pp-next)")
 
 
 @dataclass(frozen=True)
@@ -48,12 +54,19 @@ class StageLayout:
 
 @dataclass
 class LaterStageModel:
-    """A later stage's share of the model: its layers' weights and its KV pool."""
+    """A later stage's share of the model: its layers' weights and its KV pool; on the last
+    stage, the EAGLE draft when it runs one."""
 
     model_config: ModelConfig
     model: Qwen2VLModel
     layers: range
     pool: KVPool
+    draft: DraftHead | None = None
+
+    def buffer_infos(self) -> list[BufferInfo]:
+        """The stage's KV buffer entries, the draft's after them (what transfer registers)."""
+        extra = self.draft.pool.buffer_infos() if self.draft is not None else []
+        return [*self.pool.buffer_infos(), *extra]
 
 
 def stage_pool(config: EngineConfig, model_config: ModelConfig, layers: range,
@@ -69,12 +82,16 @@ def stage_pool(config: EngineConfig, model_config: ModelConfig, layers: range,
                   list(layers), dtype, device)
 
 
-def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout
-                     ) -> LaterStageModel:
+def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
+                     draft: Path | None = None) -> LaterStageModel:
     """Load this stage's layers of the checkpoint (and nothing of the others) and build its
-    pool."""
+    pool; with ``draft`` (the last stage only) the EAGLE draft of that directory too."""
     layers = layout.layers(ModelConfig.from_dir(model_dir).text.num_hidden_layers)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_config, model = load_model(model_dir, dtype, device, layers)
-    return LaterStageModel(model_config, model, layers, stage_pool(config, model_config, layers))
+    pool = stage_pool(config, model_config, layers)
+    head = None
+    if draft is not None:
+        head = DraftHead(load_draft(draft, model_config.text, dtype, device=device), model, pool)
+    return LaterStageModel(model_config, model, layers, pool, head)

@@ -7,6 +7,10 @@ and a ``PrefillWorker`` face for load reports; the first stage (rank 0,
 address, every stage's address comma-separated in stage order, which a decode node connects to
 one by one.
 
+With ``--draft`` the last stage runs the EAGLE draft and pushes its KV in the draft band; its
+``Describe`` names that band, which every stage before it reports on and checks decodes against
+(a decode with a draft is refused unless the pipeline has the same one).
+
 Every stage serves ``Admin`` (the first as ``prefill``, later ones as ``prefill-stage``);
 ``security``'s token rules guard every service, ``PipelineStage`` included: a stage calls the
 next with the internal token of ``bootstrap_config``.
@@ -22,12 +26,12 @@ from pathlib import Path
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import KVPool, pages_for_budget
+from engine.kv_cache import BufferInfo, pages_for_budget
 from engine.llm_engine import LLMEngine
 from prefill_node.pipeline.first import FirstStageLoop
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage
-from prefill_node.pipeline.layout import StageLayout, load_later_stage
+from prefill_node.pipeline.layout import DRAFT_ON_EARLY_STAGE, StageLayout, load_later_stage
 from prefill_node.pipeline.link import NextStageLink
 from prefill_node.pipeline.service import LaterStageService, LaterStageWorkerFace
 from prefill_node.service import PrefillService
@@ -61,6 +65,11 @@ class StageArgs:
     security: ServerSecurity | None = None
     bootstrap_config: BootstrapConfig | None = None
     metrics_port: int | None = None
+    draft: Path | None = None  # the EAGLE draft directory (the last stage only)
+
+    def __post_init__(self) -> None:
+        if self.draft is not None and not self.layout.is_last:
+            raise ValueError(DRAFT_ON_EARLY_STAGE)
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,7 @@ class _Endpoints:
     bootstrap: PrefillBootstrapServer
     link: NextStageLink | None
     chain: str  # the bootstrap addresses of this stage and every later one, comma-separated
+    draft_band: tuple[int, ...]  # the KV layer ids of the pipeline's draft (empty: none)
 
 
 async def serve_first_stage(args: StageArgs) -> None:
@@ -85,10 +95,11 @@ async def serve_first_stage(args: StageArgs) -> None:
         resolve_dtype(config.dtype, resolve_device(config.device)))
     engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages))
     runner = first_stage_runner(engine)
-    ends = await _open_endpoints(args, layers, engine.pool, text)
+    ends = await _open_endpoints(args, layers, engine.pool.buffer_infos(), text)
     assert ends.link is not None  # the first stage is never the last: size > 1
     service = PrefillService(args.max_waiting)
-    loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link)
+    loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link,
+                          send_prompt_ids=bool(ends.draft_band))
     service.bind(loop, asyncio.get_running_loop(), ends.chain)
     loop.start()
     await _serve(args, ends, [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service,
@@ -98,12 +109,13 @@ async def serve_first_stage(args: StageArgs) -> None:
 
 async def serve_later_stage(args: StageArgs) -> None:
     """Run a later stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
-    share = load_later_stage(args.model_dir, args.config, args.layout)
-    ends = await _open_endpoints(args, share.layers, share.pool, share.model_config.text)
+    share = load_later_stage(args.model_dir, args.config, args.layout, args.draft)
+    ends = await _open_endpoints(args, share.layers, share.buffer_infos(),
+                                 share.model_config.text)
     stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link)
     info = wpb.StageInfo(pp_rank=args.layout.rank, pp_size=args.layout.size,
                          layer_start=share.layers.start, layer_end=share.layers.stop,
-                         bootstrap=ends.chain)
+                         bootstrap=ends.chain, draft_layer_ids=ends.draft_band)
     face = LaterStageWorkerFace(stage, info)
     await _serve(args, ends, [
         (worker_pb2_grpc.add_PipelineStageServicer_to_server, LaterStageService(stage, info),
@@ -112,30 +124,37 @@ async def serve_later_stage(args: StageArgs) -> None:
     ], "prefill-stage", face.stats)
 
 
-async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
+async def _open_endpoints(args: StageArgs, layers: range, buffers: list[BufferInfo],
                           text: TextConfig) -> _Endpoints:
-    """Link to the next stage (waiting for it), register ``pool`` for transfer and open the
-    bootstrap endpoint (a stage runs no draft: a decode with one is refused at registration)."""
-    identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
-                             args.config.dtype, text.num_hidden_layers)
+    """Link to the next stage (waiting for it), register ``buffers`` for transfer and open the
+    bootstrap endpoint, which accepts a decode with a draft only when the pipeline's last stage
+    runs the same one (the draft band: this stage's own on the last, else the next's)."""
     secret = args.bootstrap_config.secret if args.bootstrap_config is not None else None
-    link = await asyncio.to_thread(_link, args.layout, layers, args.pp_next,
-                                   internal_metadata(secret))
-    manager = make_kv_manager(args.transfer_backend, pool.buffer_infos(),
+    linked = await asyncio.to_thread(_link, args.layout, layers, args.pp_next,
+                                     internal_metadata(secret))
+    link, later = None, ""  # later: the bootstrap addresses of the later stages
+    if linked is None:
+        band = tuple(sorted({b.layer_id for b in buffers
+                             if b.layer_id >= text.num_hidden_layers}))
+    else:
+        link, info = linked
+        band, later = tuple(info.draft_layer_ids), "," + info.bootstrap
+    identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
+                             args.config.dtype, text.num_hidden_layers,
+                             pipeline_draft_band=band)
+    manager = make_kv_manager(args.transfer_backend, buffers,
                               hidden_size=text.hidden_size, aux_rows=4,
                               hostname=args.advertise_host)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
                                        port=args.bootstrap_port, config=args.bootstrap_config)
-    chain = f"{args.advertise_host}:{bootstrap.address[1]}"
-    if link is not None:
-        chain += "," + (await asyncio.to_thread(link.describe)).bootstrap
-    return _Endpoints(manager, bootstrap, link, chain)
+    chain = f"{args.advertise_host}:{bootstrap.address[1]}{later}"
+    return _Endpoints(manager, bootstrap, link, chain, band)
 
 
 def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Metadata
-          ) -> NextStageLink | None:
+          ) -> tuple[NextStageLink, wpb.StageInfo] | None:
     """Connect to the next stage (sending ``metadata`` on every call) and check it continues
-    this one's layers."""
+    this one's layers; the link and the next stage's description."""
     if layout.is_last:
         if pp_next:
             raise ValueError("the last pipeline stage takes no --pp-next")
@@ -151,7 +170,7 @@ def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Met
         raise ValueError(f"--pp-next {pp_next} is stage {info.pp_rank} of {info.pp_size} "
                          f"from layer {info.layer_start}; expected stage {expected[0]} of "
                          f"{expected[1]} from layer {expected[2]}")
-    return link
+    return link, info
 
 
 async def _serve(args: StageArgs, ends: _Endpoints, services: Sequence[Registration],

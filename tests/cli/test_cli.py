@@ -268,6 +268,14 @@ def test_unknown_device_is_a_one_line_error_on_servers_and_launch(cache_dir: Pat
     assert_one_line_error(proc, "choose one of auto, cpu, cuda, npu")
 
 
+def test_draft_on_a_pipeline_stage_before_the_last_is_a_one_line_error(cache_dir: Path) -> None:
+    """Only the last stage runs the EAGLE draft (tests/cluster/test_eagle_cluster.py runs it
+    there)."""
+    proc = pdserve(cache_dir, "prefill", "--port", "0", "--pp-size", "3", "--pp-rank", "1",
+                   "--pp-next", "127.0.0.1:1", "--draft", "draft-dir")
+    assert_one_line_error(proc, "--draft goes to the last pipeline stage only")
+
+
 def test_debug_shows_the_traceback(cache_dir: Path) -> None:
     assert_one_line_error(pdserve(cache_dir, "launch", "--name", "a/b"), "--name 'a/b'")
     proc = pdserve(cache_dir, "--debug", "launch", "--name", "a/b")

@@ -5,6 +5,7 @@
   finder placed first on ``sys.meta_path``).
 - A decode with an EAGLE draft and a prefill without one (or the reverse) is refused at the
   handshake with a message naming both sides; the room fails on both sides, nothing is held.
+  A pipeline stage checks the decode against the draft of the pipeline's last stage.
 - ``send_kvcache`` takes the keywords of callers written for SGLang and refuses any other one;
   bytes that land are compared with the source pages, refusals move none.
 """
@@ -200,6 +201,33 @@ def test_drafts_on_both_sides_deliver_the_draft_band(nodes: dict[str, Node]) -> 
         assert torch.equal(draft_dst[dst], draft_src[[3, 4]])
     finally:
         client.close()
+        server.close()
+
+
+@pytest.mark.parametrize(("band", "refusal"), [
+    ((4,), None),
+    ((), "pipeline prefill has no draft, decode has a draft (KV layer ids [4]); start the "
+         "pipeline's last stage and the decode with the same --draft"),
+])
+def test_a_pipeline_stage_checks_the_decode_against_the_pipelines_draft(
+    nodes: dict[str, Node], band: tuple[int, ...], refusal: str | None
+) -> None:
+    """A stage before the last holds no draft buffers: it accepts a decode with a draft when the
+    pipeline's last stage runs the same one, and refuses it, naming the fix, when none does."""
+    stage, decode = nodes["prefill"], nodes["decode+draft"]
+    identity = dataclasses.replace(_identity(stage.spec), pipeline_draft_band=band)
+    server = PrefillBootstrapServer(stage.manager, identity, config=CFG)
+    pages = FreeList(decode.spec.num_pages)
+    try:
+        if refusal is None:
+            DecodeBootstrapClient(decode.manager, _identity(decode.spec), server.address,
+                                  pages.give, config=CFG).close()
+        else:
+            with pytest.raises(IncompatiblePeerError, match="EAGLE drafts differ") as err:
+                DecodeBootstrapClient(decode.manager, _identity(decode.spec), server.address,
+                                      pages.give, config=CFG)
+            assert refusal in str(err.value)
+    finally:
         server.close()
 
 

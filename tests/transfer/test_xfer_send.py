@@ -133,6 +133,21 @@ def test_draft_band(decode_peer, backend) -> None:  # type: ignore[no-untyped-de
     assert not any(got[j].any() for j in range(8))
 
 
+def test_last_pipeline_stage_with_the_draft(decode_peer, backend) -> None:  # type: ignore[no-untyped-def]
+    """The last stage of a pipeline (layers 2 and 3) with the draft beside them: its K2 K3 V2 V3
+    and the draft's K and V (a second pool, numbered from 0 locally) land in the decode's
+    entries of those layers and of the draft band; the first stage's layers stay untouched."""
+    last = Node(Spec(layer_ids=(2, 3), draft_ids=tuple(draft_layer_ids(4, 1)), backend=backend),
+                fill_seed=14)
+    src, dst = [3, 4, 9], [20, 21, 40]
+    decode_peer.call("zero")
+    _send(last, decode_peer, src, dst)
+    _check_landed(last, decode_peer, src, dst)
+    got = _dst_entries(decode_peer, last)
+    assert torch.equal(got[8][dst], last.entries()[4][src])  # the draft band's K
+    assert not any(got[j].any() for j in (0, 1, 4, 5))
+
+
 @pytest.mark.parametrize(
     ("kw", "error", "match"),
     [

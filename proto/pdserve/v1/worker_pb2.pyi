@@ -206,15 +206,17 @@ class DescribeStageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("pp_rank", "pp_size", "layer_start", "layer_end", "bootstrap")
+    __slots__ = ("pp_rank", "pp_size", "layer_start", "layer_end", "bootstrap", "draft_layer_ids")
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     pp_rank: int
     pp_size: int
     layer_start: int
     layer_end: int
     bootstrap: str
-    def __init__(self, pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bootstrap: _Optional[str] = ...) -> None: ...
+    draft_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bootstrap: _Optional[str] = ..., draft_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
