@@ -7,22 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-# Modules that start Ray clusters (or may: `pdserve launch`): one xdist group, so that no two of
-# them run at once (a local Ray head is one per machine and `pdserve launch` reuses a running one)
-RAY_MODULES = frozenset({"tests.cli.test_cli", "tests.deploy.test_k8s", "tests.deploy.test_launch",
-                         "tests.deploy.test_launch_args", "tests.deploy.test_launch_errors"})
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group tests for ``pytest -n N --dist loadgroup`` (scripts/test.sh): a module's tests stay
-    on one worker (its module-scoped clusters start once) and the Ray modules share one group.
-    Without xdist the marks do nothing."""
-    for item in items:
-        module = item.module.__name__ if isinstance(item, pytest.Function) else item.nodeid
-        group = "ray" if module in RAY_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 HF_TEXT = {
     "vocab_size": 384,
     "hidden_size": 64,
