@@ -10,7 +10,7 @@ recomputes (and failovers, when the decode kill catches a stream mid-generation)
 restarted nodes serve again (no sticky failure); and every node holds nothing at the end (the
 leak check).
 
-Small by default (CI): ``PDSERVE_SOAK_REQUESTS`` (300) in ``PDSERVE_SOAK_BURSTS`` (2) bursts
+Small by default (CI): ``PDSERVE_SOAK_REQUESTS`` (200) in ``PDSERVE_SOAK_BURSTS`` (2) bursts
 ``PDSERVE_SOAK_IDLE_S`` (10) seconds apart, at ``PDSERVE_SOAK_CONCURRENCY`` (32) streams, with
 ``PDSERVE_SOAK_CANCEL_P`` (0.1) and ``PDSERVE_SOAK_FAIL_P`` (0.01 per engine write).
 ``PDSERVE_SOAK_MINUTES=30`` runs bursts of ``REQUESTS / BURSTS`` requests until that time has
@@ -47,7 +47,7 @@ from tests.cluster.test_cluster import start_all, stop_all
 MINUTES = float(os.environ.get("PDSERVE_SOAK_MINUTES", "0"))  # 0: just BURSTS bursts
 # a long run outlives the suite's per-test timeout by its length
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600 + 60 * MINUTES)]
-REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "300"))
+REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "200"))
 BURSTS = int(os.environ.get("PDSERVE_SOAK_BURSTS", "2"))
 IDLE_S = float(os.environ.get("PDSERVE_SOAK_IDLE_S", "10"))
 CONCURRENCY = int(os.environ.get("PDSERVE_SOAK_CONCURRENCY", "32"))
