@@ -41,9 +41,9 @@ from tests.cluster.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
 PAGE = 8
-NODE = ["--page-size", str(PAGE), "--num-pages", "128", "--max-num-seqs", "8"]
+NODE = ["--page-size", str(PAGE), "--num-pages", "1024", "--max-num-seqs", "8"]
 LONG = 48  # new tokens of the requests compared with the engine
-BUSY = 300  # new tokens of the streams that keep a decode busy (three fit its 128 pages)
+BUSY = 1900  # new tokens of the streams that keep a decode busy (three fit its 1,024 pages)
 T = TypeVar("T")
 
 
@@ -113,18 +113,19 @@ def test_a_shared_prefix_sticks_to_its_decode(nodes: dict[str, Node], router: st
         home = decode_of(r, f"{router}-a0")
         if router == "events":  # the decode's blocks reach the router through its stream
             time.sleep(0.5)
-        # long streams, still running when the last request comes (cancelled after it): their
-        # decode is the busier one then, however fast the machine decodes
+        # streams of 1,900 tokens, cancelled once the lone request has started: their decode is
+        # the busier one when it is placed (a fast machine finished 300-token streams before)
         streams = [Stream(stub, request(f"{router}-a{i}", ids, BUSY))
                    for i, ids in enumerate(shared[1:], 1)]
-        wait_for(lambda: all(s.tokens for s in streams), "the shared streams never started")
-        lone = Stream(stub, request(f"{router}-b", other, LONG)).join()
-        wait_for(lambda: all(len(s.tokens) >= LONG or not s.running for s in streams),
+        wait_for(lambda: all(len(s.tokens) >= LONG for s in streams),
                  "the shared streams stalled")
+        lone = Stream(stub, request(f"{router}-b", other, LONG))
+        wait_for(lambda: bool(lone.tokens) or not lone.running, "the lone request never started")
+        # the lone request was placed while the shared streams ran (else the check is void)
+        assert all(s.running for s in streams)
         for s in streams:
-            if s.running:
-                s.cancel()
-            s.join()
+            s.cancel()
+        lone.join()
         assert lone.tokens == want[-1]
         for s, exp in zip(streams, want[1:-1], strict=True):
             assert s.tokens[:LONG] == exp  # a greedy prefix of the engine's longer output
