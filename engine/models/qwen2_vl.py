@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig, TextConfig
-from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
+from engine.models.layers import Embedding, MropeRotary, RMSNorm, RotaryTables, activation
 from engine.models.vision import Grid, VisionTower
 from engine.models.vision_qwen2_5 import Qwen25VisionTower
 
@@ -105,7 +105,7 @@ class TextModel(nn.Module):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
