@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -18,6 +19,8 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.models.qwen2_vl import Qwen2VLModel
+from engine.parallel import SINGLE, TPGroup
+from engine.tp_shard import TextShard
 
 _LAYER_PREFIX = "model.layers."
 _RENAMES = (
@@ -64,11 +67,13 @@ def layer_of(name: str) -> int | None:
 
 
 def read_state_dict(
-    model_dir: Path, layers: range | None = None, device: str | torch.device = "cpu"
+    model_dir: Path, layers: range | None = None, device: str | torch.device = "cpu",
+    shard: TextShard | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint under their canonical names, read straight onto ``device``
     (no host copy of the whole checkpoint first); with ``layers``, the decoder layers outside it
-    are not read at all (a pipeline stage's share)."""
+    are not read at all (a pipeline stage's share); with ``shard``, only a tensor-parallel
+    rank's slice of each split tensor is read."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
@@ -77,7 +82,9 @@ def read_state_dict(
                     canonical = canonical_name(name)
                     layer = layer_of(canonical)
                     if layers is None or layer is None or layer in layers:
-                        state[canonical] = f.get_tensor(name)
+                        part = shard.slice_of(canonical) if shard is not None else None
+                        state[canonical] = f.get_tensor(name) if part is None else _read_part(
+                            f.get_slice(name), *part)
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises several unrelated types on bad files
@@ -85,22 +92,33 @@ def read_state_dict(
     return state
 
 
+def _read_part(tensor: Any, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of a safetensors slice, read
+    without the rest of the tensor."""
+    part = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+    assert isinstance(part, torch.Tensor)
+    return part.contiguous()
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", layers: range | None = None,
+    device: str | torch.device = "cpu", layers: range | None = None, tp: TPGroup = SINGLE,
 ) -> tuple[ModelConfig, Qwen2VLModel]:
     """Build the model of ``model_dir`` and load its weights (strict: every tensor must match)
     onto ``device`` in ``dtype``. The weights go from the files to the device directly.
 
     With ``layers`` only those decoder layers are read and built (see :func:`keep_layers`): a
-    pipeline stage holds its share of the weights and never the rest."""
+    pipeline stage holds its share of the weights and never the rest. With a ``tp`` group of
+    several ranks, the decoder layers hold and read this rank's slices only
+    (:mod:`engine.tp_shard`)."""
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
+    shard = TextShard.of(cfg.text, tp.rank, tp.size) if tp.size > 1 else None
     with torch.device("meta"):
-        model = Qwen2VLModel(cfg)
+        model = Qwen2VLModel(cfg, tp)
     if layers is not None:
         keep_layers(model, layers)
-    state = read_state_dict(path, layers, device)
+    state = read_state_dict(path, layers, device, shard)
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
