@@ -17,8 +17,9 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError, TensorParallelError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
-from tests.conftest import HF_SPECIAL, HF_TEXT, HF_VISION, _save_random
 from tests.engine.test_generation_vs_transformers import NEW_TOKENS, cases, reference
+
+pytestmark = pytest.mark.slow  # each test starts a rank's process (about 10 s)
 
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
 PROMPTS = [cases()["text_only"], cases()["one_image"]]
@@ -33,17 +34,6 @@ def check_against_transformers(engine: LLMEngine, hf_model) -> None:  # noqa: AN
     for (ids, images), ours in zip(PROMPTS, results, strict=True):
         assert ours.token_ids == reference(hf_model, ids, images)
     engine.scheduler.check_no_leaks()
-
-
-@pytest.fixture(scope="module")
-def one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny checkpoint with 4 query heads and 1 KV head: two ranks replicate the KV head."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    cfg = Qwen2VLConfig(text_config=dict(HF_TEXT, num_key_value_heads=1),
-                        vision_config=dict(HF_VISION), **HF_SPECIAL)
-    path = tmp_path_factory.mktemp("hf_kv1") / "ckpt"
-    return _save_random(Qwen2VLForConditionalGeneration, cfg, path, seed=1)
 
 
 @pytest.fixture
@@ -63,11 +53,11 @@ def test_split_kv_heads_match_transformers(hf_dir: Path, hf_model, engine_of) ->
 
 
 def test_replicated_kv_head_matches_transformers_and_a_dead_rank_is_named(
-        one_kv_head_dir: Path, engine_of) -> None:  # noqa: ANN001
+        hf_one_kv_head_dir: Path, engine_of) -> None:  # noqa: ANN001
     from transformers import Qwen2VLForConditionalGeneration
 
-    hf_model = Qwen2VLForConditionalGeneration.from_pretrained(one_kv_head_dir).eval()
-    engine_of.append(engine := tp_engine(one_kv_head_dir))
+    hf_model = Qwen2VLForConditionalGeneration.from_pretrained(hf_one_kv_head_dir).eval()
+    engine_of.append(engine := tp_engine(hf_one_kv_head_dir))
     assert engine.pool.num_kv_heads == 1  # the one KV head, on both ranks
     check_against_transformers(engine, hf_model)
 
