@@ -103,6 +103,11 @@ class LLMEngine:
     :attr:`device` and :attr:`dtype`, and :attr:`config` holds the resolved names. The weights,
     the KV pool and the request generators live on that device; a step copies its sampled tokens
     to the host once.
+
+    With ``config.tp_size`` ``N > 1`` this engine is rank 0 of ``N`` tensor-parallel processes
+    (:mod:`engine.tp_driver`): it starts the others, holds its share of the decoder and of every
+    KV page (:attr:`pool` has this rank's key/value heads), schedules and samples; decode steps
+    run eagerly (no CUDA graphs). :meth:`close` ends the other processes.
     """
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
