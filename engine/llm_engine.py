@@ -160,7 +160,9 @@ class LLMEngine:
               ) -> tuple[ModelConfig, Qwen2VLModel]:
         """The model (rank 0's share with ``config.tp_size`` ranks, whose processes this starts
         into :attr:`tp` and waits for; None with one rank)."""
-        self.tp = TPDriver(model_dir, config, num_pages) if config.tp_size > 1 else None
+        self.tp: TPDriver | None = None
+        if config.tp_size > 1:
+            self.tp = TPDriver(model_dir, config, num_pages)
         try:
             loaded = load_model(model_dir, self.dtype, self.device, config.layers,
                                 self.tp.group if self.tp else SINGLE)

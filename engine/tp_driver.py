@@ -24,8 +24,9 @@ import torch
 
 from engine.attention import AttentionBatch
 from engine.config import EngineConfig
+from engine.device import resolve_device
 from engine.errors import TensorParallelError
-from engine.parallel import DistGroup, serve_store
+from engine.parallel import DistGroup, rank_device, serve_store
 from engine.tp_messages import Command, RankReport, StepHeader, pack_step, step_header
 from engine.tp_rank import RankSpec, rank_main
 
@@ -42,6 +43,9 @@ class TPDriver:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, num_pages: int) -> None:
         size = config.tp_size
+        device = resolve_device(config.device)
+        for rank in range(1, size):  # DeviceError now rather than a rank failing to start
+            resolve_device(str(rank_device(device, rank)))
         self.group = DistGroup(0, size)
         self._store = serve_store(size)
         self.failed = False

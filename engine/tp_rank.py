@@ -24,7 +24,7 @@ from engine.attention import AttentionBackend
 from engine.attention_select import make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig
-from engine.device import resolve_dtype
+from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVPool
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.parallel import DistGroup, join_store, rank_device
@@ -55,7 +55,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.num_threads)
     group = DistGroup(spec.rank, spec.config.tp_size)
     try:
-        device = rank_device(torch.device(spec.config.device), spec.rank)
+        device = rank_device(resolve_device(spec.config.device), spec.rank)
         model, attn = _build(spec, group, device)
         conn.send_bytes(RankReport(spec.rank).encode())
         group.join(join_store(spec.store_port, group.size), device)
@@ -78,8 +78,8 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
     """This rank's model share, and attention over its KV pool (rank 0's page count, this
     rank's key/value heads)."""
     config = spec.config
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type != "cpu":  # NCCL and HCCL take the rank's device from the current one
+        getattr(torch, device.type).set_device(device)
     dtype = resolve_dtype(config.dtype, device)
     model_config, model = load_model(spec.model_dir, dtype, device, tp=group)
     text = model_config.text
