@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
@@ -100,6 +101,19 @@ def _read_part(tensor: Any, dim: int, start: int, stop: int) -> torch.Tensor:
     return part.contiguous()
 
 
+class _NoInit(TorchFunctionMode):
+    """``torch.nn.init``'s initialisers return their tensor untouched: a model built to be loaded
+    needs no initial values, and ``normal_`` on the meta device would import ``torch._dynamo``
+    (seconds of every process's first load, each tensor-parallel rank's included)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu", layers: range | None = None, tp: TPGroup = SINGLE,
@@ -114,7 +128,7 @@ def load_model(
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
     shard = TextShard.of(cfg.text, tp.rank, tp.size) if tp.size > 1 else None
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInit():
         model = Qwen2VLModel(cfg, tp)
     if layers is not None:
         keep_layers(model, layers)

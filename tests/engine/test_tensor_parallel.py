@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from tests.engine.test_generation_vs_transformers import NEW_TOKENS, cases, reference
 
-pytestmark = pytest.mark.slow  # each test starts a rank's process (about 10 s)
+pytestmark = pytest.mark.slow  # each test starts a rank's process (5-10 s a test)
 
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
 PROMPTS = [cases()["text_only"], cases()["one_image"]]
