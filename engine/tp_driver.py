@@ -92,29 +92,7 @@ class TPDriver:
             yield
         except Exception as exc:
             self.failed = True
-            raise self._failure(exc) from exc
-
-    def _failure(self, exc: Exception) -> TensorParallelError:
-        """The error of a failed step: a rank's own report, else a rank's death, else rank 0's
-        exception (each rank gets :data:`REPORT_WAIT_S` to report)."""
-        deadline = time.monotonic() + REPORT_WAIT_S
-        while True:
-            for rank, conn in enumerate(self._conns, 1):
-                with suppress(OSError, EOFError):
-                    if conn.poll():
-                        report = RankReport.decode(conn.recv_bytes())
-                        return TensorParallelError(
-                            f"tensor-parallel rank {rank} failed: {report.error}")
-            dead = [(r, p.exitcode) for r, p in enumerate(self._procs, 1) if not p.is_alive()]
-            if dead or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if dead:
-            rank, code = dead[0]
-            return TensorParallelError(f"tensor-parallel rank {rank} died during a step "
-                                       f"(exit code {code})")
-        return TensorParallelError(f"tensor-parallel step failed on rank 0: "
-                                   f"{type(exc).__name__}: {exc}")
+            raise step_failure(self._procs, self._conns, exc) from exc
 
     def close(self) -> None:
         """End every rank's process (STOP, then a kill for one that does not exit) and leave
@@ -149,3 +127,27 @@ def _ready_report(proc: BaseProcess, conn: Connection, deadline: float) -> str:
     except (EOFError, OSError):
         proc.join(1.0)
         return f"its process exited (exit code {proc.exitcode}) without a report"
+
+
+def step_failure(procs: list[BaseProcess], conns: list[Connection], exc: Exception,
+                 wait_s: float = REPORT_WAIT_S) -> TensorParallelError:
+    """The error of a step that raised ``exc`` on rank 0, ranks ``1..`` being ``procs`` with
+    ``conns``: a rank's own report, else a rank's death, else ``exc`` itself, once the ranks
+    had ``wait_s`` to report."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        # liveness before reports: a rank that reported and then died is read as its report
+        dead = [(rank, p.exitcode) for rank, p in enumerate(procs, 1) if not p.is_alive()]
+        for rank, conn in enumerate(conns, 1):
+            with suppress(OSError, EOFError):
+                if conn.poll():
+                    error = RankReport.decode(conn.recv_bytes()).error
+                    return TensorParallelError(f"tensor-parallel rank {rank} failed: {error}")
+        if dead:
+            rank, code = dead[0]
+            return TensorParallelError(f"tensor-parallel rank {rank} died during a step "
+                                       f"(exit code {code})")
+        if time.monotonic() > deadline:
+            return TensorParallelError(f"tensor-parallel step failed on rank 0: "
+                                       f"{type(exc).__name__}: {exc}")
+        time.sleep(0.05)
