@@ -14,7 +14,8 @@ import torch
 
 from engine.attention import AttentionBatch, TorchPagedAttention
 from engine.checkpoint import load_model
-from engine.config import EngineConfig, TextConfig
+from engine.config import EngineConfig, ModelConfig, TextConfig
+from engine.draft_runner import DraftHead
 from engine.errors import ConfigError
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
@@ -153,3 +154,12 @@ def test_tensor_parallel_with_pipeline_stages_is_refused_before_any_process(hf_d
     with pytest.raises(ConfigError, match="pipeline stages"):
         LLMEngine(hf_dir, EngineConfig(num_pages=8, tp_size=2, layers=range(0, 2)))
     assert not mp.active_children()
+
+
+def test_an_eagle_draft_beside_a_tensor_parallel_target_is_refused(hf_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(hf_dir)
+    with torch.device("meta"):
+        target = Qwen2VLModel(cfg, TPGroup(0, 2))
+    pool = KVPool(4, 8, 1, cfg.text.head_dim, [0])
+    with pytest.raises(ConfigError, match="tensor-parallel target"):
+        DraftHead(None, target, pool)  # type: ignore[arg-type]  # refused before it is read
