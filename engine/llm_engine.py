@@ -123,9 +123,9 @@ class LLMEngine:
         num_pages = config.num_pages or pages_for_budget(
             config.kv_budget_bytes, len(layers), config.page_size, kv_heads, text.head_dim, dtype,
         )
-        self.model_config, self.model = self._load(model_dir, config, num_pages)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.image_config = ImageProcessorConfig.from_dir(model_dir)
+        self.model_config, self.model = self._load(model_dir, config, num_pages)
         # one page more than the allocator hands out: a scratch page that padded rows of a
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)
         self.scratch_page = num_pages
@@ -158,8 +158,9 @@ class LLMEngine:
 
     def _load(self, model_dir: str | Path, config: EngineConfig, num_pages: int
               ) -> tuple[ModelConfig, Qwen2VLModel]:
-        """The model (rank 0's share with ``config.tp_size`` ranks, whose processes this starts
-        into :attr:`tp` and waits for; None with one rank)."""
+        """The model; with ``config.tp_size`` ranks, rank 0's share, once the other ranks'
+        processes (:attr:`tp`, None with one rank) have loaded theirs (they are daemons: they
+        end with this process however ``__init__`` ends)."""
         self.tp: TPDriver | None = None
         if config.tp_size > 1:
             self.tp = TPDriver(model_dir, config, num_pages)
