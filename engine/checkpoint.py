@@ -82,6 +82,8 @@ def read_state_dict(
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     canonical = canonical_name(name)
                     layer = layer_of(canonical)
+                    if shard is not None and not shard.holds(canonical):
+                        continue
                     if layers is None or layer is None or layer in layers:
                         part = shard.slice_of(canonical) if shard is not None else None
                         state[canonical] = f.get_tensor(name) if part is None else _read_part(
@@ -132,6 +134,8 @@ def load_model(
         model = Qwen2VLModel(cfg, tp)
     if layers is not None:
         keep_layers(model, layers)
+    if tp.rank > 0:
+        keep_decoder(model)
     state = read_state_dict(path, layers, device, shard)
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
@@ -148,7 +152,7 @@ def load_model(
         model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as exc:
         raise CheckpointError(f"{path}: tensor shapes do not match config.json: {exc}") from exc
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and tp.rank == 0:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
@@ -169,6 +173,15 @@ def keep_layers(model: Qwen2VLModel, layers: range) -> Qwen2VLModel:
     for i in range(n):
         if i not in layers:
             model.model.layers[i] = torch.nn.Module()
+    return model
+
+
+def keep_decoder(model: Qwen2VLModel) -> Qwen2VLModel:
+    """Drop the embedding, the LM head and the vision tower: a tensor-parallel rank other than 0
+    runs only :meth:`Qwen2VLModel.forward` over the embeddings rank 0 sends it.
+    :func:`load_model` applies it before reading any weight."""
+    for owner, name in ((model, "visual"), (model, "lm_head"), (model.model, "embed_tokens")):
+        delattr(owner, name)
     return model
 
 

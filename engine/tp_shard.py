@@ -11,8 +11,9 @@ Rank ``r`` of ``n`` holds, in every decoder layer:
 - MLP columns ``[r * I/n, (r+1) * I/n)``: rows of ``gate_proj`` and ``up_proj``, columns of
   ``down_proj`` (row-parallel, all-reduced).
 
-Everything else (embedding, norms, LM head, vision tower) is whole on every rank. A rank's KV
-pool holds its key/value heads only.
+The norms are whole on every rank. The embedding, the LM head and the vision tower are on rank 0
+only: it embeds (images included) and samples, and the other ranks get the embeddings from it.
+A rank's KV pool holds its key/value heads only.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.config import TextConfig
 from engine.errors import ConfigError
 
 _LAYER_PREFIX = "model.layers."
+_RANK_0_ONLY = ("model.embed_tokens.", "lm_head.", "visual.")
 # name inside a decoder layer -> (dim split, which partition)
 _SPLITS = {
     "self_attn.q_proj.weight": (0, "q"),
@@ -83,6 +85,10 @@ class TextShard:
                     (self.kv_head_start + self.num_kv_heads) * self.head_dim)
         n = self.intermediate_size
         return self.rank * n, (self.rank + 1) * n
+
+    def holds(self, name: str) -> bool:
+        """Whether this rank holds checkpoint tensor ``name`` (a canonical name) at all."""
+        return self.rank == 0 or not name.startswith(_RANK_0_ONLY)
 
     def slice_of(self, name: str) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` of this rank's part of checkpoint tensor ``name`` (a canonical

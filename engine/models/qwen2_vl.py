@@ -131,8 +131,9 @@ class Qwen2VLModel(nn.Module):
 
     With a ``tp`` group of several ranks the decoder layers hold this rank's share
     (:mod:`engine.tp_shard`) and every rank runs :meth:`forward` over the same inputs together;
-    the embedding, the vision tower and the LM head are whole on every rank, and every rank's
-    forward returns the hidden states of the whole model (the all-reduced sums)."""
+    the embedding, the vision tower and the LM head are rank 0's alone (the other ranks are
+    built without them), and every rank's forward returns the hidden states of the whole model
+    (the all-reduced sums)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -158,12 +159,12 @@ class Qwen2VLModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the weights live (every tensor a forward makes is put there too)."""
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, hidden]``."""

@@ -1,7 +1,8 @@
-"""The tensor-parallel split without processes: which heads and columns a rank holds, the step
-messages' round trip, and the split model over two ranks in two threads of one process (summing
-through a barrier) giving the hidden states of the whole model, with KV heads split (4 query
-and 2 KV heads) and replicated (1 KV head)."""
+"""The tensor-parallel split without processes: which heads and columns a rank holds (and that
+only rank 0 holds the embedding, the LM head and the vision tower), the step messages' round
+trip, and the split model over two ranks in two threads of one process (summing through a
+barrier) giving the hidden states of the whole model, with KV heads split (4 query and 2 KV
+heads) and replicated (1 KV head)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,10 @@ def test_checkpoint_slices() -> None:
     for whole in (layer + "input_layernorm.weight", "lm_head.weight", "visual.blocks.0.mlp.fc1"
                   ".weight", "model.embed_tokens.weight"):
         assert s.slice_of(whole) is None
+    assert s.holds(layer + "input_layernorm.weight") and s.holds("model.norm.weight")
+    assert not any(s.holds(n) for n in ("lm_head.weight", "visual.merger.mlp.0.weight",
+                                        "model.embed_tokens.weight"))
+    assert TextShard.of(text_config(4, 2), rank=0, size=2).holds("visual.merger.mlp.0.weight")
     assert TextShard.of(text_config(4, 2)).slice_of(layer + "mlp.up_proj.weight") is None
 
 
@@ -112,25 +117,26 @@ class ThreadGroup(TPGroup):
         return x.copy_(total)
 
 
-def hidden_states(model: Qwen2VLModel, ids: torch.Tensor) -> torch.Tensor:
-    """The model over one prompt ``ids`` ``[T]`` in a fresh pool: hidden states ``[T, H]``."""
+def hidden_states(model: Qwen2VLModel, embeds: torch.Tensor) -> torch.Tensor:
+    """The model over one prompt's ``embeds`` ``[T, H]`` in a fresh pool: hidden states
+    ``[T, H]``."""
     text = model.cfg.text
     layer = model.model.layers[0]
     pool = KVPool(4, 8, layer.self_attn.num_kv_heads, text.head_dim,
                   list(range(text.num_hidden_layers)))
     attn = TorchPagedAttention(pool)
-    t = ids.shape[0]
+    t = embeds.shape[0]
     attn.prepare(AttentionBatch.from_lists([t], [t], [[0, 1, 2]], torch.arange(t)))
-    return model(model.embed(ids), mrope_from_1d(torch.arange(t), 0), attn)
+    return model(embeds, mrope_from_1d(torch.arange(t), 0), attn)
 
 
 @pytest.mark.parametrize("which", ["split_kv", "replicated_kv"])
 def test_two_ranks_give_the_whole_models_hidden_states(
         which: str, hf_dir: Path, hf_one_kv_head_dir: Path) -> None:
     path = hf_dir if which == "split_kv" else hf_one_kv_head_dir
-    ids = torch.arange(3, 23)
     _, whole = load_model(path)
-    expected = hidden_states(whole, ids)
+    embeds = whole.embed(torch.arange(3, 23))  # rank 0 embeds and sends them to the others
+    expected = hidden_states(whole, embeds)
     parts: list[torch.Tensor] = [torch.empty(0)] * 2
     barrier = threading.Barrier(2)
     models = [load_model(path, tp=ThreadGroup(r, 2, parts, barrier))[1] for r in range(2)]
@@ -138,7 +144,7 @@ def test_two_ranks_give_the_whole_models_hidden_states(
 
     def run(rank: int) -> None:
         with torch.inference_mode():
-            out[rank] = hidden_states(models[rank], ids)
+            out[rank] = hidden_states(models[rank], embeds)
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
     for th in threads:
@@ -146,6 +152,9 @@ def test_two_ranks_give_the_whole_models_hidden_states(
     for th in threads:
         th.join(30)
     assert models[0].model.layers[0].self_attn.num_kv_heads == 1
+    rank_0_only = ("visual.", "lm_head.", "model.embed_tokens.")
+    assert any(n.startswith(rank_0_only) for n in models[0].state_dict())
+    assert not any(n.startswith(rank_0_only) for n in models[1].state_dict())
     for rank in range(2):
         torch.testing.assert_close(out[rank], expected, rtol=1e-5, atol=1e-5)
 
