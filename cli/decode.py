@@ -11,6 +11,7 @@ from cli.engine_args import (
     add_draft_args,
     add_engine_args,
     add_server_args,
+    add_tp_args,
     add_transfer_args,
     add_worker_args,
     advertise_host,
@@ -23,6 +24,7 @@ from cli.models import ensure_model
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    add_tp_args(p)
     add_server_args(p, default_port=50061)
     add_transfer_args(p)
     add_worker_args(p)

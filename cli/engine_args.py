@@ -49,6 +49,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decode node also: ask the prefill for every page of the prompt")
 
 
+def add_tp_args(p: argparse.ArgumentParser) -> None:
+    """``--tp-size`` (commands whose engine may be split over processes)."""
+    p.add_argument("--tp-size", type=int, default=1, metavar="N",
+                   help="tensor parallelism: split the decoder over N processes of this machine "
+                        "(one per rank: gloo on cpu, NCCL on cuda:i..i+N-1, HCCL on npu); N must "
+                        "divide the attention heads; not with --draft")
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings of the flags, with ``--device`` and ``--dtype`` resolved on this
     machine (``auto`` becomes a concrete name, so every consumer of the config, the P/D model
@@ -64,6 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dtype=dtype_name(dtype), device=str(device),
         graphs=not args.no_graphs, enable_prefix_cache=not args.no_prefix_cache,
+        tp_size=getattr(args, "tp_size", 1),  # only commands with add_tp_args have the flag
     )
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.engine_args import add_engine_args, engine_config
+from cli.engine_args import add_engine_args, add_tp_args, engine_config
 from cli.models import ensure_model
 from engine.errors import InvalidRequestError
 
@@ -61,6 +61,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_args(p)
+    add_tp_args(p)
 
 
 def _parse_ids(text: str, what: str) -> list[int]:
@@ -145,7 +146,10 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     engine = LLMEngine(model_dir, engine_config(args))
     start = time.perf_counter()
-    results = engine.generate(prompts, sampling)
+    try:
+        results = engine.generate(prompts, sampling)
+    finally:
+        engine.close()
     elapsed = time.perf_counter() - start
     for res in results:
         print(json.dumps(_as_json(res)) if args.json else (res.text or str(res.token_ids)))

@@ -11,6 +11,7 @@ from decode_node.service import DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from proto.pdserve.v1 import worker_pb2_grpc
@@ -36,7 +37,13 @@ async def serve_decode(
     KV next to the target's (``config.lookahead_tokens`` must be at least that many).
     ``max_waiting`` bounds the admission queue (see :mod:`decode_node.service`);
     ``bootstrap_config`` sets the handshake timeouts of its connections to prefill nodes.
+    With ``config.tp_size`` above 1 the engine's other ranks run in their own processes, ended
+    at shutdown; the pool holds rank 0's key/value heads only, so a prefill refuses this node's
+    registration (bytes per page differ) and the node serves colocated and local prefills.
     """
+    if draft is not None and config.tp_size > 1:
+        raise ConfigError("--draft does not run with --tp-size > 1 yet: the EAGLE loop drives "
+                          "one process's model")
     engine = LLMEngine(model_dir, config)
     spec = None
     buffers = engine.pool.buffer_infos()
@@ -63,6 +70,6 @@ async def serve_decode(
         role="decode", stats=service.stats, security=security,
         metrics_port=metrics_port,
     )
-    await serve_until_signal(server, bound, loop.stop, clients.close,
+    await serve_until_signal(server, bound, loop.stop, clients.close, engine.close,
                              on_signal=hub.close if hub is not None else None)
 

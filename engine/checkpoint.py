@@ -10,14 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.overrides import TorchFunctionMode
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.models.qwen2_vl import Qwen2VLModel
+from engine.parallel import SINGLE, TPGroup
+from engine.tp_shard import TextShard
 
 _LAYER_PREFIX = "model.layers."
 _RENAMES = (
@@ -64,11 +68,13 @@ def layer_of(name: str) -> int | None:
 
 
 def read_state_dict(
-    model_dir: Path, layers: range | None = None, device: str | torch.device = "cpu"
+    model_dir: Path, layers: range | None = None, device: str | torch.device = "cpu",
+    shard: TextShard | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint under their canonical names, read straight onto ``device``
     (no host copy of the whole checkpoint first); with ``layers``, the decoder layers outside it
-    are not read at all (a pipeline stage's share)."""
+    are not read at all (a pipeline stage's share); with ``shard``, only a tensor-parallel
+    rank's slice of each split tensor is read."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
@@ -76,8 +82,12 @@ def read_state_dict(
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     canonical = canonical_name(name)
                     layer = layer_of(canonical)
+                    if shard is not None and not shard.holds(canonical):
+                        continue
                     if layers is None or layer is None or layer in layers:
-                        state[canonical] = f.get_tensor(name)
+                        part = shard.slice_of(canonical) if shard is not None else None
+                        state[canonical] = f.get_tensor(name) if part is None else _read_part(
+                            f.get_slice(name), *part)
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises several unrelated types on bad files
@@ -85,22 +95,48 @@ def read_state_dict(
     return state
 
 
+def _read_part(tensor: Any, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of a safetensors slice, read
+    without the rest of the tensor."""
+    part = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+    assert isinstance(part, torch.Tensor)
+    return part.contiguous()
+
+
+class _NoInit(TorchFunctionMode):
+    """``torch.nn.init``'s initialisers return their tensor untouched: a model built to be loaded
+    needs no initial values, and ``normal_`` on the meta device would import ``torch._dynamo``
+    (seconds of every process's first load, each tensor-parallel rank's included)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
+
+
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu", layers: range | None = None,
+    device: str | torch.device = "cpu", layers: range | None = None, tp: TPGroup = SINGLE,
 ) -> tuple[ModelConfig, Qwen2VLModel]:
     """Build the model of ``model_dir`` and load its weights (strict: every tensor must match)
     onto ``device`` in ``dtype``. The weights go from the files to the device directly.
 
     With ``layers`` only those decoder layers are read and built (see :func:`keep_layers`): a
-    pipeline stage holds its share of the weights and never the rest."""
+    pipeline stage holds its share of the weights and never the rest. With a ``tp`` group of
+    several ranks, the decoder layers hold and read this rank's slices only
+    (:mod:`engine.tp_shard`)."""
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
-    with torch.device("meta"):
-        model = Qwen2VLModel(cfg)
+    shard = TextShard.of(cfg.text, tp.rank, tp.size) if tp.size > 1 else None
+    with torch.device("meta"), _NoInit():
+        model = Qwen2VLModel(cfg, tp)
     if layers is not None:
         keep_layers(model, layers)
-    state = read_state_dict(path, layers, device)
+    if tp.rank > 0:
+        keep_decoder(model)
+    state = read_state_dict(path, layers, device, shard)
     expected = set(model.state_dict().keys())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -116,7 +152,7 @@ def load_model(
         model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as exc:
         raise CheckpointError(f"{path}: tensor shapes do not match config.json: {exc}") from exc
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and tp.rank == 0:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype)
     model.eval().requires_grad_(False)
@@ -137,6 +173,15 @@ def keep_layers(model: Qwen2VLModel, layers: range) -> Qwen2VLModel:
     for i in range(n):
         if i not in layers:
             model.model.layers[i] = torch.nn.Module()
+    return model
+
+
+def keep_decoder(model: Qwen2VLModel) -> Qwen2VLModel:
+    """Drop the embedding, the LM head and the vision tower: a tensor-parallel rank other than 0
+    runs only :meth:`Qwen2VLModel.forward` over the embeddings rank 0 sends it.
+    :func:`load_model` applies it before reading any weight."""
+    for owner, name in ((model, "visual"), (model, "lm_head"), (model.model, "embed_tokens")):
+        delattr(owner, name)
     return model
 
 

@@ -16,6 +16,7 @@ import torch
 
 from engine.attention import AttentionBatch
 from engine.attention_select import make_attention
+from engine.errors import ConfigError
 from engine.kv_cache import BufferInfo, KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepForward
@@ -46,6 +47,8 @@ class DraftHead:
     embedding)."""
 
     def __init__(self, draft: EagleDraft, target: Qwen2VLModel, target_pool: KVPool) -> None:
+        if target.tp.size > 1:
+            raise ConfigError("an EAGLE draft does not run beside a tensor-parallel target yet")
         draft.cfg.check_target(target.cfg.text)
         self.draft, self.target = draft, target
         p = target_pool

@@ -31,3 +31,8 @@ class DeviceError(ConfigError):
     """A ``--device`` / ``--dtype`` this machine cannot run: an unknown name, a missing runtime
     (a CUDA build of torch, ``torch_npu``) or no visible device. The message is one line that
     names what to install or check."""
+
+
+class TensorParallelError(EngineError):
+    """A tensor-parallel rank failed (it raised, or its process died): the message names the
+    rank and what it reported. The engine cannot step after it; close it and build a new one."""

@@ -16,10 +16,10 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention_select import backend_name, make_attention
 from engine.checkpoint import load_model
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.device import dtype_name, resolve_device, resolve_dtype
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
@@ -30,14 +30,18 @@ from engine.image_processor import (
 from engine.inputs import ImageInput, RequestState, VideoInput, build_state
 from engine.kv_cache import KVPool, pages_for_budget
 from engine.model_runner import ModelRunner, StepForward
+from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import num_image_tokens
 from engine.page_allocator import PageAllocator
+from engine.parallel import SINGLE
 from engine.penalties import apply_penalties
 from engine.prefix_cache import PrefixCache
 from engine.request import FinishReason, Request, SamplingParams
 from engine.sampling import Sampler, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
+from engine.tp_driver import TPDriver
+from engine.tp_shard import TextShard
 from engine.visual_digest import visual_keys
 
 
@@ -99,6 +103,11 @@ class LLMEngine:
     :attr:`device` and :attr:`dtype`, and :attr:`config` holds the resolved names. The weights,
     the KV pool and the request generators live on that device; a step copies its sampled tokens
     to the host once.
+
+    With ``config.tp_size`` ``N > 1`` this engine is rank 0 of ``N`` tensor-parallel processes
+    (:mod:`engine.tp_driver`): it starts the others, holds its share of the decoder and of every
+    KV page (:attr:`pool` has this rank's key/value heads), schedules and samples; decode steps
+    run eagerly (no CUDA graphs). :meth:`close` ends the other processes.
     """
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
@@ -106,19 +115,21 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = dtype = resolve_dtype(config.dtype, self.device)
         self.config = config = replace(config, device=str(self.device), dtype=dtype_name(dtype))
-        self.model_config, self.model = load_model(model_dir, dtype, self.device, config.layers)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.image_config = ImageProcessorConfig.from_dir(model_dir)
-        text = self.model_config.text
+        text = ModelConfig.from_dir(model_dir).text
+        kv_heads = TextShard.of(text, 0, config.tp_size).num_kv_heads  # this rank's
+        if config.tp_size > 1 and config.layers is not None:
+            raise ConfigError("tensor parallelism does not run with pipeline stages yet")
         layers = config.layers if config.layers is not None else range(text.num_hidden_layers)
         num_pages = config.num_pages or pages_for_budget(
-            config.kv_budget_bytes, len(layers), config.page_size,
-            text.num_key_value_heads, text.head_dim, dtype,
+            config.kv_budget_bytes, len(layers), config.page_size, kv_heads, text.head_dim, dtype,
         )
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.image_config = ImageProcessorConfig.from_dir(model_dir)
+        self.model_config, self.model = self._load(model_dir, config, num_pages)
         # one page more than the allocator hands out: a scratch page that padded rows of a
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)
         self.scratch_page = num_pages
-        self.pool = KVPool(num_pages + 1, config.page_size, text.num_key_value_heads, text.head_dim,
+        self.pool = KVPool(num_pages + 1, config.page_size, kv_heads, text.head_dim,
                            list(layers), dtype, self.device)
         allocator = PageAllocator(num_pages)
         cache = PrefixCache(config.page_size, allocator) if config.enable_prefix_cache else None
@@ -138,10 +149,36 @@ class LLMEngine:
         )
         attn = make_attention(self.pool)
         self.runner = ModelRunner(self.model, attn)
-        if config.graphs and self.device.type == "cuda" and backend_name(self.pool) == "triton":
+        self.runner.peers = self.tp
+        if (config.graphs and self.device.type == "cuda" and backend_name(self.pool) == "triton"
+                and self.tp is None):
             self.runner.decode_graphs = decode_graphs_for(self, attn, enabled=True)
         self.sampler = Sampler()
         self._next_id = 0
+
+    def _load(self, model_dir: str | Path, config: EngineConfig, num_pages: int
+              ) -> tuple[ModelConfig, Qwen2VLModel]:
+        """The model; with ``config.tp_size`` ranks, rank 0's share, once the other ranks'
+        processes (:attr:`tp`, None with one rank) have loaded theirs (they are daemons: they
+        end with this process however ``__init__`` ends)."""
+        self.tp: TPDriver | None = None
+        if config.tp_size > 1:
+            self.tp = TPDriver(model_dir, config, num_pages)
+        try:
+            loaded = load_model(model_dir, self.dtype, self.device, config.layers,
+                                self.tp.group if self.tp else SINGLE)
+            if self.tp is not None:
+                self.tp.connect(self.device)
+        except BaseException:
+            self.close()
+            raise
+        return loaded
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks' processes (nothing to do with one rank); the
+        engine cannot step afterwards. Idempotent."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from engine.inputs import RequestState
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
 from engine.scheduler import ScheduledItem, SchedulerOutput
+from engine.tp_driver import TPDriver
 
 
 @dataclass
@@ -50,6 +51,8 @@ class ModelRunner:
         self.batch = InputBatch(self.page_size, attn.pool.device)
         # decode steps through static buffers (CUDA graphs); None: every step runs eagerly
         self.decode_graphs: DecodeGraphs | None = None
+        # the other tensor-parallel ranks, which run every forward with this one; None: no TP
+        self.peers: TPDriver | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -82,7 +85,10 @@ class ModelRunner:
         """The target model over explicit inputs: ``embeds`` ``[T, H]`` at ``mrope`` ``[3, T]``,
         K/V written at ``batch.slot_mapping``; returns hidden states ``[T, H]``."""
         self.attn.prepare(batch)
-        return self.model(embeds, mrope, self.attn)
+        if self.peers is None:
+            return self.model(embeds, mrope, self.attn)
+        with self.peers.step(embeds, mrope, batch):
+            return self.model(embeds, mrope, self.attn)
 
     def _prompt_positions(
         self,

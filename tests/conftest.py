@@ -71,6 +71,18 @@ def hf_model(hf_dir: Path):  # noqa: ANN201 - transformers model
 
 
 @pytest.fixture(scope="session")
+def hf_one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`hf_dir`'s shape with 1 KV head (4 query heads): tensor-parallel ranks replicate
+    it."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    cfg = Qwen2VLConfig(text_config=dict(HF_TEXT, num_key_value_heads=1),
+                        vision_config=dict(HF_VISION), **HF_SPECIAL)
+    path = tmp_path_factory.mktemp("hf_kv1") / "ckpt"
+    return _save_random(Qwen2VLForConditionalGeneration, cfg, path, seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engine.tiny_model import write_tiny_model
 

@@ -127,12 +127,3 @@ def activation(name: str) -> TensorFn:
         known = sorted(ACTIVATIONS)
         raise ConfigError(f"unsupported activation {name!r}; known: {known}") from None
 
-
-class Embedding(nn.Embedding):
-    """``nn.Embedding`` whose random init is skipped on the meta device, where a checkpoint fills
-    the weight anyway: the meta ``normal_`` imports ``torch._dynamo``, about 2 s of every node's
-    start."""
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            super().reset_parameters()

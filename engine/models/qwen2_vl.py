@@ -17,20 +17,26 @@ from torch import nn
 
 from engine.attention import AttentionBackend
 from engine.config import ModelConfig, TextConfig
-from engine.models.layers import Embedding, MropeRotary, RMSNorm, RotaryTables, activation
+from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
 from engine.models.vision import Grid, VisionTower
 from engine.models.vision_qwen2_5 import Qwen25VisionTower
+from engine.parallel import SINGLE, TPGroup
+from engine.tp_shard import TextShard
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    """Self-attention over this rank's heads (``shard``): q/k/v are column-parallel (this rank's
+    heads only), ``o_proj`` row-parallel, its partial sums all-reduced over ``tp``."""
+
+    def __init__(self, cfg: TextConfig, shard: TextShard, tp: TPGroup) -> None:
         super().__init__()
-        d, h, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        d, h, kv = cfg.head_dim, shard.num_heads, shard.num_kv_heads
         self.head_dim, self.num_heads, self.num_kv_heads = d, h, kv
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=True)
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.tp = tp
         self.qkv_weight = self.qkv_bias = torch.empty(0)  # set by fuse()
 
     def fuse(self) -> None:
@@ -48,16 +54,21 @@ class Attention(nn.Module):
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, h + 2 * kv, d)
         qk = rot.apply(qkv[:, : h + kv])  # q and k heads rotated together
         out = attn.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv :], layer)
-        return F.linear(out.reshape(t, h * d), self.o_proj.weight)
+        return self.tp.all_reduce(F.linear(out.reshape(t, h * d), self.o_proj.weight))
 
 
 class Mlp(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    """The gated MLP over this rank's columns (``shard``): gate/up column-parallel, ``down_proj``
+    row-parallel, its partial sums all-reduced over ``tp``."""
+
+    def __init__(self, cfg: TextConfig, shard: TextShard, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = shard.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
+        self.tp = tp
         self.gate_up_weight = torch.empty(0)  # set by fuse()
 
     def fuse(self) -> None:
@@ -68,7 +79,7 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down_proj.weight)
+        return self.tp.all_reduce(F.linear(self.act(gate) * up, self.down_proj.weight))
 
 
 def _share_rows(
@@ -85,12 +96,15 @@ def _share_rows(
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig) -> None:
+    """One decoder layer, split over ``tp``'s ranks (whole in the group of one)."""
+
+    def __init__(self, cfg: TextConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        shard = TextShard.of(cfg, tp.rank, tp.size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Mlp(cfg)
+        self.mlp = Mlp(cfg, shard, tp)
 
     def forward(
         self, x: torch.Tensor, rot: RotaryTables, attn: AttentionBackend, layer: int
@@ -103,23 +117,30 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     """Embedding, the stack of decoder layers, final norm."""
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen2VLModel(nn.Module):
     """Vision tower + decoder + LM head. Stateless: the KV lives in the attention backend's pool.
 
-    Qwen2-VL and Qwen2.5-VL share the decoder; ``cfg.model_type`` picks the vision tower."""
+    Qwen2-VL and Qwen2.5-VL share the decoder; ``cfg.model_type`` picks the vision tower.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With a ``tp`` group of several ranks the decoder layers hold this rank's share
+    (:mod:`engine.tp_shard`) and every rank runs :meth:`forward` over the same inputs together;
+    the embedding, the vision tower and the LM head are rank 0's alone (the other ranks are
+    built without them), and every rank's forward returns the hidden states of the whole model
+    (the all-reduced sums)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         t = cfg.text
-        self.model = TextModel(t)
+        self.model = TextModel(t, tp)
         self.visual: VisionTower | Qwen25VisionTower = (
             Qwen25VisionTower(cfg.vision) if cfg.model_type == "qwen2_5_vl"
             else VisionTower(cfg.vision)
@@ -138,12 +159,12 @@ class Qwen2VLModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """Where the weights live (every tensor a forward makes is put there too)."""
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, hidden]``."""

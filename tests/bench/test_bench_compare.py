@@ -1,8 +1,8 @@
 """``pdserve bench --compare`` in one small run: it starts the disaggregated and EAGLE clusters
 and a colocated one without a prefix cache itself (a plain colocated one starts the same way, so
-it is left out to save time), runs transformers' ``generate`` on the same shared-prefix requests, and writes one row per target and request rate with every
-field, ratios against the baseline, the prefix cache's hits and the KV bytes sent, and a PNG
-plot."""
+it is left out to save time), runs transformers' ``generate`` on the same shared-prefix
+requests, and writes one row per target and request rate with every field, ratios against the
+baseline, the prefix cache's hits and the KV bytes sent, and a PNG plot."""
 
 from __future__ import annotations
 

@@ -1,0 +1,153 @@
+"""Rank 0's side of a tensor-parallel engine: it starts the other ranks' processes
+(:mod:`engine.tp_rank`), waits until they are ready, tells them about every forward and sends
+them its inputs (:mod:`engine.tp_messages`), and ends them.
+
+Rank 0 is the engine the caller holds: it schedules, runs the vision tower and the embedding,
+runs its share of every forward together with the other ranks, and samples. A rank that fails
+(raises, or its process dies) fails rank 0's step with :class:`TensorParallelError` naming the
+rank and what it reported; the engine is then broken for good (:meth:`TPDriver.close` still
+ends every process).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionBatch
+from engine.config import EngineConfig
+from engine.device import resolve_device
+from engine.errors import TensorParallelError
+from engine.parallel import DistGroup, rank_device, serve_store
+from engine.tp_messages import Command, RankReport, StepHeader, pack_step, step_header
+from engine.tp_rank import RankSpec, rank_main
+
+READY_TIMEOUT_S = 600.0  # a rank's model load
+REPORT_WAIT_S = 2.0  # after a failed step: how long to wait for a rank to say why
+STOP_WAIT_S = 10.0  # after STOP: how long a rank may take to exit before it is killed
+
+
+class TPDriver:
+    """The other ranks of rank 0's group, driven from rank 0.
+
+    Build it before rank 0 loads its model (the ranks load theirs meanwhile), build rank 0's
+    model with :attr:`group`, then :meth:`connect`."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig, num_pages: int) -> None:
+        size = config.tp_size
+        device = resolve_device(config.device)
+        for rank in range(1, size):  # DeviceError now rather than a rank failing to start
+            resolve_device(str(rank_device(device, rank)))
+        self.group = DistGroup(0, size)
+        self._store = serve_store(size)
+        self.failed = False
+        self._closed = False
+        ctx = mp.get_context("spawn")
+        threads = max(1, torch.get_num_threads() // size)
+        spec = RankSpec(str(model_dir), replace(config, num_pages=num_pages), 0,
+                        self._store.port, threads)
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=rank_main, args=(replace(spec, rank=rank), theirs),
+                               name=f"pdserve-tp-rank-{rank}", daemon=True)
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(ours)
+
+    def connect(self, device: torch.device) -> None:
+        """Wait until every rank has loaded its share, then join the group."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
+            error = _ready_report(proc, conn, deadline)
+            if error:
+                self.failed = True
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {error}")
+        self.group.join(self._store, device)
+
+    @contextmanager
+    def step(self, embeds: torch.Tensor, mrope: torch.Tensor,
+             batch: AttentionBatch) -> Iterator[None]:
+        """Announce a forward over ``embeds`` ``[T, hidden]`` at ``mrope`` ``[3, T]`` with
+        ``batch`` and send its inputs; run rank 0's forward inside. A failure of any rank in
+        here raises :class:`TensorParallelError`."""
+        if self.failed:
+            raise TensorParallelError("a tensor-parallel rank failed earlier; close this engine")
+        try:
+            header = step_header(embeds, batch).encode()
+            for conn in self._conns:
+                conn.send_bytes(header)
+            self.group.broadcast(pack_step(mrope, batch))
+            self.group.broadcast(embeds.contiguous())
+            yield
+        except Exception as exc:
+            self.failed = True
+            raise step_failure(self._procs, self._conns, exc) from exc
+
+    def close(self) -> None:
+        """End every rank's process (STOP, then a kill for one that does not exit) and leave
+        the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        stop = StepHeader(Command.STOP).encode()
+        for conn in self._conns:
+            with suppress(OSError):
+                if not self.failed:
+                    conn.send_bytes(stop)
+                conn.close()
+        for proc in self._procs:
+            proc.join(STOP_WAIT_S if not self.failed else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.group.close()
+
+
+def _ready_report(proc: BaseProcess, conn: Connection, deadline: float) -> str:
+    """What a starting rank says: empty when it is ready, else why it is not (its own report,
+    its exit, or the deadline passing)."""
+    while not conn.poll(0.05):
+        if not proc.is_alive():
+            break
+        if time.monotonic() > deadline:
+            return f"not ready after {READY_TIMEOUT_S:.0f} s"
+    try:
+        return RankReport.decode(conn.recv_bytes()).error
+    except (EOFError, OSError):
+        proc.join(1.0)
+        return f"its process exited (exit code {proc.exitcode}) without a report"
+
+
+def step_failure(procs: list[BaseProcess], conns: list[Connection], exc: Exception,
+                 wait_s: float = REPORT_WAIT_S) -> TensorParallelError:
+    """The error of a step that raised ``exc`` on rank 0, ranks ``1..`` being ``procs`` with
+    ``conns``: a rank's own report, else a rank's death, else ``exc`` itself, once the ranks
+    had ``wait_s`` to report."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        # liveness before reports: a rank that reported and then died is read as its report
+        dead = [(rank, p.exitcode) for rank, p in enumerate(procs, 1) if not p.is_alive()]
+        for rank, conn in enumerate(conns, 1):
+            with suppress(OSError, EOFError):
+                if conn.poll():
+                    error = RankReport.decode(conn.recv_bytes()).error
+                    return TensorParallelError(f"tensor-parallel rank {rank} failed: {error}")
+        if dead:
+            rank, code = dead[0]
+            return TensorParallelError(f"tensor-parallel rank {rank} died during a step "
+                                       f"(exit code {code})")
+        if time.monotonic() > deadline:
+            return TensorParallelError(f"tensor-parallel step failed on rank 0: "
+                                       f"{type(exc).__name__}: {exc}")
+        time.sleep(0.05)

@@ -1,0 +1,100 @@
+"""What rank 0 of a tensor-parallel engine and its other ranks say to each other.
+
+Two channels per non-zero rank:
+
+- a pipe between rank 0 and the rank (a ``multiprocessing`` connection, raw bytes only): rank 0
+  sends one :class:`StepHeader` per forward and one to stop; the rank sends one
+  :class:`RankReport` when its model is loaded (or failed to load) and one if it fails later.
+  A rank waits for work on its pipe, never inside a collective, so an idle engine holds no
+  collective open (NCCL's watchdog would end it);
+- the group's broadcast (``torch.distributed``) for the step's tensors, whose shapes the header
+  gives: one int64 tensor holding every integer input (:func:`pack_step`) and the input
+  embeddings ``[T, hidden]`` in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+from engine.attention import AttentionBatch
+
+_HEADER = struct.Struct("<7q")
+
+
+class Command(IntEnum):
+    FORWARD = 1  # run the model over the broadcast inputs
+    STOP = 2  # leave the group and exit
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    """One message from rank 0: a command and the shapes of the step that follows."""
+
+    command: Command
+    num_tokens: int = 0  # T
+    num_seqs: int = 0  # B
+    table_width: int = 0  # P, columns of the page table
+    max_q: int = 0
+    max_kv: int = 0
+    hidden: int = 0  # width of the embeddings
+
+    def encode(self) -> bytes:
+        return _HEADER.pack(self.command, self.num_tokens, self.num_seqs, self.table_width,
+                            self.max_q, self.max_kv, self.hidden)
+
+    @classmethod
+    def decode(cls, data: bytes) -> StepHeader:
+        if len(data) != _HEADER.size:
+            raise ValueError(f"a step header is {_HEADER.size} bytes, got {len(data)}")
+        command, *rest = _HEADER.unpack(data)
+        return cls(Command(command), *rest)
+
+    def packed_len(self) -> int:
+        """Length of :func:`pack_step`'s tensor for this step."""
+        t, b = self.num_tokens, self.num_seqs
+        return 4 * t + 3 * b + 1 + b * self.table_width
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """One message from a non-zero rank: ready (``error`` empty) or failed, and why."""
+
+    rank: int
+    error: str = ""
+
+    def encode(self) -> bytes:
+        return struct.pack("<q", self.rank) + self.error.encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> RankReport:
+        (rank,) = struct.unpack("<q", data[:8])
+        return cls(rank, data[8:].decode(errors="replace"))
+
+
+def step_header(embeds: torch.Tensor, batch: AttentionBatch) -> StepHeader:
+    """The header of a forward over ``embeds`` ``[T, hidden]`` with ``batch``."""
+    return StepHeader(Command.FORWARD, embeds.shape[0], batch.num_seqs,
+                      batch.page_table.shape[1], batch.max_q, batch.max_kv, embeds.shape[1])
+
+
+def pack_step(mrope: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """Every integer input of a forward in one int64 tensor ``[packed_len]``:
+    ``mrope [3, T] | slots [T] | q_lens [B] | kv_lens [B] | q_starts [B + 1] | table [B, P]``."""
+    parts = (mrope, batch.slot_mapping, batch.q_lens, batch.kv_lens, batch.q_starts,
+             batch.page_table)
+    return torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+
+
+def unpack_step(header: StepHeader, packed: torch.Tensor) -> tuple[torch.Tensor, AttentionBatch]:
+    """The mrope positions ``[3, T]`` and attention batch of :func:`pack_step`'s tensor."""
+    t, b, p = header.num_tokens, header.num_seqs, header.table_width
+    mrope, slots, q_lens, kv_lens, q_starts, table = packed.split(
+        [3 * t, t, b, b, b + 1, b * p])
+    i32 = torch.int32
+    batch = AttentionBatch(q_lens.to(i32), kv_lens.to(i32), q_starts.to(i32),
+                           table.view(b, p).to(i32), slots, header.max_q, header.max_kv)
+    return mrope.view(3, t), batch
