@@ -56,6 +56,9 @@ class TritonPagedAttention(AttentionBackend):
             )
         if batch.page_table.dim() != 2 or batch.page_table.shape[0] != bsz:
             raise ValueError(f"page_table must be [{bsz}, P], got {tuple(batch.page_table.shape)}")
+        if batch.tree_mask is not None:
+            raise ValueError("tree-masked attention (EAGLE draft trees) is not built for the "
+                             "Triton backend; it runs on TorchPagedAttention")
         if batch.max_q < 1:
             raise ValueError(f"a forward needs at least one new token, got max_q={batch.max_q}")
         for name, t in (("q_lens", batch.q_lens), ("kv_lens", batch.kv_lens),

@@ -6,6 +6,9 @@ speculative sampling (Leviathan et al.; Chen et al.): accept ``d`` with probabil
 ``min(1, p(d) / q(d))``; at the first rejection draw from ``normalize(max(p - q, 0))``; when all
 ``K`` drafts pass, draw the bonus from ``p`` at row ``K``. ``p`` and ``q`` must be the exact
 distributions the target samples from and the drafts were drawn from.
+
+Trees (greedy only): node ``c`` is accepted iff its parent is and its token equals the target's
+argmax at its parent; the accepted nodes form one root-to-node path.
 """
 
 from __future__ import annotations
@@ -23,6 +26,25 @@ def accept_greedy(drafts: list[int], target_argmax: list[int]) -> list[int]:
         out.append(d)
     out.append(target_argmax[len(out)])
     return out
+
+
+def accept_tree_greedy(tokens: list[int], parents: list[int],
+                       target_argmax: list[int]) -> tuple[list[int], list[int]]:
+    """The accepted path of one draft tree and the tokens to commit.
+
+    ``tokens[j]`` is node ``j``'s token (node 0, the root, is the bonus), ``parents[j]`` its
+    parent (``< j``; -1 for the root), ``target_argmax[j]`` the target's argmax at node ``j``.
+    Returns the path's node indices (from the root; ``A`` of them) and the ``A`` tokens to
+    commit: the accepted nodes' tokens, then the target's argmax at the path's last node.
+    """
+    path = [0]
+    while True:
+        want = target_argmax[path[-1]]
+        child = next((c for c in range(path[-1] + 1, len(tokens))
+                      if parents[c] == path[-1] and tokens[c] == want), None)
+        if child is None:
+            return path, [*(tokens[c] for c in path[1:]), want]
+        path.append(child)
 
 
 def accept_sampled(
