@@ -48,7 +48,6 @@ from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import TreeShape
 from decode_node.spec.tree_round import TreeRounds
 from engine.attention import AttentionBatch
-from engine.attention_select import backend_name
 from engine.draft_runner import DraftRunner
 from engine.errors import InvalidRequestError
 from engine.input_batch import to_device
@@ -98,10 +97,6 @@ class EagleEngine:
             raise ValueError(f"the engine's lookahead_tokens must be at least "
                              f"{self.shape.lookahead} (num_draft_tokens, or a tree's "
                              "topk * (steps - 1) - 1 draft scratch)")
-        if not self.shape.is_chain and backend_name(engine.pool) == "triton":
-            raise ValueError("draft trees (--draft-topk > 1 or --draft-steps other than "
-                             "--num-draft-tokens) need the torch attention backend: the Triton "
-                             "kernels have no tree mask yet")
         self.engine, self.k = engine, k
         self.drafter = DraftRunner(engine, draft)
         self.graph = SpecGraphRunner(engine, self.drafter, k)
