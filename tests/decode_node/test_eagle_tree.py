@@ -21,7 +21,8 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from engine.mrope import rope_index
-from engine.request import SamplingParams
+from engine.penalties import chain_scores, tree_scores
+from engine.request import Request, SamplingParams
 
 SHAPES = [(4, 2, 3), (6, 3, 2), (3, 1, 5)]  # (num_draft_tokens, topk, steps)
 
@@ -71,6 +72,23 @@ def test_tree_greedy_equals_plain_decoding(pair_dir: Path, case: str,
     if shape[1] > 1:  # some accepted path leaves the first branch: its target KV moved
         assert any(p != j for path in paths for j, p in enumerate(path))
     spec.engine.scheduler.check_no_leaks()
+
+
+def test_tree_scores_penalize_each_node_with_its_own_path() -> None:
+    """Row ``j`` of a tree's penalized verify logits is the last row of the chain made of node
+    ``j``'s path (``chain_scores``, which equals the penalty rules token by token)."""
+    params = SamplingParams(repetition_penalty=1.7, frequency_penalty=0.9, presence_penalty=0.5)
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(0)) * 2.5  # [N, V]
+    tokens = [7, 3, 4, 3, 7]  # root 7; parents -1, 0, 0, 1, 3: path 3 -> 3 -> 7
+    mask = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                         [1, 1, 0, 1, 1]], dtype=torch.bool)
+    req = Request("r", [1, 2, 3], params, output_token_ids=[5, 7])
+    got = tree_scores(req, tokens, mask, logits)
+    for j in range(5):
+        path = [tokens[a] for a in range(1, j + 1) if mask[j, a]]  # node j's drafted path
+        want = chain_scores(req, path, logits[j : j + 1].expand(len(path) + 1, -1))[-1]
+        torch.testing.assert_close(got[j], want)
+    assert tree_scores(Request("r", [1], GREEDY), tokens, mask, logits) is logits
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 5), (6, 3, 2)], ids=["n3k1s5", "n6k3s2"])
