@@ -52,7 +52,7 @@ class RoundInputs:
     bs: int  # the padded (captured) batch size
     deltas: torch.Tensor  # [B] int64 mrope deltas
     page_table: torch.Tensor  # [bs, ceil((max S + N) / page_size)] int32; pad rows: scratch
-    positions: torch.Tensor  # [B*N] int64, S + j: the verify window
+    positions: torch.Tensor  # [B*N] int64, S + j: the verify window (a tree's: S + depth)
     slots: torch.Tensor  # [B*N] int64, KV slot of each window token
     seq_lens: torch.Tensor  # [B] int64, S + N
     temperatures: torch.Tensor  # [B] float32

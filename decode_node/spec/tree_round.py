@@ -112,8 +112,9 @@ class TreeRounds:
                                        att)  # [B*k, H]
             self.log("draft_decode", row_ids, mrope, pos)
             parent_row = draft.expand(torch.log_softmax(model.logits(out).float(), dim=-1))
-            feats = out.view(bsz, k, -1).gather(
-                1, parent_row.to(device).unsqueeze(2).expand(-1, -1, out.shape[1])).flatten(0, 1)
+            if i + 1 < self.shape.depth:  # the next frontier's parents' features
+                index = parent_row.to(device).unsqueeze(2).expand(-1, -1, out.shape[1])
+                feats = out.view(bsz, k, -1).gather(1, index).flatten(0, 1)  # [B*k, H]
         return draft.select(self.shape.num_draft_tokens)
 
     def _accept(self, rnd: RoundInputs, ids: list[list[int]], tree: DraftTree,

@@ -143,6 +143,20 @@ def test_disaggregated_eagle_equals_plain_decoding(disaggregated: dict[str, Node
           (disaggregated[f"decode{k}"], worker_pb2_grpc.DecodeWorkerStub)])
 
 
+def test_tree_decode_refuses_sampled_requests(disaggregated: dict[str, Node]) -> None:
+    """Draft trees verify greedy requests only: a sampled request gets INVALID_ARGUMENT naming
+    why, and neither node keeps anything of it."""
+    req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[5, 6, 7]), sampling=gpb.SamplingParams(
+        max_new_tokens=4, temperature=0.8))
+    with grpc.insecure_channel(disaggregated["routertree"].address) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "greedy requests only" in (err.value.details() or "")
+    idle([(disaggregated["prefill"], worker_pb2_grpc.PrefillWorkerStub),
+          (disaggregated["decodetree"], worker_pb2_grpc.DecodeWorkerStub)])
+
+
 def test_repeated_prompts_hit_both_caches_and_still_equal_plain_decoding(
     disaggregated: dict[str, Node], want: list[list[int]]
 ) -> None:
