@@ -191,8 +191,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     """``--draft-topk`` and ``--draft-steps``: the EAGLE-2 draft tree beside
     ``--num-draft-tokens`` (checked by :class:`decode_node.spec.tree.TreeShape`)."""
     p.add_argument("--draft-topk", type=int, default=1, metavar="k",
-                   help="children per expanded node of the EAGLE-2 draft tree (1: a chain; "
-                        "more than 1 verifies greedy requests only)")
+                   help="children per expanded node of the EAGLE-2 draft tree (1 with the "
+                        "default --draft-steps: today's chain)")
     p.add_argument("--draft-steps", type=int, default=None, metavar="S",
                    help="depth of the draft tree (default: --num-draft-tokens); "
                         "--num-draft-tokens may be at most topk + (S - 1) * topk^2")

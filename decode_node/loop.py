@@ -64,8 +64,6 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
         videos: Sequence[VideoInput] = (),
     ) -> Request:
         """Validate and queue a request; raises ``InvalidRequestError`` on bad input."""
-        if self.spec is not None:
-            self.spec.check_sampling(sampling)
         with self.lock:
             req = self.engine.add_request(token_ids, images, sampling, request_id=request_id,
                                           videos=videos)
@@ -83,8 +81,6 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
         order (the last stage sends the aux row). ``images`` and ``videos`` are the prompt's:
         the prefix cache keys its blocks by their content too."""
         clients = client if isinstance(client, list) else [client]
-        if self.spec is not None:
-            self.spec.check_sampling(sampling)
         req = self.engine.new_request(token_ids, images, sampling, request_id=str(room),
                                       videos=videos)
         req.payload = None  # the aux row's mrope delta makes it at adoption

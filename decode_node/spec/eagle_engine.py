@@ -27,8 +27,9 @@ always equals the forward's token count.
 
 Draft trees (EAGLE-2, ``topk > 1`` or ``steps != K``): the round drafts a tree instead of the
 chain and verifies it in one forward under a tree mask (:mod:`decode_node.spec.tree_round`); the
-chain (``topk == 1``, ``steps == K``) runs exactly the path above. Trees verify greedy requests
-only (:meth:`EagleEngine.check_sampling`).
+chain (``topk == 1``, ``steps == K``) runs exactly the path above. A tree's drafts are the
+draft's top-``k`` tokens whatever the request's sampling; a sampled request's tree is verified
+losslessly with the drafts as point masses (:func:`~decode_node.spec.accept.accept_tree_sampled`).
 
 A round's page tables, slots and deltas come from the engine runner's persistent batch
 (:meth:`SpecGraphRunner.round_inputs`, once per round); each draft decode step only adds its
@@ -49,7 +50,6 @@ from decode_node.spec.tree import TreeShape
 from decode_node.spec.tree_round import TreeRounds
 from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
-from engine.errors import InvalidRequestError
 from engine.input_batch import to_device
 from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
@@ -137,18 +137,9 @@ class EagleEngine:
             self.states.pop(r.request_id, None)
         return StepResult(list(new.values()), finished)
 
-    def check_sampling(self, sampling: SamplingParams) -> None:
-        """Raise :class:`InvalidRequestError` if this engine cannot decode with ``sampling``:
-        draft trees verify greedily only (their lossless sampling is not built)."""
-        if self.trees is not None and not sampling.is_greedy:
-            raise InvalidRequestError(
-                "this decode worker drafts trees (--draft-topk > 1 or --draft-steps other than "
-                "--num-draft-tokens), which verify greedy requests only; send temperature 0")
-
     def generate(
         self, prompts: Sequence[Prompt], sampling: SamplingParams
     ) -> list[GenerationResult]:
-        self.check_sampling(sampling)
         reqs = []
         for prompt in prompts:
             p = self.engine.prepare(prompt)

@@ -1,5 +1,5 @@
-"""One EAGLE-2 tree round (greedy): draft a tree, verify it in one forward, keep the accepted
-path, draft-extend over it.
+"""One EAGLE-2 tree round: draft a tree, verify it in one forward, keep the accepted path,
+draft-extend over it.
 
 Per request (``S`` committed, bonus ``b`` at index ``S``, tree of ``N = n + 1`` nodes, node 0 the
 root ``b``; see :mod:`decode_node.spec.tree` for the tree itself):
@@ -11,8 +11,10 @@ root ``b``; see :mod:`decode_node.spec.tree` for the tree itself):
   earlier forwards and itself. The draft extend overwrites the scratch before anything reads it.
 * **Verify**: the target over the ``N`` nodes, node ``j`` at slot ``S + j`` and position
   ``S + depth(j)``, under the tree mask (the prefix, its ancestors and itself).
-* **Accept** (:func:`~decode_node.spec.accept.accept_tree_greedy`): the path ``0 = p_0, p_1, ..
-  p_{A-1}`` and ``A`` tokens to commit. The target KV of ``p_j`` moves from slot ``S + p_j`` to
+* **Accept** (:func:`~decode_node.spec.accept.accept_tree_greedy`, or
+  :func:`~decode_node.spec.accept.accept_tree_sampled` against the target's sampling
+  distributions, penalties included): the path ``0 = p_0, p_1, .. p_{A-1}`` and ``A`` tokens to
+  commit. The target KV of ``p_j`` moves from slot ``S + p_j`` to
   ``S + j`` (every layer), so the committed KV is contiguous again.
 * **Draft extend**: the draft over rows ``j = 0 .. N - 1`` at ``S + j`` (the chain's window):
   row ``j < A`` pairs the verify's hidden state of ``p_j`` with committed token ``j``, so the
@@ -28,16 +30,18 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from decode_node.spec.accept import accept_tree_greedy
+from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
 from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
 from engine.input_batch import to_device
+from engine.inputs import RequestState
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.mrope import mrope_from_1d
 from engine.penalties import tree_scores
+from engine.sampling import sampling_probs
 
 # (phase, request ids per row, mrope positions [3, T], 1-D positions [T])
 RowLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]
@@ -123,10 +127,15 @@ class TreeRounds:
         paths, committed = [], []
         parents = tree.parents.tolist()
         for i, req in enumerate(rnd.reqs):
-            if not req.sampling.is_greedy:
-                raise ValueError("draft trees (--draft-topk > 1) verify greedy requests only")
-            scores = tree_scores(req, ids[i], tree.mask[i], logits[i])
-            path, toks = accept_tree_greedy(ids[i], parents[i], scores.argmax(dim=-1).tolist())
+            scores = tree_scores(req, ids[i], tree.mask[i], logits[i])  # [N, V]
+            if req.sampling.is_greedy:
+                path, toks = accept_tree_greedy(ids[i], parents[i],
+                                                scores.argmax(dim=-1).tolist())
+            else:
+                assert isinstance(req.payload, RequestState)
+                probs = sampling_probs(scores, [req.sampling] * scores.shape[0])
+                path, toks = accept_tree_sampled(ids[i], parents[i], probs,
+                                                 req.payload.generator)
             paths.append(path)
             committed.append(toks)
         return paths, committed

@@ -1,7 +1,7 @@
 """EAGLE-2 draft trees: greedy output equals plain decoding at several tree shapes (text, image,
 mixed batch), every tree forward's positions audited, the worked example of
-docs/architecture.md, and the tree's pieces (shape bounds, drafting and rerank, acceptance,
-the attention mask) on hand-made numbers."""
+docs/architecture.md, lossless sampling over a tree, and the tree's pieces (shape bounds,
+drafting and rerank, acceptance, penalties, the attention mask) on hand-made numbers."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ import torch
 from test_eagle import GREEDY, IMG, PROMPTS, image_prompt, write_oracle_pair
 
 import decode_node.spec.tree_round as tree_round
-from decode_node.spec.accept import accept_tree_greedy
+from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
 from engine.attention import tree_key_mask
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from engine.mrope import rope_index
@@ -31,6 +30,14 @@ SHAPES = [(4, 2, 3), (6, 3, 2), (3, 1, 5)]  # (num_draft_tokens, topk, steps)
 def pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A two-layer target and a draft that approximates it: partial acceptance."""
     return write_oracle_pair(tmp_path_factory.mktemp("tree") / "pair", exact=False)
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(pair_dir: Path) -> dict[str, list[list[int]]]:
+    """Plain greedy decoding of every case of ``PROMPTS`` on the pair's target."""
+    engine = LLMEngine(pair_dir, EngineConfig(num_pages=256, page_size=8))
+    return {case: [r.token_ids for r in engine.generate(prompts, GREEDY)]
+            for case, prompts in PROMPTS.items()}
 
 
 def tree_engine(model_dir: Path, n: int, k: int, s: int) -> EagleEngine:
@@ -58,15 +65,12 @@ def record_paths(spec: EagleEngine) -> list[list[int]]:
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}k{}s{}".format(*s))
 @pytest.mark.parametrize("case", list(PROMPTS))
-def test_tree_greedy_equals_plain_decoding(pair_dir: Path, case: str,
-                                           shape: tuple[int, int, int]) -> None:
-    prompts = PROMPTS[case]
-    plain = LLMEngine(pair_dir, EngineConfig(num_pages=256, page_size=8)).generate(prompts,
-                                                                                  GREEDY)
+def test_tree_greedy_equals_plain_decoding(pair_dir: Path, plain_tokens: dict[str, list[list[int]]],
+                                           case: str, shape: tuple[int, int, int]) -> None:
     spec = tree_engine(pair_dir, *shape)
     paths = record_paths(spec)
-    got = spec.generate(prompts, GREEDY)
-    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    got = spec.generate(PROMPTS[case], GREEDY)
+    assert [g.token_ids for g in got] == plain_tokens[case]
     assert spec.stats.rounds > 0 and spec.stats.drafted == shape[0] * spec.stats.rounds
     assert spec.stats.accepted > 0
     if shape[1] > 1:  # some accepted path leaves the first branch: its target KV moved
@@ -289,9 +293,37 @@ def test_tree_key_mask_admits_the_prefix_and_the_window_rows() -> None:
                 assert bool(got[b, 0, q, key]) == want, (b, q, key)
 
 
-def test_trees_refuse_sampling(pair_dir: Path) -> None:
+def test_tree_sampling_keeps_the_target_distribution() -> None:
+    """Root children 0 and 2, node 1 (token 0) with child 1: the first committed token follows
+    the root's ``p``, and after token 0 the second follows node 1's."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, trials = 4, 8000
+    p = torch.softmax(torch.randn(4, vocab, generator=gen), dim=-1)  # [N, V]
+    tokens, parents = [3, 0, 2, 1], [-1, 0, 0, 1]
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(trials):
+        path, out = accept_tree_sampled(tokens, parents, p, gen)
+        assert len(path) == len(out) and out[: len(path) - 1] == [tokens[c] for c in path[1:]]
+        first[out[0]] += 1
+        if out[0] == 0:
+            second[out[1]] += 1
+
+    def chi2(observed: torch.Tensor, probs: torch.Tensor) -> float:
+        expected = probs.double() * observed.sum()
+        return float(((observed.double() - expected) ** 2 / expected).sum())
+
+    assert chi2(first, p[0]) < 16.3  # p = 0.001 at 3 degrees of freedom
+    assert chi2(second, p[1]) < 16.3
+
+
+def test_sampling_with_trees_runs_and_frees_everything(pair_dir: Path) -> None:
+    prompts = [PROMPTS["text"][0], *PROMPTS["image"]]
     spec = tree_engine(pair_dir, 4, 2, 3)
-    with pytest.raises(InvalidRequestError, match="greedy requests only"):
-        spec.generate(PROMPTS["text"], SamplingParams(temperature=1.0, max_new_tokens=4))
-    chain = tree_engine(pair_dir, 3, 1, 3)
-    chain.check_sampling(SamplingParams(temperature=1.0))  # the chain samples losslessly
+    params = SamplingParams(temperature=1.0, top_k=20, max_new_tokens=12, seed=7,
+                            ignore_eos=True, repetition_penalty=1.2)
+    out = spec.generate(prompts, params)
+    assert all(len(o.token_ids) == 12 for o in out)
+    assert spec.stats.rounds > 0
+    spec.engine.scheduler.check_no_leaks()
+    again = spec.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in out]  # seeded: reproducible
