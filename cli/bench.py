@@ -222,7 +222,7 @@ def _config(args: argparse.Namespace, rates: list[float], requests: int) -> dict
             "model": str(args.model) if args.model else "built-in",
             "num_draft_tokens": args.num_draft_tokens or (compare.DEFAULT_K if args.compare
                                                            else 0),
-            "seed": args.seed}
+            "draft_topk": args.draft_topk, "draft_steps": args.draft_steps, "seed": args.seed}
 
 
 class _Progress:
