@@ -95,6 +95,21 @@ def test_tree_scores_penalize_each_node_with_its_own_path() -> None:
     assert tree_scores(Request("r", [1], GREEDY), tokens, mask, logits) is logits
 
 
+def test_a_one_child_tree_round_is_the_chain_round(pair_dir: Path) -> None:
+    """The tree machinery run on the chain's shape (k = 1, steps = n) drafts, accepts and
+    commits exactly what the chain path does."""
+    prompts = [PROMPTS["text"][0], *PROMPTS["image"]]
+    chain = tree_engine(pair_dir, 3, 1, 3)
+    assert chain.trees is None  # the chain path
+    forced = tree_engine(pair_dir, 3, 1, 3)
+    forced.trees = tree_round.TreeRounds(forced.engine, forced.drafter, forced.graph,
+                                         forced.shape, forced._log_rows)
+    want = [g.token_ids for g in chain.generate(prompts, GREEDY)]
+    assert [g.token_ids for g in forced.generate(prompts, GREEDY)] == want
+    assert forced.stats == chain.stats and chain.stats.accepted > 0
+    forced.engine.scheduler.check_no_leaks()
+
+
 @pytest.mark.parametrize("shape", [(3, 1, 5), (6, 3, 2)], ids=["n3k1s5", "n6k3s2"])
 def test_exact_draft_accepts_its_argmax_path(tmp_path: Path, shape: tuple[int, int, int]
                                              ) -> None:
