@@ -81,14 +81,14 @@ class TreeRounds:
         paths, committed = self._accept(rnd, ids.tolist(), tree, logits)
         self._move_target_kv(rnd, paths)
         pad = [p + [p[-1]] * (n - len(p)) for p in paths]
-        rows = torch.tensor(pad, device=device)  # [B, N] node of each draft-extend row
+        nodes = torch.tensor(pad, device=device)  # [B, N] node of each draft-extend row
         ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed], device=device)
         path_hidden = hidden.view(bsz, n, -1).gather(
-            1, rows.unsqueeze(2).expand(-1, -1, hidden.shape[1])).flatten(0, 1)  # [B*N, H]
+            1, nodes.unsqueeze(2).expand(-1, -1, hidden.shape[1])).flatten(0, 1)  # [B*N, H]
         seeds = self.graph.draft_extend(rnd, ext.flatten(), path_hidden,
                                         [len(c) - 1 for c in committed])
         self._log_graph("draft_extend", rnd)
-        path_logits = logits.gather(1, rows.unsqueeze(2).expand(-1, -1, logits.shape[2]))
+        path_logits = logits.gather(1, nodes.unsqueeze(2).expand(-1, -1, logits.shape[2]))
         return TreeOutcome(committed, path_logits, seeds)
 
     def _draft(self, rnd: RoundInputs, features: torch.Tensor) -> DraftTree:
