@@ -5,9 +5,8 @@ one decode token, or a verify window) on top of ``kv_len - q_len`` tokens alread
 New K/V are written at ``slot_mapping`` first; each query then attends causally to its
 sequence's first ``kv_len - q_len + i + 1`` tokens, or, with a tree mask (speculative draft
 trees), every key before the sequence's last ``W`` keys and those of the last ``W`` its row of
-the mask admits. Backends: :class:`TorchPagedAttention`
-(gather + SDPA, CPU and anything torch runs on); a CUDA or NPU kernel implements the same two
-methods.
+the mask admits. Backends: :class:`TorchPagedAttention` (gather + SDPA, CPU and anything torch
+runs on); a CUDA or NPU kernel implements the same two methods.
 """
 
 from __future__ import annotations

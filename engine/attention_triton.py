@@ -2,8 +2,8 @@
 
 Same contract as :class:`engine.attention.TorchPagedAttention`: ``forward`` writes the new K/V
 at the batch's slots, then attends causally (or under the batch's tree mask, through the extend
-kernel) through the page table. Importing this module
-needs ``triton``; on CPU tensors the kernels run only under ``TRITON_INTERPRET=1``.
+kernel) through the page table. Importing this module needs ``triton``; on CPU tensors the
+kernels run only under ``TRITON_INTERPRET=1``.
 
 CUDA graphs: ``prepare`` reads nothing from the device and allocates nothing; ``forward``'s
 launches depend only on the batch size, ``max_q``, head counts, ``D`` and the page size (never
