@@ -114,14 +114,18 @@ class Processes:
 
 
 def start_disaggregated(procs: Processes, model: Path, engine: Sequence[str],
-                        draft: Path | None = None, num_draft_tokens: int = 0) -> str:
+                        draft: Path | None = None, num_draft_tokens: int = 0,
+                        draft_topk: int = 1, draft_steps: int | None = None) -> str:
     """One prefill node, one decode node and their router; returns the router's address.
     With ``draft`` both workers load the EAGLE draft and the decode runs rounds of
-    ``num_draft_tokens``."""
+    ``num_draft_tokens`` (a tree of ``draft_topk`` children per node, ``draft_steps`` deep,
+    when those are given)."""
     spec = [] if draft is None else ["--draft", str(draft)]
     prefill = procs.start("prefill", ["prefill", *engine, *spec])
-    decode = procs.start("decode", ["decode", *engine, *spec, *(
-        ["--num-draft-tokens", str(num_draft_tokens)] if draft is not None else [])])
+    steps = [] if draft_steps is None else ["--draft-steps", str(draft_steps)]
+    tree = ["--num-draft-tokens", str(num_draft_tokens), "--draft-topk", str(draft_topk), *steps]
+    decode = procs.start("decode", ["decode", *engine, *spec, *(tree if draft is not None
+                                                                  else [])])
     procs.wait_ready([prefill, decode])
     router = procs.start("disaggregated router", [
         "router", "--model", str(model), "--port", "0",

@@ -58,10 +58,12 @@ def rate_key(rate: float) -> float | None:
 
 def run_compare(model: Path, targets: Sequence[str], works: loadgen.Load,
                 rates: Sequence[float], *, max_concurrency: int, num_draft_tokens: int,
+                draft_topk: int = 1, draft_steps: int | None = None,
                 seed: int, log: Callable[[str], None], slo_ttft_ms: float | None = None,
                 slo_tpot_ms: float | None = None) -> tuple[list[Row], list[list[list[int]]]]:
     """One row per target and rate (target-major) and each row's output token ids; with an SLO,
-    each row has its ``goodput``."""
+    each row has its ``goodput``. The EAGLE target drafts ``num_draft_tokens`` per round, as a
+    tree when ``draft_topk``/``draft_steps`` say so."""
     rows: list[Row] = []
     outputs: list[list[list[int]]] = []
     engine = cc.engine_flags(model, max_num_seqs=max(64, max_concurrency))
@@ -79,7 +81,7 @@ def run_compare(model: Path, targets: Sequence[str], works: loadgen.Load,
         k = num_draft_tokens if target == "disaggregated+eagle" else 0
         procs = cc.Processes()
         try:
-            address = _start(procs, target, model, engine, k)
+            address = _start(procs, target, model, engine, k, (draft_topk, draft_steps))
             asyncio.run(loadgen.run(address, [loadgen.WARMUP], max_concurrency=1))
             for rate in rates:
                 log(f"{target}: {len(works)} requests at rate {rate_key(rate) or 'max'}")
@@ -96,7 +98,8 @@ def run_compare(model: Path, targets: Sequence[str], works: loadgen.Load,
     return rows, outputs
 
 
-def _start(procs: cc.Processes, target: str, model: Path, engine: list[str], k: int) -> str:
+def _start(procs: cc.Processes, target: str, model: Path, engine: list[str], k: int,
+           tree: tuple[int, int | None] = (1, None)) -> str:
     engine = [*engine, "--metrics-port", "0"]
     if target.endswith(NO_CACHE):
         engine.append("--no-prefix-cache")
@@ -107,7 +110,7 @@ def _start(procs: cc.Processes, target: str, model: Path, engine: list[str], k: 
         draft = model / "draft"
         if not (draft / "config.json").is_file():
             raise RuntimeError(f"{model} has no EAGLE draft in draft/ (needed by {target})")
-        return cc.start_disaggregated(procs, model, engine, draft, k)
+        return cc.start_disaggregated(procs, model, engine, draft, k, *tree)
     return cc.start_disaggregated(procs, model, engine)
 
 

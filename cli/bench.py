@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from bench import compare, hf_baseline, loadgen
+from cli.engine_args import add_tree_args
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +70,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="the servers' K, to turn accepted/drafted counts into acceptance "
                         f"length (--compare: the EAGLE cluster's K, default {compare.DEFAULT_K})")
+    add_tree_args(p)  # --compare: the EAGLE cluster's draft tree
     p.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="goodput: the share of requests with TTFT (and TPOT) within the limits; "
                         "with several runs, goodput_max_rate is the highest rate at which at "
@@ -193,10 +195,14 @@ def _compare_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[flo
         raise ValueError(f"--baseline {baseline} is not one of --compare-targets")
     if "transformers" in targets:
         hf_baseline.require_transformers()  # fail before any cluster starts
+    from decode_node.spec.tree import TreeShape
+
+    TreeShape(args.num_draft_tokens or compare.DEFAULT_K, args.draft_topk, args.draft_steps)
     model = args.model or builtin_model_dir()
     rows, outputs = compare.run_compare(
         model, targets, works, rates, max_concurrency=args.max_concurrency,
         num_draft_tokens=args.num_draft_tokens or compare.DEFAULT_K, seed=args.seed,
+        draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         log=(lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
     return rows, outputs, baseline
@@ -216,7 +222,7 @@ def _config(args: argparse.Namespace, rates: list[float], requests: int) -> dict
             "model": str(args.model) if args.model else "built-in",
             "num_draft_tokens": args.num_draft_tokens or (compare.DEFAULT_K if args.compare
                                                            else 0),
-            "seed": args.seed}
+            "draft_topk": args.draft_topk, "draft_steps": args.draft_steps, "seed": args.seed}
 
 
 class _Progress:

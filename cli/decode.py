@@ -32,16 +32,20 @@ def add_decode_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_decode(args: argparse.Namespace) -> int:
-    """Serve until SIGTERM (with ``--draft``, the engine looks ahead K draft tokens)."""
+    """Serve until SIGTERM (with ``--draft``, the engine looks ahead as far as a round of K
+    draft tokens writes: K, or a draft tree's scratch)."""
     from decode_node.server import serve_decode
+    from decode_node.spec.tree import TreeShape
 
     config = engine_config(args)
+    shape = TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # checks flags
     if args.draft:
-        config = replace(config, lookahead_tokens=args.num_draft_tokens)
+        config = replace(config, lookahead_tokens=shape.lookahead)
     asyncio.run(serve_decode(
         ensure_model(args.model), config, args.host, args.port,
         transfer_backend=args.transfer_backend, advertise_host=advertise_host(args),
         draft=Path(args.draft) if args.draft else None, num_draft_tokens=args.num_draft_tokens,
+        draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         max_waiting=args.max_waiting, security=worker_security(args),
         bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
     ))

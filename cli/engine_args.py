@@ -193,3 +193,15 @@ def add_draft_args(p: argparse.ArgumentParser, *, decode: bool) -> None:
     if decode:
         p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                        help="draft tokens per speculative round (with --draft)")
+        add_tree_args(p)
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    """``--draft-topk`` and ``--draft-steps``: the EAGLE-2 draft tree beside
+    ``--num-draft-tokens`` (checked by :class:`decode_node.spec.tree.TreeShape`)."""
+    p.add_argument("--draft-topk", type=int, default=1, metavar="k",
+                   help="children per expanded node of the EAGLE-2 draft tree (1 with the "
+                        "default --draft-steps: today's chain)")
+    p.add_argument("--draft-steps", type=int, default=None, metavar="S",
+                   help="depth of the draft tree (default: --num-draft-tokens); "
+                        "--num-draft-tokens may be at most topk + (S - 1) * topk^2")

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.engine_args import add_device_args
+from cli.engine_args import add_device_args, add_tree_args
 from cli.models import cache_dir, ensure_model
 
 if TYPE_CHECKING:
@@ -60,6 +60,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="EAGLE draft for every worker ('auto': MODEL/draft, if present)")
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K")
+    add_tree_args(p)
     p.add_argument("--detach", action="store_true",
                    help="start and return; stop later with `pdserve stop`")
     add_status_args(p)  # --name
@@ -72,6 +73,9 @@ def run_launch(args: argparse.Namespace) -> int:
     from engine.device import parse_device_name
 
     parse_device_name(args.device)  # a misspelt device fails here, not in every worker
+    from decode_node.spec.tree import TreeShape
+
+    TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # bad flags fail here too
     model_dir = ensure_model(args.model)
     opts = rl.LaunchOptions(
         model=str(model_dir), name=name, prefill=args.prefill, decode=args.decode,
@@ -80,6 +84,7 @@ def run_launch(args: argparse.Namespace) -> int:
         decode_resources=_resources(args.decode_resources),
         worker_args=args.worker_args.split(), detached=args.detach,
         draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
+        draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         device=args.device, dtype=args.dtype, graphs=not args.no_graphs,
     )
     _interrupt_on_sigterm()

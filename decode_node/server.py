@@ -28,13 +28,15 @@ SERVICE_NAME = "pdserve.v1.DecodeWorker"
 async def serve_decode(
     model_dir: Path, config: EngineConfig, host: str, port: int, *, transfer_backend: str,
     advertise_host: str, draft: Path | None = None, num_draft_tokens: int = 3,
+    draft_topk: int = 1, draft_steps: int | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
     bootstrap_config: BootstrapConfig | None = None, metrics_port: int | None = None,
 ) -> None:
     """Run a decode worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
-    With ``draft`` it decodes in EAGLE rounds of ``num_draft_tokens`` and receives the draft's
-    KV next to the target's (``config.lookahead_tokens`` must be at least that many).
+    With ``draft`` it decodes in EAGLE rounds of ``num_draft_tokens`` (a chain, or a tree of
+    ``draft_topk`` children per node, ``draft_steps`` deep) and receives the draft's KV next to
+    the target's (``config.lookahead_tokens`` must cover a round: ``TreeShape.lookahead``).
     ``max_waiting`` bounds the admission queue (see :mod:`decode_node.service`);
     ``bootstrap_config`` sets the handshake timeouts of its connections to prefill nodes.
     With ``config.tp_size`` above 1 the engine's other ranks run in their own processes, ended
@@ -50,7 +52,7 @@ async def serve_decode(
     if draft is not None:
         head = load_draft(draft, engine.model_config.text, engine.model.dtype,
                           device=engine.device)
-        spec = EagleEngine(engine, head, num_draft_tokens)
+        spec = EagleEngine(engine, head, num_draft_tokens, draft_topk, draft_steps)
         buffers = spec.drafter.buffer_infos()
     manager = make_kv_manager(
         transfer_backend, buffers,

@@ -129,6 +129,8 @@ class LaunchOptions:
     worker_args: list[str] = field(default_factory=list)  # engine flags for both worker roles
     draft: str | None = None  # EAGLE draft directory for both roles
     num_draft_tokens: int = 3
+    draft_topk: int = 1  # the decode's EAGLE-2 tree: children per node, and its depth
+    draft_steps: int | None = None
     device: str = "auto"  # --device of both worker roles, resolved by each worker on its node
     dtype: str = "auto"
     graphs: bool = True  # False: --no-graphs
@@ -243,11 +245,13 @@ def device_args(opts: LaunchOptions) -> list[str]:
 
 
 def draft_args(role: str, opts: LaunchOptions) -> list[str]:
-    """The EAGLE flags of a worker role (the decode also gets the draft length)."""
+    """The EAGLE flags of a worker role (the decode also gets the draft length and tree)."""
     if not opts.draft:
         return []
     if role == "decode":
-        return ["--draft", opts.draft, "--num-draft-tokens", str(opts.num_draft_tokens)]
+        steps = [] if opts.draft_steps is None else ["--draft-steps", str(opts.draft_steps)]
+        return ["--draft", opts.draft, "--num-draft-tokens", str(opts.num_draft_tokens),
+                "--draft-topk", str(opts.draft_topk), *steps]
     return ["--draft", opts.draft]
 
 

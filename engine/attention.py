@@ -3,9 +3,10 @@
 A forward covers a batch of sequences, each contributing ``q_len`` new tokens (a prefill chunk,
 one decode token, or a verify window) on top of ``kv_len - q_len`` tokens already in the pool.
 New K/V are written at ``slot_mapping`` first; each query then attends causally to its
-sequence's first ``kv_len - q_len + i + 1`` tokens. Backends: :class:`TorchPagedAttention`
-(gather + SDPA, CPU and anything torch runs on); a CUDA or NPU kernel implements the same two
-methods.
+sequence's first ``kv_len - q_len + i + 1`` tokens, or, with a tree mask (speculative draft
+trees), every key before the sequence's last ``W`` keys and those of the last ``W`` its row of
+the mask admits. Backends: :class:`TorchPagedAttention` (gather + SDPA, CPU and anything torch
+runs on); a CUDA or NPU kernel implements the same two methods.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
     max_q: int
     max_kv: int
+    # [B, max_q, W] bool or None (causal): query q of sequence b sees key kv_len - W + w iff
+    # tree_mask[b, q, w], and every key before kv_len - W
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -141,15 +145,16 @@ class TorchPagedAttention(AttentionBackend):
         self.slot_mapping = batch.slot_mapping
         keys = self._key_positions(max_pages * ps, batch.kv_lens)  # [1, 1, 1, S]
         kv_len = batch.kv_lens.view(bsz, 1, 1, 1)
+        tree = None if batch.tree_mask is None else tree_key_mask(keys, kv_len, batch.tree_mask)
         if max_q == 1:
             self.q_index = None
             self.out_index = None
-            self.mask = keys < kv_len  # [B, 1, 1, S]
+            self.mask = keys < kv_len if tree is None else tree  # [B, 1, 1, S]
             return
         q_len = batch.q_lens.view(bsz, 1, 1, 1)
         rows = torch.arange(max_q, device=keys.device).view(1, 1, max_q, 1)
         # mask: [B, 1, max_q, S] causal inside each sequence; padded rows see key 0 only
-        self.mask = (keys <= kv_len - q_len + rows) & (keys < kv_len)
+        self.mask = (keys <= kv_len - q_len + rows) & (keys < kv_len) if tree is None else tree
         if batch.uniform:  # verify, draft extend, one prefill chunk
             self.q_index = self.out_index = None  # the rows are already [B, max_q] in order
             return
@@ -193,3 +198,14 @@ class TorchPagedAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask, enable_gqa=True)
         out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * max_q, heads, D]
         return out if self.out_index is None else out[self.out_index]
+
+
+def tree_key_mask(keys: torch.Tensor, kv_len: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
+    """The ``[B, 1, max_q, S]`` mask of a tree-masked batch: key positions ``keys``
+    ``[1, 1, 1, S]``, lengths ``kv_len`` ``[B, 1, 1, 1]``, ``tree`` ``[B, max_q, W]`` (see
+    :attr:`AttentionBatch.tree_mask`)."""
+    bsz, max_q, width = tree.shape
+    w = keys - (kv_len - width)  # [B, 1, 1, S] index of each key in the window (< 0: before)
+    index = w.clamp(0, width - 1).long().expand(bsz, 1, max_q, -1)
+    inside = tree.unsqueeze(1).gather(3, index)  # [B, 1, max_q, S]
+    return (w < 0) | (inside & (keys < kv_len))

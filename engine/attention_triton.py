@@ -1,8 +1,9 @@
 """Paged attention with Triton kernels (:mod:`engine.kernels.paged_attention`), for CUDA.
 
 Same contract as :class:`engine.attention.TorchPagedAttention`: ``forward`` writes the new K/V
-at the batch's slots, then attends causally through the page table. Importing this module
-needs ``triton``; on CPU tensors the kernels run only under ``TRITON_INTERPRET=1``.
+at the batch's slots, then attends causally (or under the batch's tree mask, through the extend
+kernel) through the page table. Importing this module needs ``triton``; on CPU tensors the
+kernels run only under ``TRITON_INTERPRET=1``.
 
 CUDA graphs: ``prepare`` reads nothing from the device and allocates nothing; ``forward``'s
 launches depend only on the batch size, ``max_q``, head counts, ``D`` and the page size (never
@@ -56,6 +57,11 @@ class TritonPagedAttention(AttentionBackend):
             )
         if batch.page_table.dim() != 2 or batch.page_table.shape[0] != bsz:
             raise ValueError(f"page_table must be [{bsz}, P], got {tuple(batch.page_table.shape)}")
+        tree = batch.tree_mask
+        if tree is not None and (tree.dim() != 3 or tuple(tree.shape[:2]) != (bsz, batch.max_q)
+                                 or tree.dtype != torch.bool):
+            raise ValueError(f"tree_mask must be a [{bsz}, {batch.max_q}, W] bool tensor, got "
+                             f"{tuple(tree.shape)} {tree.dtype}")
         if batch.max_q < 1:
             raise ValueError(f"a forward needs at least one new token, got max_q={batch.max_q}")
         for name, t in (("q_lens", batch.q_lens), ("kv_lens", batch.kv_lens),
@@ -83,12 +89,12 @@ class TritonPagedAttention(AttentionBackend):
             qq = qq.contiguous()
         out = torch.empty(q.shape, dtype=dtype, device=q.device)
         k_buf, v_buf = self.pool.k[layer], self.pool.v[layer]
-        if batch.max_q == 1 and batch.uniform:
+        if batch.max_q == 1 and batch.uniform and batch.tree_mask is None:
             splits = decode_splits(batch.num_seqs, self.pool.num_kv_heads, self.max_splits)
             decode_attention(qq, k_buf, v_buf, out, batch.kv_lens, batch.page_table, splits)
         else:
             extend_attention(qq, k_buf, v_buf, out, batch.q_starts, batch.kv_lens,
-                             batch.page_table, batch.max_q)
+                             batch.page_table, batch.max_q, batch.tree_mask)
         return out.to(q.dtype)
 
     def _check(

@@ -96,6 +96,24 @@ def chain_scores(req: Request, drafts: Sequence[int], logits: torch.Tensor) -> t
     return penalize(logits, [req.sampling] * logits.shape[0], seen, counts)
 
 
+def tree_scores(req: Request, tokens: Sequence[int], mask: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor:
+    """The verify logits ``[N, V]`` of a draft tree's nodes (node 0 the root, ``tokens[j]``
+    node ``j``'s token, ``mask`` ``[N, N]`` bool its ancestors and itself): row ``j`` penalized
+    with ``req``'s history plus the drafted tokens on node ``j``'s path; ``logits`` itself when
+    ``req`` has none."""
+    if not req.sampling.has_penalties:
+        return logits
+    hist = history_of(req, logits.shape[-1], logits.device)
+    path = mask[:, 1:].float()  # [N, N - 1] the drafted nodes on each node's path
+    dev, n = logits.device, len(tokens) - 1
+    drafted = torch.zeros(n, logits.shape[-1], device=dev)  # [N - 1, V] one-hot node tokens
+    drafted[torch.arange(n, device=dev), torch.tensor(list(tokens[1:]), device=dev)] = 1.0
+    counts = hist.counts.unsqueeze(0) + path.to(dev) @ drafted  # [N, V]
+    seen = hist.prompt_seen.unsqueeze(0) | (counts > 0)
+    return penalize(logits, [req.sampling] * logits.shape[0], seen, counts)
+
+
 def _chain_rows(hist: TokenHistory, drafts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seen, counts)`` ``[K + 1, V]``: ``hist`` plus ``d_1..d_j`` on row ``j``."""
     device = hist.counts.device

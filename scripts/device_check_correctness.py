@@ -44,6 +44,7 @@ FP32_TOKENS = 24
 QUICK_FP32_TOKENS = 12
 BF16_TOKENS = 16
 EAGLE_K = 3
+EAGLE_TREE = (4, 2, 3)  # an EAGLE-2 draft tree: num_draft_tokens, topk, steps
 EAGLE_TOKENS = 32
 IMAGE_ID = int(special_config(TINY_VOCAB)["image_token_id"])
 
@@ -180,6 +181,7 @@ def check_graphs(ctx: Context, res: dict[str, Any]) -> None:
 def check_eagle(ctx: Context, res: dict[str, Any]) -> None:
     """(d) EAGLE greedy equals plain greedy decoding on the device; acceptance length."""
     from decode_node.spec.eagle_engine import EagleEngine
+    from decode_node.spec.tree import TreeShape
     from engine.models.eagle import load_draft
 
     model_dir = builtin_model_dir()
@@ -195,15 +197,17 @@ def check_eagle(ctx: Context, res: dict[str, Any]) -> None:
     ctx.free()
     res["k"] = EAGLE_K
     runs: dict[str, dict[str, Any]] = {}
-    res["runs"] = runs  # "graphs_on" / "graphs_off" -> rounds, acceptance, verdicts
-    for graphs in (True, False):
-        engine = LLMEngine(model_dir, ctx.engine_config(num_pages=256, lookahead_tokens=EAGLE_K,
-                                                        graphs=graphs))
+    res["runs"] = runs  # "graphs_on" / "graphs_off" / "tree" -> rounds, acceptance, verdicts
+    for name, graphs, shape in (("graphs_on", True, TreeShape(EAGLE_K)),
+                                ("graphs_off", False, TreeShape(EAGLE_K)),
+                                ("tree", True, TreeShape(*EAGLE_TREE))):
+        engine = LLMEngine(model_dir, ctx.engine_config(
+            num_pages=256, lookahead_tokens=shape.lookahead, graphs=graphs))
         draft = load_draft(model_dir / "draft", engine.model_config.text, torch.float32,
                            ctx.device)
-        spec = EagleEngine(engine, draft, EAGLE_K)
+        spec = EagleEngine(engine, draft, shape.num_draft_tokens, shape.topk, shape.steps)
         got = spec.generate(prompts, greedy)
-        runs[f"graphs_{'on' if graphs else 'off'}"] = {
+        runs[name] = {
             "rounds": spec.stats.rounds,
             "acceptance_length": round(spec.stats.acceptance_length, 3),
             "prompts": [compare(f"prompt_{i}", g.token_ids, p.token_ids, len(p.prompt_token_ids))

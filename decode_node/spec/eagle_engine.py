@@ -25,6 +25,12 @@ Every forward's mrope positions come from :func:`engine.mrope.mrope_from_1d` app
 forward's final 1-D positions (the prompt's rope table for prompt rows), so their column count
 always equals the forward's token count.
 
+Draft trees (EAGLE-2, ``topk > 1`` or ``steps != K``): the round drafts a tree instead of the
+chain and verifies it in one forward under a tree mask (:mod:`decode_node.spec.tree_round`); the
+chain (``topk == 1``, ``steps == K``) runs exactly the path above. A tree's drafts are the
+draft's top-``k`` tokens whatever the request's sampling; a sampled request's tree is verified
+losslessly with the drafts as point masses (:func:`~decode_node.spec.accept.accept_tree_sampled`).
+
 A round's page tables, slots and deltas come from the engine runner's persistent batch
 (:meth:`SpecGraphRunner.round_inputs`, once per round); each draft decode step only adds its
 row positions and their slots (array operations, one copy to the device).
@@ -40,6 +46,8 @@ import torch
 
 from decode_node.spec.accept import accept_greedy, accept_sampled
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
+from decode_node.spec.tree import TreeShape
+from decode_node.spec.tree_round import TreeRounds
 from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
 from engine.input_batch import to_device
@@ -78,16 +86,22 @@ class SpecStats:
 
 
 class EagleEngine:
-    """An :class:`LLMEngine` whose decoding runs in EAGLE rounds of ``k`` draft tokens."""
+    """An :class:`LLMEngine` whose decoding runs in EAGLE rounds of ``k`` draft tokens: a chain,
+    or a tree of ``k`` nodes drafted ``steps`` deep with ``topk`` children per expanded node
+    (:class:`~decode_node.spec.tree.TreeShape`)."""
 
-    def __init__(self, engine: LLMEngine, draft: EagleDraft, k: int) -> None:
-        if k < 1:
-            raise ValueError(f"num_draft_tokens must be at least 1, got {k}")
-        if engine.scheduler.config.lookahead_tokens < k:
-            raise ValueError("the engine's lookahead_tokens must be at least num_draft_tokens")
+    def __init__(self, engine: LLMEngine, draft: EagleDraft, k: int, topk: int = 1,
+                 steps: int | None = None) -> None:
+        self.shape = TreeShape(k, topk, steps)
+        if engine.scheduler.config.lookahead_tokens < self.shape.lookahead:
+            raise ValueError(f"the engine's lookahead_tokens must be at least "
+                             f"{self.shape.lookahead} (num_draft_tokens, or a tree's "
+                             "topk * (steps - 1) - 1 draft scratch)")
         self.engine, self.k = engine, k
         self.drafter = DraftRunner(engine, draft)
         self.graph = SpecGraphRunner(engine, self.drafter, k)
+        self.trees = None if self.shape.is_chain else TreeRounds(
+            engine, self.drafter, self.graph, self.shape, self._log_rows)
         self.states: dict[str, DraftState] = {}
         self.stats = SpecStats()
         self.request_stats: dict[str, SpecStats] = {}
@@ -144,6 +158,8 @@ class EagleEngine:
     # ---- one speculative round -------------------------------------------------------------
 
     def _round(self, reqs: list[Request]) -> tuple[list[tuple[Request, int]], list[Request]]:
+        if self.trees is not None:
+            return self._tree_round(self.trees, reqs)
         n = self.k + 1
         sched = self.engine.scheduler
         starts = [r.num_computed_tokens for r in reqs]
@@ -169,6 +185,18 @@ class EagleEngine:
         self._log_rows("draft_extend", rows, *self._graph_positions(len(reqs)))
         tokens, seed_qs = self._pick(seeds, reqs)
         return self._commit(reqs, starts, committed, logits, tokens, seed_qs, seeds)
+
+    def _tree_round(self, trees: TreeRounds, reqs: list[Request]
+                    ) -> tuple[list[tuple[Request, int]], list[Request]]:
+        sched = self.engine.scheduler
+        starts = [r.num_computed_tokens for r in reqs]
+        reach = max(self.k + 1, self.shape.scratch)  # verify window or draft scratch
+        for r, s in zip(reqs, starts, strict=True):
+            sched.grow(r, s + reach)
+        rnd = self.graph.round_inputs(reqs, starts)
+        out = trees.run(rnd, torch.stack([self.states[r.request_id].feature for r in reqs]))
+        tokens, seed_qs = self._pick(out.seeds, reqs)
+        return self._commit(reqs, starts, out.committed, out.logits, tokens, seed_qs, out.seeds)
 
     def _draft_decode(
         self, rnd: RoundInputs

@@ -12,7 +12,9 @@ to a request), attention over ``N`` keys of that page, outputs discarded. On CUD
 captured once per padded size (:class:`engine.cuda_graph.GraphCache`) and replayed; on CPU and
 NPU it runs eagerly on the same buffers, which is what lets the padding logic be tested here.
 The attention lengths and page tables live in static buffers of this runner, refilled before
-every forward like the token buffers.
+every forward like the token buffers; so does a draft tree's verify mask (``[bs, N, N]``, node
+``q`` sees node ``w`` iff ``w`` is ``q`` or its ancestor; padded rows causal), whose verify
+positions are ``S + depth`` (the caller's ``RoundInputs.positions``).
 
 A round's per-request inputs (:class:`RoundInputs`: the verify window's positions and KV slots,
 the padded page tables, mrope deltas) are gathered once per round from the engine runner's
@@ -50,7 +52,7 @@ class RoundInputs:
     bs: int  # the padded (captured) batch size
     deltas: torch.Tensor  # [B] int64 mrope deltas
     page_table: torch.Tensor  # [bs, ceil((max S + N) / page_size)] int32; pad rows: scratch
-    positions: torch.Tensor  # [B*N] int64, S + j: the verify window
+    positions: torch.Tensor  # [B*N] int64, S + j: the verify window (a tree's: S + depth)
     slots: torch.Tensor  # [B*N] int64, KV slot of each window token
     seq_lens: torch.Tensor  # [B] int64, S + N
     temperatures: torch.Tensor  # [B] float32
@@ -80,6 +82,8 @@ class SpecGraphRunner:
         self.q_lens = torch.full((max_bs,), n, dtype=torch.int32, device=device)
         self.q_starts = torch.arange(0, (max_bs + 1) * n, n, dtype=torch.int32, device=device)
         self.page_table = torch.zeros(max_bs, self.max_pages, dtype=torch.int32, device=device)
+        self.causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()  # [N, N]
+        self.tree_mask = self.causal.repeat(max_bs, 1, 1)  # [max_bs, N, N] bool
 
     def round_inputs(self, reqs: list[Request], starts: list[int]) -> RoundInputs:
         """Gather a round's inputs for ``reqs`` at ``starts`` (each must hold the pages of its
@@ -97,13 +101,19 @@ class SpecGraphRunner:
                 np.array(ends, dtype=np.int64), temps]
         return RoundInputs(reqs, starts, rows, bs, *to_device(host, self.bufs.device))
 
-    def verify(self, rnd: RoundInputs, ids: torch.Tensor) -> torch.Tensor:
-        """The target over ``ids`` ``[B*N]`` (``[b, d_1..d_K]`` per request) at ``S..S+K``;
-        returns the real rows' hidden states ``[B*N, H]``."""
+    def verify(self, rnd: RoundInputs, ids: torch.Tensor,
+               tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The target over ``ids`` ``[B*N]`` (``[b, d_1..d_K]`` per request) at
+        ``rnd.positions`` (``S..S+K`` for a chain), causal or under a draft tree's ``tree_mask``
+        ``[B, N, N]``; returns the real rows' hidden states ``[B*N, H]``."""
         b = self.bufs
         self._fill(rnd, ids, torch.zeros(ids.shape[0], b.hidden_size, device=b.device,
                                          dtype=b.hidden_states.dtype), [0] * len(rnd.reqs))
-        b, rows, batch = self.bufs, self.bs * self.n, self._batch(rnd)
+        if tree_mask is not None:
+            raw_bs = len(rnd.reqs)
+            self.tree_mask[:raw_bs].copy_(tree_mask)
+            self.tree_mask[raw_bs : self.bs].copy_(self.causal)
+        b, rows, batch = self.bufs, self.bs * self.n, self._batch(rnd, tree_mask is not None)
 
         def forward() -> torch.Tensor:
             embeds = self.engine.model.embed(b.input_ids[:rows])
@@ -154,11 +164,11 @@ class SpecGraphRunner:
             seq_len_fill_value=n, pad_slot=self.pad_slot,
         )
 
-    def _batch(self, rnd: RoundInputs) -> AttentionBatch:
+    def _batch(self, rnd: RoundInputs, tree: bool = False) -> AttentionBatch:
         """Attention over the filled buffers, from this runner's static inputs: real rows see
-        ``S + N`` keys, padded rows ``N`` keys of the scratch page. A captured graph keeps the
-        capacity as its key bound; an eager forward uses the round's own (a host value: nothing
-        reads the device)."""
+        ``S + N`` keys, padded rows ``N`` keys of the scratch page, the last ``N`` under the
+        static tree mask when ``tree``. A captured graph keeps the capacity as its key bound; an
+        eager forward uses the round's own (a host value: nothing reads the device)."""
         bs, n = self.bs, self.n
         width = rnd.page_table.shape[1]
         self.page_table[:bs, :width].copy_(rnd.page_table)
@@ -166,4 +176,5 @@ class SpecGraphRunner:
         bound = self.max_pages * self.engine.config.page_size if self.graphs.captures else (
             max(rnd.starts) + n)
         return AttentionBatch(self.q_lens[:bs], self.kv_lens[:bs], self.q_starts[: bs + 1],
-                              self.page_table[:bs], self.bufs.out_cache_loc[: bs * n], n, bound)
+                              self.page_table[:bs], self.bufs.out_cache_loc[: bs * n], n, bound,
+                              self.tree_mask[:bs] if tree else None)

@@ -7,7 +7,9 @@ page_size + n % page_size``. Query ``i`` of sequence ``b`` (``q_len`` new tokens
 
 Two entry points, both launched with grids that depend only on the batch size, ``max_q`` and
 head counts; every sequence's length is read inside the kernels, so a captured CUDA graph
-replays correctly with new ``kv_lens`` and page tables:
+replays correctly with new ``kv_lens`` and page tables. With a tree mask (EAGLE draft trees,
+extend only) query ``i`` instead sees every key before the sequence's last ``W`` and those of the
+last ``W`` its row of the ``[B, max_q, W]`` mask admits:
 
 - :func:`extend_attention`: ragged prefill chunks, mixed batches and verify windows. One
   program per (block of ``BLOCK_Q`` queries, sequence, kv head); the query heads of a kv head
@@ -42,14 +44,18 @@ _BLOCK_N = 64  # keys per inner step
 def _attend(  # type: ignore[no-untyped-def]  # a Triton function: no Python annotations
     acc, m_i, l_i,  # running state: [M, D_PAD] f32, [M] f32, [M] f32
     q,  # [M, D_PAD] in the pool's dtype
-    last,  # [M] int32, last key index each row may see
+    last,  # [M] int32, last key index each row may see (without TREE)
+    tree_rows,  # [M] pointers to each row's tree-mask row (TREE), read where row_ok
+    row_ok,  # [M] bool
+    win,  # first key of the tree window (TREE)
     k_ptr, v_ptr, pt_row, kvh, lo, hi, kv_len, scale,
     stride_ks, stride_kh,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, TREE: tl.constexpr,
 ):
     """Fold keys ``lo .. hi-1`` (below ``kv_len``) into the online-softmax state; with
-    ``DOT_F32`` both products take float32 operands."""
+    ``DOT_F32`` both products take float32 operands; with ``TREE`` a row sees the keys before
+    ``win`` and the window keys its mask row admits, else the keys up to its ``last``."""
     if DOT_F32:
         q = q.to(tl.float32)
     d = tl.arange(0, D_PAD)
@@ -65,7 +71,14 @@ def _attend(  # type: ignore[no-untyped-def]  # a Triton function: no Python ann
         if DOT_F32:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision="ieee") * scale  # [M, BLOCK_N] f32, log2 domain
-        s = tl.where(n_ok[None, :] & (n[None, :] <= last[:, None]), s, float("-inf"))
+        if TREE:
+            w = n[None, :] - win  # [1, BLOCK_N] index in the window (< 0: before it)
+            inside = (w >= 0) & n_ok[None, :] & row_ok[:, None]
+            bit = tl.load(tree_rows[:, None] + w, mask=inside, other=0)  # [M, BLOCK_N]
+            seen = n_ok[None, :] & ((w < 0) | (bit != 0))
+        else:
+            seen = n_ok[None, :] & (n[None, :] <= last[:, None])
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -81,11 +94,12 @@ def _attend(  # type: ignore[no-untyped-def]  # a Triton function: no Python ann
 
 @triton.jit
 def _extend_kernel(  # type: ignore[no-untyped-def]
-    q_ptr, k_ptr, v_ptr, o_ptr, q_starts, kv_lens, page_table, scale,
+    q_ptr, k_ptr, v_ptr, o_ptr, q_starts, kv_lens, page_table, tree_mask, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_pt,
+    stride_tb, stride_tq,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, TREE: tl.constexpr, WINDOW: tl.constexpr,
 ):
     qb = tl.program_id(0)
     b = tl.program_id(1)
@@ -104,15 +118,21 @@ def _extend_kernel(  # type: ignore[no-untyped-def]
     head = kvh * GROUP + g
     q = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + d[None, :],
                 mask=io_mask, other=0.0)
-    # keys past the last query of this block are never seen; an empty block loops zero times
-    hi = tl.minimum(kv_len, ctx + (qb + 1) * BLOCK_Q)
+    # keys past the last query of this block are never seen (causal; a tree row may see any
+    # key of the window); an empty block loops zero times
+    if TREE:
+        hi = kv_len
+    else:
+        hi = tl.minimum(kv_len, ctx + (qb + 1) * BLOCK_Q)
     hi = tl.where(qb * BLOCK_Q < q_len, hi, 0)
+    tree_rows = tree_mask + b.to(tl.int64) * stride_tb + qi.to(tl.int64) * stride_tq
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q * GROUP_PAD], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, ctx + qi, k_ptr, v_ptr, page_table + b * stride_pt,
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, ctx + qi, tree_rows, row_ok, kv_len - WINDOW,
+                            k_ptr, v_ptr, page_table + b * stride_pt,
                             kvh, 0, hi, kv_len, scale, stride_ks, stride_kh,
-                            D, D_PAD, BLOCK_N, PAGE_SIZE, DOT_F32)
+                            D, D_PAD, BLOCK_N, PAGE_SIZE, DOT_F32, TREE)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(o_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
@@ -145,9 +165,10 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     m_i = tl.full([GROUP_PAD], -1e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     last = tl.full([GROUP_PAD], 0, dtype=tl.int32) + kv_len - 1
-    acc, m_i, l_i = _attend(acc, m_i, l_i, q, last, k_ptr, v_ptr, page_table + b * stride_pt,
+    acc, m_i, l_i = _attend(acc, m_i, l_i, q, last, page_table, g_ok, 0,
+                            k_ptr, v_ptr, page_table + b * stride_pt,
                             kvh, lo, hi, kv_len, scale, stride_ks, stride_kh,
-                            D, D_PAD, BLOCK_N, PAGE_SIZE, DOT_F32)
+                            D, D_PAD, BLOCK_N, PAGE_SIZE, DOT_F32, False)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     if NUM_SPLITS == 1:
         tl.store(o_ptr + b.to(tl.int64) * stride_ot + (head * stride_oh)[:, None] + d[None, :],
@@ -222,8 +243,10 @@ def extend_attention(
     kv_lens: torch.Tensor,  # [B] int32
     page_table: torch.Tensor,  # [B, P] int32, contiguous
     max_q: int,
+    tree_mask: torch.Tensor | None = None,  # [B, max_q, W] bool, contiguous
 ) -> None:
-    """Causal attention of ragged query runs over their paged keys (prefill, extend, verify).
+    """Causal attention of ragged query runs over their paged keys (prefill, extend, verify),
+    or under a draft tree's ``tree_mask`` (see the module docstring).
 
     The grid is ``(ceil(max_q / BLOCK_Q), B, kv_heads)``: it depends on nothing else, so a
     uniform batch (verify) is graph-capturable. Rows of a sequence past its ``q_len`` are
@@ -236,13 +259,16 @@ def extend_attention(
     stride_ks, stride_kh = _kv_strides(k_buf, v_buf)
     block_q = extend_block_q(max_q, group)
     grid = (triton.cdiv(max_q, block_q), page_table.shape[0], kv_heads)
+    # the mask as bytes (a bool tensor's storage); without one, a placeholder never read
+    tree = page_table if tree_mask is None else tree_mask.contiguous().view(torch.uint8)
     _extend_kernel[grid](
-        q, k_buf, v_buf, out, q_starts, kv_lens, page_table, _LOG2E / math.sqrt(dim),
+        q, k_buf, v_buf, out, q_starts, kv_lens, page_table, tree, _LOG2E / math.sqrt(dim),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_ks, stride_kh,
-        page_table.stride(0),
+        page_table.stride(0), tree.stride(0), tree.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q,
         D=dim, D_PAD=_pad_dim(dim), BLOCK_N=_BLOCK_N, PAGE_SIZE=page_size,
-        DOT_F32=_dot_f32(q),
+        DOT_F32=_dot_f32(q), TREE=tree_mask is not None,
+        WINDOW=0 if tree_mask is None else tree_mask.shape[2],
     )
 
 

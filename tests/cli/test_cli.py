@@ -276,6 +276,17 @@ def test_draft_on_a_pipeline_stage_before_the_last_is_a_one_line_error(cache_dir
     assert_one_line_error(proc, "--draft goes to the last pipeline stage only")
 
 
+@pytest.mark.parametrize(("command", "flags", "word"), [
+    (["decode", "--port", "0"], ["--draft-topk", "0"], "--draft-topk must be at least 1"),
+    (["decode", "--port", "0"], ["--num-draft-tokens", "11", "--draft-topk", "2",
+                                 "--draft-steps", "3"], "exceeds the 10 candidates"),
+    (["launch"], ["--draft-steps", "0"], "--draft-steps must be at least 1"),
+])
+def test_bad_draft_tree_flags_are_a_one_line_error(cache_dir: Path, command: list[str],
+                                                   flags: list[str], word: str) -> None:
+    assert_one_line_error(pdserve(cache_dir, *command, *flags), word)
+
+
 def test_debug_shows_the_traceback(cache_dir: Path) -> None:
     assert_one_line_error(pdserve(cache_dir, "launch", "--name", "a/b"), "--name 'a/b'")
     proc = pdserve(cache_dir, "--debug", "launch", "--name", "a/b")

@@ -111,19 +111,20 @@ def want(model_dir: Path) -> list[list[int]]:
     return expected(model_dir)
 
 
-KS = (1, 3, 5)
+TREE = ["--draft-topk", "2", "--draft-steps", "3"]  # an EAGLE-2 tree of 4 nodes
+KS = {"1": ["1"], "3": ["3"], "5": ["5"], "tree": ["4", *TREE]}  # --num-draft-tokens ...
 
 
 @pytest.fixture(scope="module")
 def disaggregated(model_dir: Path) -> Iterator[dict[str, Node]]:
-    """One EAGLE prefill, and per draft length k a decode node and a router on the pair (all
-    started at once: the prefill's draft work does not depend on k)."""
+    """One EAGLE prefill, and per draft length k (or tree) a decode node and a router on the
+    pair (all started at once: the prefill's draft work does not depend on k)."""
     model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
     nodes: list[Node] = []
     try:
         nodes += start_all([["prefill", *model, *NODE, *draft],
-                            *[["decode", *model, *NODE, *draft, "--num-draft-tokens", str(k)]
-                              for k in KS]])
+                            *[["decode", *model, *NODE, *draft, "--num-draft-tokens", *flags]
+                              for flags in KS.values()]])
         p, decodes = nodes[0], nodes[1:]
         nodes += start_all([["router", *model, "--port", "0", "--prefill", p.address,
                              "--decode", d.address] for d in decodes])
@@ -134,12 +135,25 @@ def disaggregated(model_dir: Path) -> Iterator[dict[str, Node]]:
         stop_all(nodes)
 
 
-@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("k", list(KS))
 def test_disaggregated_eagle_equals_plain_decoding(disaggregated: dict[str, Node],
-                                                   want: list[list[int]], k: int) -> None:
+                                                   want: list[list[int]], k: str) -> None:
     check(generate_all(disaggregated[f"router{k}"]), want)
     idle([(disaggregated["prefill"], worker_pb2_grpc.PrefillWorkerStub),
           (disaggregated[f"decode{k}"], worker_pb2_grpc.DecodeWorkerStub)])
+
+
+def test_tree_decode_samples(disaggregated: dict[str, Node]) -> None:
+    """A sampled request through the tree decode (lossless tree verification): every token
+    arrives, with drafts, and neither node keeps anything of it."""
+    req = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[5, 6, 7]), sampling=gpb.SamplingParams(
+        max_new_tokens=NEW, temperature=0.8, seed=3, ignore_eos=True))
+    with grpc.insecure_channel(disaggregated["routertree"].address) as ch:
+        msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+    assert len([t for m in msgs for t in m.token_ids]) == NEW
+    assert msgs[-1].usage.drafted_tokens > 0
+    idle([(disaggregated["prefill"], worker_pb2_grpc.PrefillWorkerStub),
+          (disaggregated["decodetree"], worker_pb2_grpc.DecodeWorkerStub)])
 
 
 def test_repeated_prompts_hit_both_caches_and_still_equal_plain_decoding(
@@ -196,10 +210,12 @@ def test_two_stage_prefill_with_the_draft_on_its_last_stage_equals_plain_decodin
           (decode, worker_pb2_grpc.DecodeWorkerStub)])
 
 
-def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]]) -> None:
+@pytest.mark.parametrize("tree", [[], TREE], ids=["chain", "tree"])
+def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]],
+                                               tree: list[str]) -> None:
     model = ["--model", str(model_dir)]
     worker = ["decode", *model, *NODE, "--draft", str(model_dir / "draft"),
-              "--num-draft-tokens", "5"]
+              "--num-draft-tokens", "5", *tree]
     with running(worker) as [d], running(["router", *model, "--port", "0",
                                           "--colocated", d.address]) as [r]:
         check(generate_all(r), want)

@@ -75,24 +75,29 @@ def test_greedy_equals_plain_decoding(model_dir: Path, case: str, k: int) -> Non
     spec.engine.scheduler.check_no_leaks()
 
 
-def write_oracle_pair(path: Path) -> Path:
+def write_oracle_pair(path: Path, exact: bool = True) -> Path:
     """A one-layer target whose attention output is zero (each position's logits depend on its
     own token only) and an EAGLE head that reproduces it exactly: ``fc`` passes the token
     embedding through, its layer and norm are the target's. The draft then predicts exactly the
-    target's next token."""
+    target's next token.
+
+    With ``exact=False`` the target has two layers and keeps its attention, and the same head
+    (a copy of layer 0) only approximates it: drafts are accepted some of the time."""
     from engine.tiny_tokenizer import build_tiny_tokenizer
 
+    layers = 1 if exact else 2
     raw = tiny_config_dict()
-    raw["text_config"]["num_hidden_layers"] = 1
+    raw["text_config"]["num_hidden_layers"] = layers
     path.mkdir(parents=True)
     target = Qwen2VLModel(ModelConfig.from_dict(raw))
     init_weights(target, seed=3)
-    with torch.no_grad():
-        target.model.layers[0].self_attn.o_proj.weight.zero_()
+    if exact:
+        with torch.no_grad():
+            target.model.layers[0].self_attn.o_proj.weight.zero_()
     save_weights(target, path)
     (path / "config.json").write_text(json.dumps(raw))
     build_tiny_tokenizer().save(str(path / "tokenizer.json"))
-    draft_raw = draft_config_dict(raw["text_config"], 1)
+    draft_raw = draft_config_dict(raw["text_config"], layers)
     draft = EagleDraft(DraftConfig.from_dict(draft_raw))
     hidden = raw["text_config"]["hidden_size"]
     with torch.no_grad():

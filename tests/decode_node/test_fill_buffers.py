@@ -247,6 +247,22 @@ def test_hand_made_example_and_mrope_refresh(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_draft_tree_verify_positions(backend: str) -> None:
+    """A draft tree's verify (docs/architecture.md: S = 10, delta -3, nodes root, a, b, c, e
+    at depths 0, 1, 1, 2, 3): positions S + depth, not monotone in the row, and mrope follows
+    them row by row; the KV slots stay S + j."""
+    bufs = SpecGraphBuffers.allocate(max_bs=2, num_tokens_per_bs=5, hidden_size=3)
+    garbage(bufs, torch.Generator().manual_seed(2))
+    src = example_src([10], [0], [-3], n=5)
+    src["src_positions"] = torch.tensor([10, 11, 11, 12, 13])
+    fill(bufs, backend, src, raw_bs=1, bs=2, num_tokens_per_bs=5, num_front_tokens=0,
+         seq_len_fill_value=1)
+    assert bufs.positions[:10].tolist() == [10, 11, 11, 12, 13] + [0] * 5
+    assert bufs.mrope_positions[:, :10].tolist() == [[7, 8, 8, 9, 10] + [0] * 5] * 3
+    assert bufs.out_cache_loc[:5].tolist() == [1010, 1011, 1012, 1013, 1014]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_front_tokens_shift_select_index(backend: str) -> None:
     bufs = SpecGraphBuffers.allocate(max_bs=2, num_tokens_per_bs=4, hidden_size=2)
     src = example_src([7, 20], [0, 1], [0, 5], hidden=2)

@@ -29,3 +29,16 @@ def test_worker_args_override_the_launch_device_flags() -> None:
                          worker_args=["--dtype", "float16", "--num-pages", "32"])
     worker = build_parser().parse_args(["decode", *worker_argv("decode", opts)])
     assert (worker.device, worker.dtype, worker.num_pages) == ("cuda", "float16", 32)
+
+
+@pytest.mark.parametrize(("flags", "tree"), [([], (3, 1, None)),
+                                             (["--num-draft-tokens", "6", "--draft-topk", "3",
+                                               "--draft-steps", "2"], (6, 3, 2))])
+def test_launch_draft_tree_flags_reach_the_decode(flags: list[str],
+                                                  tree: tuple[int, int, int | None]) -> None:
+    parser = build_parser()
+    launch = parser.parse_args(["launch", *flags])
+    opts = LaunchOptions(model="m", draft="d", num_draft_tokens=launch.num_draft_tokens,
+                         draft_topk=launch.draft_topk, draft_steps=launch.draft_steps)
+    worker = parser.parse_args(["decode", *worker_argv("decode", opts)])
+    assert (worker.num_draft_tokens, worker.draft_topk, worker.draft_steps) == tree

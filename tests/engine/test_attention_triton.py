@@ -178,3 +178,27 @@ def test_bad_inputs_are_refused() -> None:
         tri.forward(q[:1], k, v, 0)
     with pytest.raises(ValueError, match="max_splits"):
         TritonPagedAttention(pool, 0)
+
+
+@pytest.mark.parametrize(("q_len", "width"), [(4, 4), (3, 6), (1, 3)])
+def test_tree_mask(q_len: int, width: int) -> None:
+    """Draft-tree attention (a verify window of ``q_len`` nodes; a draft forward of ``q_len``
+    rows over a wider window of earlier rows): random masks, each row seeing at least its own
+    key; both backends agree."""
+    kv_heads, heads, dim, ps = 2, 4, 16, 4
+    kv_lens = [width, 13, 30]
+    ref_pool, tri_pool = twin_pools(ps, kv_heads, dim, torch.float32)
+    tree = torch.rand(3, q_len, width, generator=torch.Generator().manual_seed(5)) > 0.5
+    tree[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True  # its own key
+    base = make_batch([q_len] * 3, kv_lens, ps)
+    batch = AttentionBatch(base.q_lens, base.kv_lens, base.q_starts, base.page_table,
+                           base.slot_mapping, base.max_q, base.max_kv, tree)
+    q, k, v = qkv(3 * q_len, heads, kv_heads, dim, torch.float32)
+    ref, tri = TorchPagedAttention(ref_pool), TritonPagedAttention(tri_pool)
+    ref.prepare(batch)
+    tri.prepare(batch)
+    want = ref.forward(q, k, v, 1)
+    got = tri.forward(q, k, v, 1)
+    for a, b in zip(ref_pool.entries(), tri_pool.entries(), strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
