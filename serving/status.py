@@ -12,6 +12,7 @@ exception                       status                  why
 ``DeviceError``                 ``FAILED_PRECONDITION`` (start-up only) a device this machine lacks
 ``ConfigError``                 ``INVALID_ARGUMENT``    (start-up only) a bad model directory
 ``CheckpointError``             ``INVALID_ARGUMENT``    (start-up only) bad weight files
+``TensorParallelError``         ``UNAVAILABLE``         a rank of the engine died: another worker
 ``EngineError``                 ``INVALID_ARGUMENT``    any other input the engine refuses
 ``ConversionError``             ``INVALID_ARGUMENT``    a message whose content cannot convert
 ``IncompatiblePeerError``       ``FAILED_PRECONDITION`` prefill and decode cannot be paired
@@ -54,6 +55,7 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
+    TensorParallelError,
 )
 from proto.convert import ConversionError
 from transfer.errors import (
@@ -82,6 +84,7 @@ STATUS_TABLE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (DeviceError, Code.FAILED_PRECONDITION),
     (ConfigError, Code.INVALID_ARGUMENT),
     (CheckpointError, Code.INVALID_ARGUMENT),
+    (TensorParallelError, Code.UNAVAILABLE),
     (EngineError, Code.INVALID_ARGUMENT),
     (ConversionError, Code.INVALID_ARGUMENT),
     (IncompatiblePeerError, Code.FAILED_PRECONDITION),

@@ -16,6 +16,7 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
+    TensorParallelError,
 )
 from proto.convert import ConversionError
 from serving.status import (
@@ -44,6 +45,7 @@ EXPECTED: dict[type[Exception], grpc.StatusCode] = {
     DeviceError: Code.FAILED_PRECONDITION,
     ConfigError: Code.INVALID_ARGUMENT,
     CheckpointError: Code.INVALID_ARGUMENT,
+    TensorParallelError: Code.UNAVAILABLE,  # the node lost a rank: the router tries another
     EngineError: Code.INVALID_ARGUMENT,
     ConversionError: Code.INVALID_ARGUMENT,
     IncompatiblePeerError: Code.FAILED_PRECONDITION,
