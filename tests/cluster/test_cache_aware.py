@@ -60,10 +60,10 @@ def nodes(tiny_dir: Path) -> Iterator[dict[str, Node]]:
                 "d1": ["decode", *model, *NODE], "approx": router,
                 "events": [*router, "--kv-events"]}
     started: dict[str, Node] = {}
-    try:  # all at once: a router waits for its workers by itself
-        started.update(zip(commands, start_all([[*cmd, "--port", str(ports[name])]
-                                                for name, cmd in commands.items()]),
-                           strict=True))
+    try:  # the workers first: a router that started with them could still count one unreachable
+        for names in (("p", "d0", "d1"), ("approx", "events")):  # (its first GetLoad failed)
+            started.update(zip(names, start_all([[*commands[n], "--port", str(ports[n])]
+                                                 for n in names]), strict=True))
         yield started
     finally:
         stop_all(list(started.values()))
