@@ -6,15 +6,30 @@ rope position ``p``; its output feature predicts token ``p + 2`` through the tar
 Embedding and LM head are the target's (shared, not stored here). The draft's KV lives in its own
 pool whose single entry carries the global layer id ``target_num_layers + 0`` (the draft band).
 
-Checkpoint layout (a Hugging Face-style directory): ``config.json`` with ``model_type``
-``qwen2_vl_eagle``, the target's ``text_config`` shape (``num_hidden_layers`` 1) and
-``target_num_hidden_layers``; ``model.safetensors`` with ``fc.weight``, ``layers.0.*``,
-``norm.weight``.
+The draft comes in layout variants, recorded in :class:`DraftConfig`: ``fc`` with or without a
+bias, the layer with or without its input norm, with or without a final norm. The defaults are
+pdserve's own draft (no bias, both norms); the original EAGLE draft has the bias and neither norm.
+
+Checkpoint layouts (Hugging Face-style directories; :func:`load_draft` tells them apart by
+``config.json`` and :mod:`engine.models.eagle_layouts` reads them):
+
+- pdserve's own: ``config.json`` with ``model_type`` ``qwen2_vl_eagle``, the target's
+  ``text_config`` shape (``num_hidden_layers`` 1), ``target_num_hidden_layers`` and any variant
+  flags (``fc_bias``, ``layer_input_norm``, ``final_norm``; absent ones read as the defaults);
+  ``model.safetensors`` with ``fc.weight`` (``fc.bias``), ``layers.0.*`` (a whole decoder layer,
+  ``input_layernorm`` unless left out), ``norm.weight`` (unless left out).
+- the original EAGLE one (EAGLE-1 and EAGLE-2 drafts): a flat Llama/Qwen2-style ``config.json``
+  (``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
+  ``vocab_size``, ``num_hidden_layers`` 1, ``bias``, ``qkv_bias``, rope settings) and
+  ``fc.weight``, ``fc.bias``, ``layers.0.self_attn.*``, ``layers.0.mlp.*``,
+  ``layers.0.post_attention_layernorm.weight`` (maybe ``embed_tokens.weight``, not used) in
+  ``model.safetensors`` or ``pytorch_model.bin``.
+
+EAGLE-3 drafts (fused features of three target layers, their own vocabulary) are refused.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,12 +44,22 @@ from engine.models.layers import MropeRotary, RMSNorm
 from engine.models.qwen2_vl import DecoderLayer
 
 DRAFT_MODEL_TYPE = "qwen2_vl_eagle"
+# the layout variant flags of DraftConfig (and config.json keys), with their defaults
+VARIANT_DEFAULTS = {"fc_bias": False, "layer_input_norm": True, "final_norm": True}
 
 
 @dataclass(frozen=True)
 class DraftConfig:
+    """The draft layer's shape (``text``, one layer), the target depth its KV band sits above,
+    and its layout variant (defaults: :data:`VARIANT_DEFAULTS`, pdserve's own draft)."""
+
     text: TextConfig
     target_num_layers: int
+    fc_bias: bool = VARIANT_DEFAULTS["fc_bias"]  # fc has a bias
+    # the layer normalises its input (fc's output)
+    layer_input_norm: bool = VARIANT_DEFAULTS["layer_input_norm"]
+    # the output features are normalised before the LM head
+    final_norm: bool = VARIANT_DEFAULTS["final_norm"]
 
     @property
     def layer_id(self) -> int:
@@ -42,25 +67,21 @@ class DraftConfig:
         return self.target_num_layers
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> DraftConfig:
-        file = Path(path) / "config.json"
-        try:
-            raw = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{file}: unreadable draft config: {exc}") from exc
-        return cls.from_dict(raw)
-
-    @classmethod
     def from_dict(cls, raw: Any) -> DraftConfig:
+        """The config of a draft in pdserve's own layout; variant flags absent from ``raw`` take
+        their defaults (so every draft written before the flags existed reads as before)."""
         if not isinstance(raw, dict) or raw.get("model_type") != DRAFT_MODEL_TYPE:
             kind = raw.get("model_type") if isinstance(raw, dict) else type(raw).__name__
             raise ConfigError(f"not an EAGLE draft config (model_type {kind!r}, "
                               f"expected {DRAFT_MODEL_TYPE!r})")
         try:
             text = text_config_from_dict(dict(raw["text_config"]))
-            return cls(text, int(raw["target_num_hidden_layers"]))
+            layers = int(raw["target_num_hidden_layers"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"draft config.json has a bad field: {exc!r}") from exc
+        return cls(text, layers, fc_bias=_flag(raw, "fc_bias"),
+                   layer_input_norm=_flag(raw, "layer_input_norm"),
+                   final_norm=_flag(raw, "final_norm"))
 
     def check_target(self, target: TextConfig) -> None:
         """Raise ``ConfigError`` unless this draft fits ``target``, naming every field that
@@ -84,14 +105,24 @@ class DraftConfig:
                               + "; ".join(diffs))
 
 
+def _flag(raw: dict[str, Any], key: str) -> bool:
+    value = raw.get(key, VARIANT_DEFAULTS[key])
+    if not isinstance(value, bool):
+        raise ConfigError(f"draft config.json: {key} must be true or false, got {value!r}")
+    return value
+
+
 class EagleDraft(nn.Module):
+    """The draft head of ``cfg``'s layout variant; a left-out norm is an identity (no weight)."""
+
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         t = cfg.text
         self.cfg = cfg
-        self.fc = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(t)])
-        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.fc = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(t, input_norm=cfg.layer_input_norm)])
+        self.norm: RMSNorm | nn.Identity = (
+            RMSNorm(t.hidden_size, t.rms_norm_eps) if cfg.final_norm else nn.Identity())
         self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
 
     @property
@@ -124,13 +155,12 @@ def load_draft(
     path: str | Path, target: TextConfig, dtype: torch.dtype,
     device: str | torch.device = "cpu",
 ) -> EagleDraft:
-    """Load and check an EAGLE draft directory against the target's text config; its weights go
-    straight onto ``device`` (the target's) in ``dtype``."""
-    from engine.checkpoint import read_state_dict
+    """Load an EAGLE draft directory in any accepted layout (the module docstring), refused
+    unless it fits the target's text config; its weights go straight onto ``device`` (the
+    target's) in ``dtype``."""
+    from engine.models.eagle_layouts import read_draft  # it builds on this module's config
 
-    cfg = DraftConfig.from_dir(path)
-    cfg.check_target(target)
-    state = read_state_dict(Path(path), device=device)
+    cfg, state = read_draft(Path(path), target, device)
     with torch.device("meta"):
         draft = EagleDraft(cfg)
     expected = set(draft.state_dict())
@@ -147,8 +177,14 @@ def load_draft(
     return draft
 
 
-def draft_config_dict(target_text: dict[str, Any], target_layers: int) -> dict[str, Any]:
-    """``config.json`` of a draft for a target whose ``text_config`` is ``target_text``."""
+def draft_config_dict(target_text: dict[str, Any], target_layers: int,
+                      **variant: bool) -> dict[str, Any]:
+    """``config.json`` of a draft for a target whose ``text_config`` is ``target_text``, with the
+    layout ``variant`` flags given (any of :data:`VARIANT_DEFAULTS`; those not given are left out
+    and read as their defaults)."""
+    unknown = sorted(set(variant) - set(VARIANT_DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown draft variant flags {unknown}")
     text = {**target_text, "num_hidden_layers": 1}
     return {"model_type": DRAFT_MODEL_TYPE, "architectures": ["Qwen2VLEagleDraft"],
-            "text_config": text, "target_num_hidden_layers": target_layers}
+            "text_config": text, "target_num_hidden_layers": target_layers, **variant}

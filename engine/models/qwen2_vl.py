@@ -96,12 +96,16 @@ def _share_rows(
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer, split over ``tp``'s ranks (whole in the group of one)."""
+    """One decoder layer, split over ``tp``'s ranks (whole in the group of one).
 
-    def __init__(self, cfg: TextConfig, tp: TPGroup = SINGLE) -> None:
+    ``input_norm=False`` leaves out the norm before attention (an identity, no weight): the
+    original EAGLE draft layer's shape, whose input is already the output of its ``fc``."""
+
+    def __init__(self, cfg: TextConfig, tp: TPGroup = SINGLE, *, input_norm: bool = True) -> None:
         super().__init__()
         shard = TextShard.of(cfg, tp.rank, tp.size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm: RMSNorm | nn.Identity = (
+            RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity())
         self.self_attn = Attention(cfg, shard, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Mlp(cfg, shard, tp)
