@@ -20,6 +20,7 @@ from cli.engine_args import (
     worker_security,
 )
 from cli.models import ensure_model
+from serving.process_exit import exit_process
 
 
 def add_decode_args(p: argparse.ArgumentParser) -> None:
@@ -49,4 +50,4 @@ def run_decode(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting, security=worker_security(args),
         bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
     ))
-    return 0
+    return exit_process(0)

@@ -18,6 +18,7 @@ from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
 from serving.kv_events import kv_event_hub
+from serving.process_exit import keep_until_exit
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.setup import make_kv_manager
@@ -59,6 +60,7 @@ async def serve_decode(
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
     )
+    keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
                              engine.model_config.text.num_hidden_layers)
     service = DecodeService(max_waiting)

@@ -18,6 +18,7 @@ from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
 from serving.kv_events import kv_event_hub
 from serving.metrics import TransferMetrics
+from serving.process_exit import keep_until_exit
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
@@ -65,6 +66,7 @@ async def serve_prefill(
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=4, hostname=advertise_host,
     )
+    keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
                              engine.model_config.text.num_hidden_layers)
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,

@@ -41,6 +41,7 @@ from serving.admin import StatsSource
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import Metadata, ServerSecurity, internal_metadata
 from serving.metrics import TransferMetrics
+from serving.process_exit import keep_until_exit
 from serving.server import Registration, serve_until_signal, start_server
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
@@ -145,6 +146,7 @@ async def _open_endpoints(args: StageArgs, layers: range, buffers: list[BufferIn
     manager = make_kv_manager(args.transfer_backend, buffers,
                               hidden_size=text.hidden_size, aux_rows=4,
                               hostname=args.advertise_host)
+    keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
                                        port=args.bootstrap_port, config=args.bootstrap_config)
     chain = f"{args.advertise_host}:{bootstrap.address[1]}{later}"
