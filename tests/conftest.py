@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny checkpoints written by transformers and by our own code."""
+"""Shared fixtures: tiny checkpoints written by transformers and by our own code; and the
+session's end through :func:`serving.process_exit.exit_process`, so that transfer engines the
+tests kept (``tests/transfer/xfer_peer.py``) are not destroyed one second each."""
 
 from __future__ import annotations
 
@@ -6,6 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from serving.process_exit import exit_process
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The last hook, after the summary: exit with the session's status now if engines were
+    kept (else pytest ends the ordinary way)."""
+    if _EXIT_STATUS in config.stash:
+        exit_process(config.stash[_EXIT_STATUS])
 
 HF_TEXT = {
     "vocab_size": 384,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVPool
+from serving.process_exit import keep_until_exit
 from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer
 from transfer.base import KVManager
@@ -61,6 +62,9 @@ class Node:
         self.manager = make_manager(spec)
         infos = [info for pool in self.pools for info in pool.buffer_infos()]
         self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True))
+        # kept (buffers and engine) until the process ends, which skips the engine's one-second
+        # destructor: a peer process exits when stopped, the test process after the session
+        keep_until_exit(self)
 
     def entries(self) -> list[torch.Tensor]:
         return [e for pool in self.pools for e in pool.entries()]
