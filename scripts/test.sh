@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 .venv/bin/ruff check .
 .venv/bin/mypy  # the files and settings are in pyproject.toml's [tool.mypy]
-.venv/bin/python -m pytest -q --durations=25 "$@"
+.venv/bin/python -m pytest -q --durations=40 "$@"
