@@ -76,14 +76,11 @@ def qkv(
     return x[:, :heads], x[:, heads:heads + kv_heads], x[:, heads + kv_heads:]
 
 
-def check(
-    q_lens: list[int], kv_lens: list[int], heads: int, kv_heads: int, *, page_size: int = 16,
-    dim: int = 16, dtype: torch.dtype = torch.float32, max_splits: int = 16,
-) -> None:
-    """Both backends on twin pools, layer 1 of 2: same slots written, outputs close."""
-    ref_pool, tri_pool = twin_pools(page_size, kv_heads, dim, dtype)
-    batch = make_batch(q_lens, kv_lens, page_size)
-    q, k, v = qkv(sum(q_lens), heads, kv_heads, dim, dtype)
+def forward_both(pools: list[KVPool], batch: AttentionBatch, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, max_splits: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 1 of both backends over ``batch`` on twin ``pools`` (torch's, Triton's), checked to
+    write the same slots; ``(torch output, Triton output)``."""
+    ref_pool, tri_pool = pools
     ref, tri = TorchPagedAttention(ref_pool), TritonPagedAttention(tri_pool, max_splits)
     ref.prepare(batch)
     tri.prepare(batch)
@@ -91,6 +88,18 @@ def check(
     got = tri.forward(q, k, v, 1)
     for a, b in zip(ref_pool.entries(), tri_pool.entries(), strict=True):
         assert torch.equal(a, b)
+    return want, got
+
+
+def check(
+    q_lens: list[int], kv_lens: list[int], heads: int, kv_heads: int, *, page_size: int = 16,
+    dim: int = 16, dtype: torch.dtype = torch.float32, max_splits: int = 16,
+) -> None:
+    """Both backends on twin pools, layer 1 of 2: same slots written, outputs close."""
+    pools = twin_pools(page_size, kv_heads, dim, dtype)
+    batch = make_batch(q_lens, kv_lens, page_size)
+    q, k, v = qkv(sum(q_lens), heads, kv_heads, dim, dtype)
+    want, got = forward_both(pools, batch, q, k, v, max_splits)
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -187,18 +196,12 @@ def test_tree_mask(q_len: int, width: int) -> None:
     key; both backends agree."""
     kv_heads, heads, dim, ps = 2, 4, 16, 4
     kv_lens = [width, 13, 30]
-    ref_pool, tri_pool = twin_pools(ps, kv_heads, dim, torch.float32)
+    pools = twin_pools(ps, kv_heads, dim, torch.float32)
     tree = torch.rand(3, q_len, width, generator=torch.Generator().manual_seed(5)) > 0.5
     tree[:, torch.arange(q_len), width - q_len + torch.arange(q_len)] = True  # its own key
     base = make_batch([q_len] * 3, kv_lens, ps)
     batch = AttentionBatch(base.q_lens, base.kv_lens, base.q_starts, base.page_table,
                            base.slot_mapping, base.max_q, base.max_kv, tree)
     q, k, v = qkv(3 * q_len, heads, kv_heads, dim, torch.float32)
-    ref, tri = TorchPagedAttention(ref_pool), TritonPagedAttention(tri_pool)
-    ref.prepare(batch)
-    tri.prepare(batch)
-    want = ref.forward(q, k, v, 1)
-    got = tri.forward(q, k, v, 1)
-    for a, b in zip(ref_pool.entries(), tri_pool.entries(), strict=True):
-        assert torch.equal(a, b)
+    want, got = forward_both(pools, batch, q, k, v)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
