@@ -77,7 +77,8 @@ def test_refused_and_http_requests_are_logged_too(cluster: dict[str, Node]) -> N
     assert line["status"] == "INVALID_ARGUMENT" and line["completion_tokens"] == 0
 
     port = next(int(x.split()[1]) for x in router.log if x.startswith("HTTP "))
-    body = json.dumps({"model": "m", "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3}).encode()
+    body = json.dumps({"model": "m", "prompt": [1, 2, 3, 4, 5, 6], "max_tokens": 3,
+                       "temperature": 0, "ignore_eos": True}).encode()
     http = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                   headers={"Content-Type": "application/json",
                                            "X-Request-Id": "trace-http-1"})

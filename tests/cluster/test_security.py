@@ -290,7 +290,8 @@ def test_http_door_serves_https_and_requires_the_bearer_token(
     [port] = [int(line.split()[1]) for line in router.log if line.startswith("HTTP ")]
     base = f"https://127.0.0.1:{port}"
     ctx = ssl.create_default_context(cafile=str(cert))
-    body = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 3}).encode()
+    body = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0,
+                       "ignore_eos": True}).encode()
 
     def post(headers: dict[str, str]) -> tuple[int, dict[str, object]]:
         req = urllib.request.Request(f"{base}/v1/completions", data=body, method="POST",
