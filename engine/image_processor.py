@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps
 
 from engine.errors import ConfigError, InvalidRequestError
@@ -177,10 +176,12 @@ def normalize_lut(cfg: ImageProcessorConfig) -> np.ndarray:
 class ProcessedImage:
     """One image ready for the vision tower.
 
-    ``patches``: float32 ``[t * h * w, C * T * P * P]``; ``grid_thw``: ``(t, h, w)`` in patches.
+    ``patches``: a float32 array ``[t * h * w, C * T * P * P]``; ``grid_thw``: ``(t, h, w)`` in
+    patches. The module is numpy-only, so the router processes images without torch; the engine
+    wraps the array with ``torch.from_numpy``.
     """
 
-    patches: torch.Tensor
+    patches: np.ndarray
     grid_thw: tuple[int, int, int]
 
 
@@ -267,7 +268,7 @@ def process_image(data: bytes | Image.Image, cfg: ImageProcessorConfig) -> Proce
     pixels = np.asarray(img, dtype=np.uint8)  # [H, W, C]
     patches = _patchify(pixels, cfg)
     grid = (1, height // cfg.patch_size, width // cfg.patch_size)
-    return ProcessedImage(patches=torch.from_numpy(patches), grid_thw=grid)
+    return ProcessedImage(patches=patches, grid_thw=grid)
 
 
 def _patchify(pixels: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarray:
@@ -284,18 +285,18 @@ def _patchify(pixels: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarray:
 
 
 def validate_patches(
-    patches: torch.Tensor, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig
+    patches: np.ndarray, grid_thw: tuple[int, int, int], cfg: ImageProcessorConfig
 ) -> ProcessedImage:
     """Check precomputed patches against their grid and return them as a ProcessedImage.
 
-    Requires float32 ``[t * h * w, C * T * P * P]``, positive ``t, h, w`` with ``h`` and ``w``
-    multiples of ``merge_size``, at most ``max_pixels`` pixels over all ``t`` frames, an aspect
-    ratio of at most 200, and finite values. Raises InvalidRequestError otherwise.
+    Requires a float32 array ``[t * h * w, C * T * P * P]``, positive ``t, h, w`` with ``h`` and
+    ``w`` multiples of ``merge_size``, at most ``max_pixels`` pixels over all ``t`` frames, an
+    aspect ratio of at most 200, and finite values. Raises InvalidRequestError otherwise.
     """
     t, h, w = _check_grid(grid_thw, cfg)
-    if not isinstance(patches, torch.Tensor):
-        raise InvalidRequestError(f"patches must be a tensor, got {type(patches).__name__}")
-    if patches.dtype != torch.float32:
+    if not isinstance(patches, np.ndarray):
+        raise InvalidRequestError(f"patches must be an array, got {type(patches).__name__}")
+    if patches.dtype != np.float32:
         raise InvalidRequestError(f"patches must be float32, got {patches.dtype}")
     expected = (t * h * w, cfg.patch_dim)
     if tuple(patches.shape) != expected:
@@ -303,9 +304,9 @@ def validate_patches(
             f"patches shape {tuple(patches.shape)} does not match grid {grid_thw}: "
             f"expected {expected}"
         )
-    if not bool(torch.isfinite(patches).all()):
+    if not bool(np.isfinite(patches).all()):
         raise InvalidRequestError("patches contain NaN or infinite values")
-    return ProcessedImage(patches=patches.contiguous(), grid_thw=(t, h, w))
+    return ProcessedImage(patches=np.ascontiguousarray(patches), grid_thw=(t, h, w))
 
 
 def _check_grid(grid_thw: Any, cfg: ImageProcessorConfig) -> tuple[int, int, int]:

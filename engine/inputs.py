@@ -139,8 +139,8 @@ def _prompt_state(ids: np.ndarray, images: Sequence[ImageInput], cfg: ModelConfi
                            video_grids=video_grids, video_token_id=cfg.video_token_id)
     ordered = [images[b.index] if b.kind == "image" else videos[b.index] for b in blocks]
     prefix = np.concatenate(([0], np.cumsum(vision)))
-    return RequestState(images=ordered, mrope_table=table, delta=delta, image_prefix=prefix,
-                        vision_starts=tuple(b.start for b in blocks))
+    return RequestState(images=ordered, mrope_table=torch.from_numpy(table), delta=delta,
+                        image_prefix=prefix, vision_starts=tuple(b.start for b in blocks))
 
 
 def _check_visual(kind: str, i: int, item: ImageInput | VideoInput, cfg: ModelConfig) -> None:

@@ -329,10 +329,17 @@ class LLMEngine:
 
     def _image_input(self, image: bytes | ImageInput) -> ImageInput:
         if isinstance(image, ImageInput):
-            processed = validate_patches(image.patches, image.grid_thw, self.image_config)
-        else:
-            processed = process_image(image, self.image_config)
-        return ImageInput(processed.patches, processed.grid_thw)
+            patches = image.patches
+            if not isinstance(patches, torch.Tensor):
+                raise InvalidRequestError(
+                    f"patches must be a tensor, got {type(patches).__name__}")
+            patches = patches.detach().contiguous()
+            if patches.dtype != torch.float32:
+                raise InvalidRequestError(f"patches must be float32, got {patches.dtype}")
+            processed = validate_patches(patches.cpu().numpy(), image.grid_thw, self.image_config)
+            return ImageInput(patches, processed.grid_thw)
+        processed = process_image(image, self.image_config)
+        return ImageInput(torch.from_numpy(processed.patches), processed.grid_thw)
 
     def _encode_text(
         self, text: str, images: list[ImageInput], videos: list[VideoInput]

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # no torch at run time: the router computes rope indexes without it
+    import torch
 
 Grid = tuple[int, int, int]
 
@@ -103,8 +106,8 @@ def rope_index(
     video_token_id: int = -1,
     video_seconds: Sequence[float] = (),
     tokens_per_second: float | None = None,
-) -> tuple[torch.Tensor, int]:
-    """The prompt's 3-D positions ``[3, L]`` (int64) and its mrope delta.
+) -> tuple[np.ndarray, int]:
+    """The prompt's 3-D positions ``[3, L]`` (an int64 array) and its mrope delta.
 
     Blocks are matched as :func:`vision_blocks` says. ``video_seconds`` gives each video's
     seconds per temporal grid step (empty: 1.0 each); with ``tokens_per_second`` (Qwen2.5-VL) a
@@ -134,7 +137,7 @@ def rope_index(
         cursor = b.start + b.count
     out[:, cursor:] = np.arange(pos, pos + n - cursor)
     delta = int(out.max()) + 1 - n if n else 0
-    return torch.from_numpy(out), delta
+    return out, delta
 
 
 def _temporal(
@@ -154,4 +157,4 @@ def mrope_from_1d(positions: torch.Tensor, deltas: torch.Tensor | int) -> torch.
     ``positions`` is the forward's final 1-D position tensor ``[T]``; ``deltas`` is one delta per
     row ``[T]`` (or one int for all rows). Derive this *after* ``positions`` is final.
     """
-    return torch.add(positions, deltas).expand(3, -1)  # [T] -> [3, T]: a stride-0 view
+    return (positions + deltas).expand(3, -1)  # [T] -> [3, T]: a stride-0 view

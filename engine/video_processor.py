@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from engine.errors import ConfigError, InvalidRequestError
@@ -109,10 +108,11 @@ class VideoProcessorConfig:
 
 @dataclass(frozen=True)
 class ProcessedVideo:
-    """One video ready for the vision tower: float32 ``patches [t * h * w, C * T * P * P]``, its
-    grid ``(t, h, w)`` in patches and the seconds one temporal grid step covers."""
+    """One video ready for the vision tower: float32 ``patches [t * h * w, C * T * P * P]`` (an
+    array: the module is numpy-only, like :mod:`engine.image_processor`), its grid ``(t, h, w)``
+    in patches and the seconds one temporal grid step covers."""
 
-    patches: torch.Tensor
+    patches: np.ndarray
     grid_thw: tuple[int, int, int]
     second_per_grid: float
 
@@ -164,7 +164,7 @@ def process_video(
         pixels.append(np.asarray(resized, dtype=np.uint8))
     pixels += [pixels[-1]] * (-len(pixels) % t)
     patches = _patchify_frames(np.stack(pixels), fc)
-    return ProcessedVideo(torch.from_numpy(patches), grid, second_per_grid)
+    return ProcessedVideo(patches, grid, second_per_grid)
 
 
 def _decode(index: int, frame: Frame, cfg: ImageProcessorConfig) -> Image.Image:
@@ -193,7 +193,7 @@ def _patchify_frames(pixels: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarra
 
 
 def validate_video_patches(
-    patches: torch.Tensor, grid_thw: Any, second_per_grid: float, cfg: VideoProcessorConfig
+    patches: np.ndarray, grid_thw: Any, second_per_grid: float, cfg: VideoProcessorConfig
 ) -> ProcessedVideo:
     """Check precomputed video patches and return them as a ProcessedVideo.
 
@@ -212,9 +212,9 @@ def validate_video_patches(
     if not _positive_number(second_per_grid):
         raise InvalidRequestError(
             f"second_per_grid must be a positive finite number, got {second_per_grid!r}")
-    if isinstance(patches, torch.Tensor) and patches.nelement() * 4 > cfg.max_patch_bytes:
+    if isinstance(patches, np.ndarray) and patches.size * 4 > cfg.max_patch_bytes:
         raise InvalidRequestError(
-            f"the video's patches take {patches.nelement() * 4} bytes, more than the limit of "
+            f"the video's patches take {patches.size * 4} bytes, more than the limit of "
             f"{cfg.max_patch_bytes}")
     per_frame = replace(cfg.frame, max_pixels=cfg.frame.max_pixels * t)
     image = validate_patches(patches, (t, grid_thw[1], grid_thw[2]), per_frame)

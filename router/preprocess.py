@@ -10,11 +10,8 @@ off the event loop.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
 
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
@@ -169,13 +166,10 @@ class Preprocessor:
             source = image.WhichOneof("source")
             if source == "encoded":
                 processed = process_image(image.encoded, cfg)
-                return patches_message(processed.patches.numpy(), processed.grid_thw)
+                return patches_message(processed.patches, processed.grid_thw)
             if source == "patches":
                 array, grid = patches_array(image.patches)
-                with warnings.catch_warnings():  # a read-only view of the message: only read
-                    warnings.simplefilter("ignore", UserWarning)
-                    patches = torch.from_numpy(array)
-                validate_patches(patches, grid, cfg)
+                validate_patches(array, grid, cfg)
                 if array.shape[1] != self.assets.config.vision.patch_dim:
                     raise InvalidRequestError(
                         f"patch width {array.shape[1]} does not match the model's "
@@ -197,14 +191,12 @@ class Preprocessor:
             source = video.WhichOneof("source")
             if source == "frames":
                 processed = process_video(list(video.frames.frames), cfg, video.frames.fps)
-                array, grid = processed.patches.numpy(), processed.grid_thw
+                array, grid = processed.patches, processed.grid_thw
                 seconds = seconds or processed.second_per_grid
             elif source == "patches":
                 array, grid = patches_array(video.patches)
                 seconds = seconds or 1.0
-                with warnings.catch_warnings():  # a read-only view of the message: only read
-                    warnings.simplefilter("ignore", UserWarning)
-                    validate_video_patches(torch.from_numpy(array), grid, seconds, cfg)
+                validate_video_patches(array, grid, seconds, cfg)
             else:
                 raise InvalidRequestError("the video is empty: set frames or patches")
             if array.shape[1] != self.assets.config.vision.patch_dim:

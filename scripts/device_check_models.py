@@ -129,7 +129,8 @@ def tiny_cases(model_dir: Path, text_lengths: tuple[int, ...] = (23, 61, 5, 130)
     """Text prompts of ``text_lengths`` tokens, and two prompts holding two PNG images each."""
     cfg = ImageProcessorConfig.from_dir(model_dir)
     pngs = [png_bytes(84, 56, 1), png_bytes(60, 100, 2)]
-    a, b = (ImageInput(p.patches, p.grid_thw) for p in (process_image(x, cfg) for x in pngs))
+    a, b = (ImageInput(torch.from_numpy(p.patches), p.grid_thw)
+            for p in (process_image(x, cfg) for x in pngs))
     texts = [Case(f"text_{n}", text_ids(n, seed)) for seed, n in enumerate(text_lengths)]
     images = [
         Case("text_image_text_image_text",

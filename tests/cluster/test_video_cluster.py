@@ -57,7 +57,7 @@ NEW_TOKENS = 6
 
 def _video(frames: list[bytes], fps: float, model_dir: Path) -> VideoInput:
     out = process_video(frames, VideoProcessorConfig.from_dir(model_dir), fps=fps)
-    return VideoInput(out.patches, out.grid_thw, out.second_per_grid)
+    return VideoInput(torch.from_numpy(out.patches), out.grid_thw, out.second_per_grid)
 
 
 def _cases(model_dir: Path) -> list[tuple[gpb.GenerateRequest, Prompt]]:

@@ -12,7 +12,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -65,9 +64,9 @@ def _oracle(img: Image.Image, min_pixels: int, max_pixels: int) -> tuple[np.ndar
 def _assert_matches(result: ProcessedImage, img: Image.Image, min_pixels: int, max_pixels: int):
     ref_patches, ref_grid = _oracle(img, min_pixels, max_pixels)
     assert list(result.grid_thw) == ref_grid
-    assert result.patches.dtype == torch.float32
+    assert result.patches.dtype == np.float32
     assert tuple(result.patches.shape) == ref_patches.shape
-    np.testing.assert_allclose(result.patches.numpy(), ref_patches, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(result.patches, ref_patches, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
@@ -172,14 +171,14 @@ def test_patch_order_is_merge_block_major() -> None:
     pixels = np.stack([red, red + 100, red + 150], -1).astype(np.uint8)
     result = process_image(Image.fromarray(pixels, "RGB"), cfg)
     assert result.grid_thw == (1, 4, 4)
-    patches = result.patches.view(16, 3, 2, 2, 2)  # [patch, C, T, P, P]
+    patches = result.patches.reshape(16, 3, 2, 2, 2)  # [patch, C, T, P, P]
     # First merge block covers pixel rows 0-3, cols 0-3: patches (0,0), (0,1), (1,0), (1,1).
     expected_origins = [(0, 0), (0, 2), (2, 0), (2, 2), (0, 4), (0, 6), (2, 4), (2, 6)]
     for k, (r, c) in enumerate(expected_origins):
-        block = torch.tensor(red[r : r + 2, c : c + 2], dtype=torch.float32)
-        assert torch.equal(patches[k, 0, 0], block)
-        assert torch.equal(patches[k, 0, 1], block)  # the frame is repeated over time
-        assert torch.equal(patches[k, 1, 0], block + 100)
+        block = red[r : r + 2, c : c + 2].astype(np.float32)
+        assert np.array_equal(patches[k, 0, 0], block)
+        assert np.array_equal(patches[k, 0, 1], block)  # the frame is repeated over time
+        assert np.array_equal(patches[k, 1, 0], block + 100)
 
 
 def test_num_image_tokens() -> None:
@@ -266,41 +265,41 @@ def test_validate_patches_accepts_processed_output() -> None:
     ref = process_image(_image(100, 150), cfg)
     out = validate_patches(ref.patches, ref.grid_thw, cfg)
     assert out.grid_thw == ref.grid_thw
-    assert torch.equal(out.patches, ref.patches)
+    assert np.array_equal(out.patches, ref.patches)
     assert validate_patches(ref.patches, list(ref.grid_thw), cfg).grid_thw == ref.grid_thw
 
 
 @pytest.mark.parametrize(
     ("shape", "grid", "dtype"),
     [
-        ((16, 1176), (1, 4, 4), torch.float16),  # wrong dtype
-        ((16, 1175), (1, 4, 4), torch.float32),  # wrong patch dim
-        ((15, 1176), (1, 4, 4), torch.float32),  # wrong patch count
-        ((12, 1176), (1, 3, 4), torch.float32),  # h not a multiple of merge_size
-        ((16, 1176), (1, 4, 4, 1), torch.float32),  # not three values
-        ((16, 1176), (0, 4, 4), torch.float32),  # non-positive
-        ((16, 1176), (1.0, 4, 4), torch.float32),  # not ints
-        ((1176,), (1, 4, 4), torch.float32),  # 1-D
-        ((2 * 402, 1176), (1, 2, 402), torch.float32),  # aspect ratio over 200
-        ((4096, 1176), (1, 64, 64), torch.float32),  # more than max_pixels
+        ((16, 1176), (1, 4, 4), np.float16),  # wrong dtype
+        ((16, 1175), (1, 4, 4), np.float32),  # wrong patch dim
+        ((15, 1176), (1, 4, 4), np.float32),  # wrong patch count
+        ((12, 1176), (1, 3, 4), np.float32),  # h not a multiple of merge_size
+        ((16, 1176), (1, 4, 4, 1), np.float32),  # not three values
+        ((16, 1176), (0, 4, 4), np.float32),  # non-positive
+        ((16, 1176), (1.0, 4, 4), np.float32),  # not ints
+        ((1176,), (1, 4, 4), np.float32),  # 1-D
+        ((2 * 402, 1176), (1, 2, 402), np.float32),  # aspect ratio over 200
+        ((4096, 1176), (1, 64, 64), np.float32),  # more than max_pixels
     ],
 )
-def test_validate_patches_rejects(shape: tuple, grid: tuple, dtype: torch.dtype) -> None:
+def test_validate_patches_rejects(shape: tuple, grid: tuple, dtype: type) -> None:
     cfg = ImageProcessorConfig(**SMALL)
-    patches = torch.zeros(shape, dtype=dtype)
-    assert validate_patches(torch.zeros(16, 1176), (1, 2, 8), cfg).grid_thw == (1, 2, 8)
+    patches = np.zeros(shape, dtype=dtype)
+    assert validate_patches(np.zeros((16, 1176), np.float32), (1, 2, 8), cfg).grid_thw == (1, 2, 8)
     with pytest.raises(InvalidRequestError):
         validate_patches(patches, grid, cfg)  # type: ignore[arg-type]
 
 
-def test_validate_patches_rejects_non_finite_and_non_tensor() -> None:
+def test_validate_patches_rejects_non_finite_and_non_arrays() -> None:
     cfg = ImageProcessorConfig(**SMALL)
-    patches = torch.zeros(16, 1176)
+    patches = np.zeros((16, 1176), np.float32)
     patches[3, 5] = float("nan")
     with pytest.raises(InvalidRequestError, match="NaN"):
         validate_patches(patches, (1, 4, 4), cfg)
-    with pytest.raises(InvalidRequestError):
-        validate_patches(np.zeros((16, 1176), np.float32), (1, 4, 4), cfg)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="must be an array"):
+        validate_patches([[0.0] * 1176] * 16, (1, 4, 4), cfg)  # type: ignore[arg-type]
 
 
 # ---- config ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from engine.errors import InvalidRequestError
@@ -71,7 +72,7 @@ def test_frames_video_and_image_before_text(prep: Preprocessor) -> None:
     (video,) = out.videos
     array, grid, seconds = video_patches(video)
     assert grid == oracle.grid_thw and grid[0] == 2  # 3 frames padded to 4
-    assert np.array_equal(array, oracle.patches.numpy())
+    assert np.array_equal(array, oracle.patches)
     assert seconds == pytest.approx(cfg.vision.temporal_patch_size / 4.0)
     merge = cfg.vision.spatial_merge_size
     image = process_image(_png(9), prep.assets.image_config)
@@ -117,13 +118,13 @@ def test_token_id_prompts_one_pad_or_expanded(prep: Preprocessor) -> None:
 
 def test_patches_video_defaults_to_one_second_per_grid(prep: Preprocessor) -> None:
     oracle = process_video(FRAMES[:2], prep.video_config)
-    patches = patches_message(oracle.patches.numpy(), oracle.grid_thw)
+    patches = patches_message(oracle.patches, oracle.grid_thw)
     for seconds, expected in ((0.0, 1.0), (0.5, 0.5)):
         out = prep.prepare(gpb.GenerateRequest(
             text="x", videos=[gpb.Video(patches=patches, second_per_grid=seconds)]))
         array, grid, got = video_patches(out.videos[0])
         assert (grid, got) == (oracle.grid_thw, expected)
-        assert np.array_equal(array, oracle.patches.numpy())
+        assert np.array_equal(array, oracle.patches)
 
 
 def _patches_video(grid: tuple[int, int, int], width: int = 1176) -> gpb.Video:
@@ -168,4 +169,5 @@ def test_images_are_unchanged_by_video_support(prep: Preprocessor) -> None:
     out = prep.prepare(gpb.GenerateRequest(text="x", images=[gpb.Image(encoded=_png(3))]))
     assert out.videos == []
     image = process_image(_png(3), prep.assets.image_config)
-    build_state(out.token_ids, [ImageInput(image.patches, image.grid_thw)], prep.assets.config)
+    build_state(out.token_ids, [ImageInput(torch.from_numpy(image.patches), image.grid_thw)],
+                prep.assets.config)
