@@ -108,6 +108,9 @@ RULES = (
          sources=("decode_node",), forbidden=("prefill_node", "router", "cli", "bench", "deploy")),
     Rule("router imports no node and no transfer (nor cli, bench, deploy)",
          sources=("router",), forbidden=(*NODES, "transfer", "cli", "bench", "deploy")),
+    Rule("router imports no torch (not even through another module): it starts in half a "
+         "second",
+         sources=("router",), forbidden=("torch",), transitive=True),
     # bench and deploy may import any room; these two rules are their only limits
     Rule("nothing imports cli but cli itself", sources=PACKAGES, exempt=("cli",),
          forbidden=("cli",)),
