@@ -34,7 +34,7 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
-    drafted: int = 0  # speculative decoding: draft tokens proposed / accepted, on the last event
+    drafted: int = 0  # speculative decoding: draft tokens proposed / accepted so far
     accepted: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held (Request.num_cached_tokens)
 
@@ -155,10 +155,13 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
             self._emit(out)
 
     def _event(self, req: Request, new: int) -> TokenEvent:
-        """:func:`_event`, with the speculative counts on a request's last event."""
-        if self.spec is None or req.finish_reason is None:
+        """:func:`_event`, with the request's speculative counts so far on every event (the
+        router keeps the last it saw when this node fails mid-stream)."""
+        if self.spec is None:
             return _event(req, new)
-        stats = self.spec.request_stats.pop(req.request_id, None)
+        stats_of = self.spec.request_stats
+        stats = stats_of.get(req.request_id) if req.finish_reason is None \
+            else stats_of.pop(req.request_id, None)
         if stats is None:
             return _event(req, new)
         return _event(req, new, stats.drafted, stats.accepted)

@@ -195,7 +195,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateResponse:
     """One stream message for consecutive events of one request. ``usage.cached_tokens`` rides
     on every message that has any (the router keeps the first it sees: a client stream can end
-    on a stop string before the worker's last message)."""
+    on a stop string before the worker's last message), and so do the drafted and accepted
+    counts so far (the router keeps the last it sees of an attempt)."""
     msg = gpb.GenerateResponse(request_id=request_id)
     for ev in events:
         msg.token_ids.extend(ev.token_ids)
@@ -203,11 +204,10 @@ def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateRespo
     last = events[-1]
     if last.cached_tokens:
         msg.usage.cached_tokens = last.cached_tokens
+    msg.usage.drafted_tokens, msg.usage.accepted_tokens = last.drafted, last.accepted
     if last.finish_reason is not None:
         msg.finished = True
         msg.finish_reason = last.finish_reason.value
         msg.usage.prompt_tokens = last.prompt_tokens
         msg.usage.completion_tokens = last.completion_tokens
-        msg.usage.drafted_tokens = last.drafted
-        msg.usage.accepted_tokens = last.accepted
     return msg

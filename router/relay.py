@@ -35,7 +35,7 @@ async def relay(run: RoomRun, out: Outgoing) -> AsyncIterator[gpb.GenerateRespon
     Raises :class:`WorkerFailure` when a worker call fails or the decode stream closes early
     (unless the room was aborted: then a final ``finish_reason="abort"`` message is made here).
     """
-    out.run = run
+    out.begin(run)
     while True:
         items = [await run.queue.get()]
         while not run.queue.empty():
@@ -73,7 +73,9 @@ class Outgoing:
     """One request's client stream across its attempts: merges batches of worker messages
     into client messages, cuts stop strings, keeps the tokens streamed so far and the usage
     (prompt tokens of the request, completion tokens of every attempt together, cached tokens
-    of the first attempt that reported any, at most the prompt's)."""
+    of the first attempt that reported any, at most the prompt's, and the drafted and accepted
+    tokens of every attempt together: a decode reports its running counts on each message, so
+    an attempt that fails keeps what it last reported)."""
 
     def __init__(self, request_id: str, prompt_tokens: int,
                  detok: IncrementalDetokenizer | None, logprobs: bool,
@@ -84,16 +86,32 @@ class Outgoing:
         self.token_ids: list[int] = []  # every token the client was sent
         self.cached_tokens = 0
         self.run: RoomRun | None = None  # the attempt running now (set by relay)
+        self._spec_before = (0, 0)  # drafted, accepted tokens of the attempts before this one
+        self._spec_now = (0, 0)  # the running attempt's counts, as it last reported them
+
+    def begin(self, run: RoomRun) -> None:
+        """Start attempt ``run``: the last attempt's speculative counts are kept."""
+        before, now = self._spec_before, self._spec_now
+        self._spec_before, self._spec_now = (before[0] + now[0], before[1] + now[1]), (0, 0)
+        self.run = run
+
+    def usage(self) -> gpb.Usage:
+        """The request's usage so far (every attempt's)."""
+        before, now = self._spec_before, self._spec_now
+        return gpb.Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self.token_ids),
+                         cached_tokens=self.cached_tokens, drafted_tokens=before[0] + now[0],
+                         accepted_tokens=before[1] + now[1])
 
     def message(self, msgs: list[gpb.GenerateResponse]) -> gpb.GenerateResponse:
         if not self.cached_tokens:
             self.cached_tokens = min(max(m.usage.cached_tokens for m in msgs), self.prompt_tokens)
+        for m in msgs:
+            if m.usage.drafted_tokens:
+                self._spec_now = (m.usage.drafted_tokens, m.usage.accepted_tokens)
         msg = merge(msgs, self.request_id, self.detok, self.logprobs)
         self.token_ids.extend(msg.token_ids)
         if msg.finished:
-            msg.usage.prompt_tokens = self.prompt_tokens
-            msg.usage.completion_tokens = len(self.token_ids)
-            msg.usage.cached_tokens = self.cached_tokens
+            msg.usage.CopyFrom(self.usage())
         if self.stops is None:
             return msg
         text = self.stops.feed(msg.text)
@@ -101,9 +119,7 @@ class Outgoing:
             if not msg.finished:
                 assert self.run is not None
                 self.run.close()  # the workers stop now: nothing stays held
-                msg.usage.CopyFrom(gpb.Usage(prompt_tokens=self.prompt_tokens,
-                                             completion_tokens=len(self.token_ids),
-                                             cached_tokens=self.cached_tokens))
+                msg.usage.CopyFrom(self.usage())
             msg.text, msg.finished, msg.finish_reason = text, True, "stop"
             return msg
         msg.text = text + self.stops.flush() if msg.finished else text
@@ -148,10 +164,9 @@ def merge(msgs: list[gpb.GenerateResponse], request_id: str,
     if detok is not None:
         text = detok.add(out.token_ids)
         out.text = text + detok.finish() if last.finished else text
-    if last.finished:
+    if last.finished:  # the usage is the whole request's: Outgoing sets it
         out.finished = True
         out.finish_reason = last.finish_reason
-        out.usage.CopyFrom(last.usage)
     return out
 
 

@@ -166,3 +166,32 @@ def test_one_outgoing_stream_across_attempts(tiny_dir: Path) -> None:
     assert "".join(m.text for m in msgs) == tok.decode(ids)
     assert msgs[-1].finished and (msgs[-1].usage.prompt_tokens,
                                   msgs[-1].usage.completion_tokens) == (7, len(ids))
+
+
+def test_speculative_counts_add_up_across_attempts() -> None:
+    """Each decode message carries its attempt's running drafted/accepted counts; the client's
+    usage adds the failed attempt's last report to the next attempt's final one."""
+    def msg(token: int, drafted: int, accepted: int) -> gpb.GenerateResponse:
+        m = gpb.GenerateResponse(token_ids=[token])
+        m.usage.drafted_tokens, m.usage.accepted_tokens = drafted, accepted
+        return m
+
+    first = _Attempt([msg(1, 0, 0), msg(2, 4, 3), msg(3, 8, 5)], DOWN)
+    rest = [msg(4, 0, 0), msg(5, 4, 4)]
+    rest[-1].finished, rest[-1].finish_reason = True, "length"
+    second = _Attempt(rest, None)
+
+    async def go() -> list[gpb.GenerateResponse]:
+        out = Outgoing("r", 7, None, False, ())
+        msgs = []
+        with pytest.raises(WorkerFailure):
+            async for m in relay(cast(Any, first), out):
+                msgs.append(m)
+        return msgs + [m async for m in relay(cast(Any, second), out)]
+
+    msgs = asyncio.run(go())
+    assert [t for m in msgs for t in m.token_ids] == [1, 2, 3, 4, 5]
+    usage = msgs[-1].usage
+    assert (usage.drafted_tokens, usage.accepted_tokens) == (8 + 4, 5 + 4)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (7, 5)
+    assert all(not m.HasField("usage") for m in msgs[:-1])  # the client's usage comes last
