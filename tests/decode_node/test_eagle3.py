@@ -1,0 +1,180 @@
+"""EAGLE-3 drafts in the decode loop: greedy output equals plain decoding (text, one image, mixed
+batches; chain and tree), a draft built to reproduce its target accepts every token through its
+own smaller vocabulary, and the pieces (the target's layer outputs, the vocabulary scatter) on
+hand-made numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_eagle import GREEDY, PROMPTS, image_prompt
+
+from decode_node.spec.eagle_engine import EagleEngine
+from decode_node.spec.tree import TreeShape
+from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.checkpoint import save_weights
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVPool
+from engine.llm_engine import LLMEngine, Prompt
+from engine.models.eagle import DraftConfig, Eagle3Spec, draft_config_dict, load_draft
+from engine.models.eagle3 import Eagle3Draft
+from engine.models.qwen2_vl import Qwen2VLModel
+from engine.request import SamplingParams
+from engine.tiny_model import (
+    init_weights,
+    random_vocab_map,
+    tiny_config_dict,
+    write_tiny_eagle3_draft,
+    write_tiny_model,
+)
+
+SHAPES = [(3, 1, 3), (4, 2, 3), (6, 3, 2)]  # (num_draft_tokens, topk, steps); the first a chain
+PEAK = 100.0  # the repeating pair's LM head scale
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_tiny_model(tmp_path_factory.mktemp("eagle3") / "model")
+    write_tiny_eagle3_draft(path / "draft")
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain_tokens(model_dir: Path) -> dict[str, list[list[int]]]:
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=256, page_size=8))
+    return {case: [r.token_ids for r in engine.generate(prompts, GREEDY)]
+            for case, prompts in PROMPTS.items()}
+
+
+def eagle3_engine(model_dir: Path, n: int, k: int = 1, s: int | None = None) -> EagleEngine:
+    shape = TreeShape(n, k, s)
+    config = EngineConfig(num_pages=256, page_size=8, lookahead_tokens=shape.lookahead,
+                          max_num_batched_tokens=24)
+    engine = LLMEngine(model_dir, config)
+    draft = load_draft(model_dir / "draft", engine.model_config.text, torch.float32)
+    assert isinstance(draft, Eagle3Draft)
+    return EagleEngine(engine, draft, n, k, s)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}k{}s{}".format(*s))
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_eagle3_greedy_equals_plain_decoding(model_dir: Path,
+                                             plain_tokens: dict[str, list[list[int]]],
+                                             case: str, shape: tuple[int, int, int]) -> None:
+    spec = eagle3_engine(model_dir, *shape)
+    assert (spec.trees is None) == (shape[1] == 1)
+    got = spec.generate(PROMPTS[case], GREEDY)
+    assert [g.token_ids for g in got] == plain_tokens[case]
+    assert spec.stats.rounds > 0
+    spec.engine.scheduler.check_no_leaks()
+
+
+def write_repeating_pair(path: Path, draft_vocab: int) -> Path:
+    """A one-layer target that repeats its last token (attention and MLP outputs zero, LM head
+    = a scaled embedding: a token's logits peak sharply at itself) and an EAGLE-3 draft that
+    reproduces it through a vocabulary of ``draft_vocab`` of its tokens: ``fc`` passes layer
+    0's output (the token's embedding) through, the draft layer adds nothing, its LM head holds
+    the scaled embedding rows of its vocabulary. A draft then guesses the last token exactly when
+    it is in the draft vocabulary (and a tree's best path is that guess at every depth)."""
+    from engine.tiny_tokenizer import build_tiny_tokenizer
+
+    raw = tiny_config_dict()
+    raw["text_config"]["num_hidden_layers"] = 1
+    path.mkdir(parents=True)
+    target = Qwen2VLModel(ModelConfig.from_dict(raw))
+    init_weights(target, seed=5)
+    layer = target.model.layers[0]
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        target.lm_head.weight.copy_(target.model.embed_tokens.weight * PEAK)
+    save_weights(target, path)
+    (path / "config.json").write_text(json.dumps(raw))
+    build_tiny_tokenizer().save(str(path / "tokenizer.json"))
+    spec = Eagle3Spec((0, 0, 0), draft_vocab)
+    draft_raw = draft_config_dict(raw["text_config"], 1, eagle3=spec)
+    draft = Eagle3Draft(DraftConfig.from_dict(draft_raw))
+    init_weights(draft, seed=6)
+    hidden = raw["text_config"]["hidden_size"]
+    d2t = random_vocab_map(raw["text_config"]["vocab_size"], draft_vocab, seed=7)
+    with torch.no_grad():
+        draft.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)],
+                                        dim=1))
+        draft.layer.self_attn.o_proj.weight.zero_()
+        draft.layer.mlp.down_proj.weight.zero_()
+        draft.d2t.copy_(d2t)
+        rows = torch.arange(draft_vocab) + d2t
+        draft.lm_head.weight.copy_(target.model.embed_tokens.weight[rows] * PEAK)
+    (path / "draft").mkdir()
+    save_file({k: v.contiguous() for k, v in draft.state_dict().items()},
+              str(path / "draft" / "model.safetensors"))
+    (path / "draft" / "config.json").write_text(json.dumps(draft_raw))
+    return path
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 3), (4, 2, 3)], ids=["chain", "tree"])
+def test_a_reproducing_eagle3_draft_accepts_its_vocabulary(tmp_path: Path,
+                                                           shape: tuple[int, int, int]) -> None:
+    """Every token the draft vocabulary holds is guessed right (the whole depth, every round);
+    a token outside it never is (nothing accepted): output equal to plain decoding either way."""
+    model_dir = write_repeating_pair(tmp_path / "pair", draft_vocab=128)
+    d2t = random_vocab_map(512, 128, seed=7)
+    inside = set((torch.arange(128) + d2t).tolist())
+    hit = next(t for t in range(20, 512) if t in inside)
+    miss = next(t for t in range(20, 512) if t not in inside)
+    prompts = [Prompt(token_ids=[5, 6, hit]), Prompt(token_ids=[5, 6, miss]),
+               image_prompt([1, 2], (1, 4, 4), [hit], 4)]
+    depth = shape[2]
+    params = SamplingParams(max_new_tokens=1 + 3 * (depth + 1), ignore_eos=True)
+    plain = LLMEngine(model_dir, EngineConfig(num_pages=64, page_size=8)).generate(prompts,
+                                                                                  params)
+    assert [p.token_ids for p in plain] == [[hit] * params.max_new_tokens,
+                                            [miss] * params.max_new_tokens,
+                                            [hit] * params.max_new_tokens]
+    spec = eagle3_engine(model_dir, *shape)
+    got = spec.generate(prompts, params)
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    stats = [spec.request_stats[g.request_id] for g in got]
+    assert [s.accepted for s in stats] == [3 * depth, 0, 3 * depth]
+    assert [s.rounds for s in stats] == [3, 3 * (depth + 1), 3]
+    spec.engine.scheduler.check_no_leaks()
+
+
+def test_target_layer_outputs_are_the_residual_stream_after_each_layer(model_dir: Path) -> None:
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=8, page_size=8))
+    model = engine.model
+    pool = KVPool(2, 8, 2, 16, [0, 1])
+    attn = TorchPagedAttention(pool)
+    attn.prepare(AttentionBatch.from_lists([5], [5], [[0]], torch.arange(5)))
+    embeds = model.embed(torch.tensor([3, 4, 5, 6, 7]))
+    pos = torch.arange(5).expand(3, -1)
+    hidden, aux = model.forward_aux(embeds, pos, attn, (1, 0, 1))
+    rot = model.rotary(pos, embeds.dtype)
+    attn.prepare(AttentionBatch.from_lists([5], [5], [[1]], torch.arange(8, 13)))
+    x0 = model.model.layers[0](embeds, rot, attn, 0)
+    x1 = model.model.layers[1](x0, rot, attn, 1)
+    torch.testing.assert_close(aux, torch.cat((x1, x0, x1), dim=-1))
+    torch.testing.assert_close(hidden, model.model.norm(x1))
+
+
+def test_draft_logits_sit_at_their_target_ids(tmp_path: Path) -> None:
+    """The draft's logits over its own vocabulary land at ``d + d2t[d]``; every other target id
+    is ``-inf``, so an argmax or top-k picks target ids of the draft vocabulary."""
+    draft_dir = write_tiny_eagle3_draft(tmp_path / "draft", draft_vocab=40)
+    target = ModelConfig.from_dict(tiny_config_dict()).text
+    draft = load_draft(draft_dir, target, torch.float32)
+    assert isinstance(draft, Eagle3Draft)
+    feats = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    small = torch.nn.functional.linear(draft.norm(feats), draft.lm_head.weight)  # [3, 40]
+    got = draft.logits(feats, None)  # type: ignore[arg-type]  # the target is not used
+    ids = torch.arange(40) + draft.d2t
+    assert got.shape == (3, 512)
+    torch.testing.assert_close(got[:, ids], small)
+    rest = torch.ones(512, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isneginf(got[:, rest]).all()
+    assert got.argmax(-1).tolist() == ids[small.argmax(-1)].tolist()
