@@ -99,9 +99,16 @@ class ModelRunner:
         ``[T, len(aux_layers) * H]`` (:meth:`Qwen2VLModel.forward_aux`)."""
         self.attn.prepare(batch)
         if self.peers is None:
-            return self.model.forward_aux(embeds, mrope, self.attn, self.aux_layers)
+            return self._forward(embeds, mrope)
         with self.peers.step(embeds, mrope, batch):
-            return self.model.forward_aux(embeds, mrope, self.attn, self.aux_layers)
+            return self._forward(embeds, mrope)
+
+    def _forward(self, embeds: torch.Tensor, mrope: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.aux_layers:  # the model's plain call (a pipeline stage stands in for it)
+            hidden = self.model(embeds, mrope, self.attn)
+            return hidden, hidden[:, :0]
+        return self.model.forward_aux(embeds, mrope, self.attn, self.aux_layers)
 
     def _prompt_positions(
         self,
