@@ -1,0 +1,91 @@
+"""EAGLE-3 through the whole cluster: a prefill node fusing the target's layer outputs into the
+draft's feature and computing the draft's prompt KV, decode nodes running chain and tree rounds
+behind routers, twice (the second time from both prefix caches), and a colocated EAGLE-3 worker.
+Greedy output must equal plain decoding token for token. A pipeline-parallel prefill refuses an
+EAGLE-3 draft, saying why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.tiny_model import write_tiny_eagle3_draft, write_tiny_model
+from proto.pdserve.v1 import worker_pb2_grpc
+from tests.cluster.harness import Node, running
+from tests.cluster.stats import get_stats
+from tests.cluster.test_cluster import start_all, stop_all
+from tests.cluster.test_eagle_cluster import NODE, TREE, check, expected, generate_all, idle
+
+pytestmark = pytest.mark.slow
+FLAVOURS = {"chain": ["3"], "tree": ["4", *TREE]}  # --num-draft-tokens ...
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_tiny_model(tmp_path_factory.mktemp("eagle3-cluster") / "model")
+    write_tiny_eagle3_draft(path / "draft")
+    return path
+
+
+@pytest.fixture(scope="module")
+def want(model_dir: Path) -> list[list[int]]:
+    return expected(model_dir)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(model_dir: Path) -> Iterator[dict[str, Node]]:
+    """One EAGLE-3 prefill; per flavour (chain, tree) a decode node and a router on the pair."""
+    model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
+    nodes: list[Node] = []
+    try:
+        nodes += start_all([["prefill", *model, *NODE, *draft],
+                            *[["decode", *model, *NODE, *draft, "--num-draft-tokens", *flags]
+                              for flags in FLAVOURS.values()]])
+        p, decodes = nodes[0], nodes[1:]
+        nodes += start_all([["router", *model, "--port", "0", "--prefill", p.address,
+                             "--decode", d.address] for d in decodes])
+        routers = nodes[1 + len(FLAVOURS):]
+        yield {"prefill": p, **{f"decode{f}": d for f, d in zip(FLAVOURS, decodes, strict=True)},
+               **{f"router{f}": r for f, r in zip(FLAVOURS, routers, strict=True)}}
+    finally:
+        stop_all(nodes)
+
+
+@pytest.mark.parametrize("flavour", list(FLAVOURS))
+def test_disaggregated_eagle3_equals_plain_decoding(disaggregated: dict[str, Node],
+                                                    want: list[list[int]], flavour: str) -> None:
+    """Twice: the second pass finds the prompts' full pages (draft band included) in the
+    prefill's cache and the decode's, and only the last pages travel."""
+    decode = disaggregated[f"decode{flavour}"]
+    for _ in range(2):
+        check(generate_all(disaggregated[f"router{flavour}"]), want)
+    assert get_stats(disaggregated["prefill"].address).prefix_cache_hit_tokens > 0
+    idle([(disaggregated["prefill"], worker_pb2_grpc.PrefillWorkerStub),
+          (decode, worker_pb2_grpc.DecodeWorkerStub)])
+
+
+@pytest.mark.parametrize("tree", [[], TREE], ids=["chain", "tree"])
+def test_colocated_eagle3_equals_plain_decoding(model_dir: Path, want: list[list[int]],
+                                                tree: list[str]) -> None:
+    model = ["--model", str(model_dir)]
+    worker = ["decode", *model, *NODE, "--draft", str(model_dir / "draft"),
+              "--num-draft-tokens", "4", *tree]
+    with running(worker) as [d], running(["router", *model, "--port", "0",
+                                          "--colocated", d.address]) as [r]:
+        check(generate_all(r), want)
+        check(generate_all(r), want)  # again: the prompts' pages come from the cache
+        idle([(d, worker_pb2_grpc.DecodeWorkerStub)])
+        stats = get_stats(d.address)
+        assert stats.drafted_tokens > 0 and stats.spec_rounds > 0
+
+
+def test_a_pipeline_stage_refuses_an_eagle3_draft(model_dir: Path) -> None:
+    cmd = [sys.executable, "-m", "cli.main", "prefill", "--model", str(model_dir), *NODE,
+           "--pp-size", "2", "--pp-rank", "1", "--draft", str(model_dir / "draft")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode != 0
+    assert "an EAGLE-3 draft does not run beside a pipeline-parallel prefill" in proc.stderr
