@@ -5,35 +5,29 @@ hand-made numbers."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from test_eagle import GREEDY, PROMPTS, image_prompt
 
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.attention import AttentionBatch, TorchPagedAttention
-from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import DraftConfig, Eagle3Spec, draft_config_dict, load_draft
+from engine.models.eagle import load_draft
 from engine.models.eagle3 import Eagle3Draft
-from engine.models.qwen2_vl import Qwen2VLModel
 from engine.request import SamplingParams
 from engine.tiny_model import (
-    init_weights,
-    random_vocab_map,
     tiny_config_dict,
     write_tiny_eagle3_draft,
     write_tiny_model,
 )
+from tests.eagle3_pair import draft_vocab_ids, write_repeating_pair
 
 SHAPES = [(3, 1, 3), (4, 2, 3), (6, 3, 2)]  # (num_draft_tokens, topk, steps); the first a chain
-PEAK = 100.0  # the repeating pair's LM head scale
 
 
 @pytest.fixture(scope="module")
@@ -73,57 +67,13 @@ def test_eagle3_greedy_equals_plain_decoding(model_dir: Path,
     spec.engine.scheduler.check_no_leaks()
 
 
-def write_repeating_pair(path: Path, draft_vocab: int) -> Path:
-    """A one-layer target that repeats its last token (attention and MLP outputs zero, LM head
-    = a scaled embedding: a token's logits peak sharply at itself) and an EAGLE-3 draft that
-    reproduces it through a vocabulary of ``draft_vocab`` of its tokens: ``fc`` passes layer
-    0's output (the token's embedding) through, the draft layer adds nothing, its LM head holds
-    the scaled embedding rows of its vocabulary. A draft then guesses the last token exactly when
-    it is in the draft vocabulary (and a tree's best path is that guess at every depth)."""
-    from engine.tiny_tokenizer import build_tiny_tokenizer
-
-    raw = tiny_config_dict()
-    raw["text_config"]["num_hidden_layers"] = 1
-    path.mkdir(parents=True)
-    target = Qwen2VLModel(ModelConfig.from_dict(raw))
-    init_weights(target, seed=5)
-    layer = target.model.layers[0]
-    with torch.no_grad():
-        layer.self_attn.o_proj.weight.zero_()
-        layer.mlp.down_proj.weight.zero_()
-        target.lm_head.weight.copy_(target.model.embed_tokens.weight * PEAK)
-    save_weights(target, path)
-    (path / "config.json").write_text(json.dumps(raw))
-    build_tiny_tokenizer().save(str(path / "tokenizer.json"))
-    spec = Eagle3Spec((0, 0, 0), draft_vocab)
-    draft_raw = draft_config_dict(raw["text_config"], 1, eagle3=spec)
-    draft = Eagle3Draft(DraftConfig.from_dict(draft_raw))
-    init_weights(draft, seed=6)
-    hidden = raw["text_config"]["hidden_size"]
-    d2t = random_vocab_map(raw["text_config"]["vocab_size"], draft_vocab, seed=7)
-    with torch.no_grad():
-        draft.fc.weight.copy_(torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)],
-                                        dim=1))
-        draft.layer.self_attn.o_proj.weight.zero_()
-        draft.layer.mlp.down_proj.weight.zero_()
-        draft.d2t.copy_(d2t)
-        rows = torch.arange(draft_vocab) + d2t
-        draft.lm_head.weight.copy_(target.model.embed_tokens.weight[rows] * PEAK)
-    (path / "draft").mkdir()
-    save_file({k: v.contiguous() for k, v in draft.state_dict().items()},
-              str(path / "draft" / "model.safetensors"))
-    (path / "draft" / "config.json").write_text(json.dumps(draft_raw))
-    return path
-
-
 @pytest.mark.parametrize("shape", [(3, 1, 3), (4, 2, 3)], ids=["chain", "tree"])
 def test_a_reproducing_eagle3_draft_accepts_its_vocabulary(tmp_path: Path,
                                                            shape: tuple[int, int, int]) -> None:
     """Every token the draft vocabulary holds is guessed right (the whole depth, every round);
     a token outside it never is (nothing accepted): output equal to plain decoding either way."""
     model_dir = write_repeating_pair(tmp_path / "pair", draft_vocab=128)
-    d2t = random_vocab_map(512, 128, seed=7)
-    inside = set((torch.arange(128) + d2t).tolist())
+    inside = draft_vocab_ids(128)
     hit = next(t for t in range(20, 512) if t in inside)
     miss = next(t for t in range(20, 512) if t not in inside)
     prompts = [Prompt(token_ids=[5, 6, hit]), Prompt(token_ids=[5, 6, miss]),
