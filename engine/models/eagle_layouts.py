@@ -81,9 +81,10 @@ def read_draft(
     path: Path, target: TextConfig, device: str | torch.device,
 ) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """The config and tensors (under pdserve's draft names, on ``device``) of the draft in
-    ``path``, whichever accepted layout it is in. ``ConfigError`` for an unknown layout, an
-    EAGLE-3 draft or a draft that does not fit ``target`` (raised before any weight is read);
-    ``CheckpointError`` for missing, unexpected or misshapen tensors."""
+    ``path``, whichever accepted layout it is in. ``ConfigError`` for an unknown layout or a
+    draft that does not fit ``target`` (raised before any weight is read), and for EAGLE-3
+    tensors under a config not marked EAGLE-3; ``CheckpointError`` for missing, unexpected or
+    misshapen tensors."""
     file = path / "config.json"
     if not file.is_file():
         raise ConfigError(f"{path}: no config.json (is this an EAGLE draft directory?)")

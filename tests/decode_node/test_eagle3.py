@@ -128,3 +128,18 @@ def test_draft_logits_sit_at_their_target_ids(tmp_path: Path) -> None:
     rest[ids] = False
     assert torch.isneginf(got[:, rest]).all()
     assert got.argmax(-1).tolist() == ids[small.argmax(-1)].tolist()
+
+
+@pytest.mark.parametrize("shape", [(3, 1, 3), (4, 2, 3)], ids=["chain", "tree"])
+def test_sampled_requests_run_through_the_draft_vocabulary(model_dir: Path,
+                                                           shape: tuple[int, int, int]) -> None:
+    """Sampling draws drafts from a distribution that is zero outside the draft vocabulary (the
+    ``-inf`` logits); verification stays lossless whatever ``q`` is, so the run only has to
+    finish with every token a real one and nothing leaked."""
+    spec = eagle3_engine(model_dir, *shape)
+    params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=4,
+                            ignore_eos=True)
+    got = spec.generate(PROMPTS["mixed"], params)
+    assert all(len(g.token_ids) == 20 and all(0 <= t < 512 for t in g.token_ids) for g in got)
+    assert spec.stats.rounds > 0
+    spec.engine.scheduler.check_no_leaks()
