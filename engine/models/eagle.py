@@ -30,7 +30,8 @@ may predict over a vocabulary of their own) carry :class:`Eagle3Spec` in their c
 pdserve's own layout its keys are ``eagle_aux_hidden_state_layer_ids`` and ``draft_vocab_size``,
 and the SpecForge / SGLang layout is read by :mod:`engine.models.eagle3_layout`.
 
-Every draft offers the same interface to the loops that run it (:data:`Draft`):
+Every draft offers the same interface to the loops that run it
+(:data:`engine.models.eagle3.Draft`):
 ``target_feature(hidden, aux)`` (the feature a target row hands the draft), ``forward`` (draft
 rows -> the features the next draft step reads), ``logits(features, target)`` (float32 logits
 over the *target's* vocabulary) and ``cfg.aux_layer_ids`` (the target layers whose outputs
