@@ -52,6 +52,11 @@ def eagle3_config(raw: dict[str, Any], text: TextConfig, target: TextConfig,
     if raw.get("attention_bias", False) is not False:
         raise ConfigError(f"{source}: attention_bias is set: pdserve's EAGLE-3 draft layer has "
                           "no o_proj bias")
+    fused = raw.get("target_hidden_size")
+    if fused is not None and fused != target.hidden_size:
+        raise ConfigError(f"{source}: target_hidden_size is {fused} in the draft, "
+                          f"{target.hidden_size} in the target: its fc fuses another model's "
+                          "layers")
     if EAGLE3_VOCAB_KEY not in raw:
         raise ConfigError(f"{source}: an EAGLE-3 draft config needs {EAGLE3_VOCAB_KEY}")
     nested = raw.get("eagle_config")

@@ -192,6 +192,8 @@ def test_the_default_layer_ids_of_a_shallow_target_are_refused(tmp_path: Path) -
 
 BAD_CONFIGS = [
     (spec_config(attention_bias=True), "attention_bias is set"),
+    (spec_config(target_hidden_size=128), "target_hidden_size is 128 in the draft, 64 in the "
+                                          "target"),
     (spec_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1]}),
      "must name 3 target layers"),
     ({k: v for k, v in BASE_CONFIG.items() if k != "draft_vocab_size"},
@@ -200,7 +202,8 @@ BAD_CONFIGS = [
 
 
 @pytest.mark.parametrize(("config", "message"), BAD_CONFIGS,
-                         ids=["attention_bias", "two_layers", "no_draft_vocab"])
+                         ids=["attention_bias", "target_hidden", "two_layers",
+                              "no_draft_vocab"])
 def test_an_unreadable_eagle3_config_is_refused_saying_why(
         tmp_path: Path, config: dict[str, Any], message: str) -> None:
     tmp_path.joinpath("config.json").write_text(json.dumps(config))
