@@ -41,6 +41,7 @@ LAYER_IDS = [1, 0, 1]
 # config.json of a SpecForge EAGLE-3 draft for the tiny target, keys as SpecForge writes them
 BASE_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+    "target_model_type": "qwen2_vl",
     "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
     "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
     "max_position_embeddings": 4096, "num_attention_heads": 4, "num_hidden_layers": 1,
