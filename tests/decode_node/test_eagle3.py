@@ -5,12 +5,14 @@ hand-made numbers."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from test_eagle import GREEDY, PROMPTS, image_prompt
 
+from decode_node.spec.accept import accept_sampled
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.attention import AttentionBatch, TorchPagedAttention
@@ -143,3 +145,26 @@ def test_sampled_requests_run_through_the_draft_vocabulary(model_dir: Path,
     assert all(len(g.token_ids) == 20 and all(0 <= t < 512 for t in g.token_ids) for g in got)
     assert spec.stats.rounds > 0
     spec.engine.scheduler.check_no_leaks()
+
+
+def test_sampling_from_a_draft_vocabulary_keeps_the_target_distribution() -> None:
+    """An EAGLE-3 draft's distribution is zero outside its vocabulary (here ids 1 and 3 of 5);
+    rejection sampling still yields the target's distribution, those ids included (they come
+    from the residual)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5
+    p = torch.softmax(torch.randn(3, vocab, generator=gen), dim=-1)
+    logits = torch.full((2, vocab), float("-inf"))
+    logits[:, [0, 2, 4]] = torch.randn(2, 3, generator=gen)
+    q = torch.softmax(logits, dim=-1)
+    assert q[:, [1, 3]].eq(0).all()
+    trials = 20000
+    first: Counter[int] = Counter()
+    for _ in range(trials):
+        d1 = int(torch.multinomial(q[0], 1, generator=gen))
+        d2 = int(torch.multinomial(q[1], 1, generator=gen))
+        first[accept_sampled([d1, d2], p, q, gen)[0]] += 1
+    observed = torch.tensor([first[t] for t in range(vocab)], dtype=torch.float64)
+    expected = p[0].double() * trials
+    chi2 = float(((observed - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, (chi2, observed, expected)  # p = 0.0004 at 4 degrees of freedom
