@@ -189,8 +189,9 @@ def add_draft_args(p: argparse.ArgumentParser, *, decode: bool) -> None:
     where = "" if decode else "; on a pipeline-parallel prefill, its last stage only"
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="EAGLE draft directory, in pdserve's layout (e.g. MODEL/draft from "
-                        "make-tiny-model --with-draft) or the original EAGLE-1/EAGLE-2 one; "
-                        f"prefill and decode nodes of a cluster must agree{where}")
+                        "make-tiny-model --with-draft), the original EAGLE-1/EAGLE-2 one or "
+                        "SpecForge's EAGLE-3 one (told apart by its config.json); prefill and "
+                        f"decode nodes of a cluster must agree{where}")
     if decode:
         p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                        help="draft tokens per speculative round (with --draft)")

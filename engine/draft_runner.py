@@ -6,6 +6,11 @@ layer whose global id is the draft band ``num_hidden_layers + 0``, so a prefill 
 draft KV next to the target's and a decode node receives it in the matching buffers.
 :class:`DraftHead` is that pool and forward beside any target pool (a whole model's, or the last
 pipeline stage's share); :class:`DraftRunner` adds the draft prefill over an engine's steps.
+
+Whatever the draft (EAGLE-1/2 or EAGLE-3), what passes between the target and the draft is a
+*feature* of the target's hidden size: the target's final hidden state, or for an EAGLE-3 draft
+its ``fc`` over the outputs of three target layers (:meth:`DraftHead.target_feature`). The draft
+prefill's seed, the aux row and the decode loop's buffers all carry that size.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from engine.errors import ConfigError
 from engine.kv_cache import BufferInfo, KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepForward
-from engine.models.eagle import EagleDraft
+from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
@@ -46,7 +51,7 @@ class DraftHead:
     ``target_pool``'s pages, and the draft's forward (which embeds with ``target``'s
     embedding)."""
 
-    def __init__(self, draft: EagleDraft, target: Qwen2VLModel, target_pool: KVPool) -> None:
+    def __init__(self, draft: Draft, target: Qwen2VLModel, target_pool: KVPool) -> None:
         if target.tp.size > 1:
             raise ConfigError("an EAGLE draft does not run beside a tensor-parallel target yet")
         draft.cfg.check_target(target.cfg.text)
@@ -64,13 +69,28 @@ class DraftHead:
         self.attn.prepare(batch)
         return self.draft(self.target.embed(ids), features, mrope, self.attn)
 
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs the draft fuses (empty unless EAGLE-3)."""
+        return self.draft.cfg.aux_layer_ids
+
+    def target_feature(self, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The feature target rows hand the draft, from their final hidden states ``[T, H]`` and
+        the outputs of :attr:`aux_layers` ``[T, 3H]`` (``[T, 0]`` for an EAGLE-1/2 draft)."""
+        return self.draft.target_feature(hidden, aux)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[n, V]`` over the target's vocabulary of draft output features."""
+        return self.draft.logits(features, self.target)
+
 
 class DraftRunner(DraftHead):
     """A :class:`DraftHead` beside an :class:`LLMEngine`'s pool, run over the engine's steps."""
 
-    def __init__(self, engine: LLMEngine, draft: EagleDraft) -> None:
+    def __init__(self, engine: LLMEngine, draft: Draft) -> None:
         super().__init__(draft, engine.model, engine.pool)
         self.engine = engine
+        engine.runner.aux_layers = self.aux_layers  # every forward returns what the draft fuses
         cache = engine.scheduler.prefix_cache
         if cache is not None:
             # the draft's KV shares the target's page ids, and a block's last draft row depends
@@ -104,5 +124,6 @@ class DraftRunner(DraftHead):
             if item.needs_sample:
                 last.append((item.request, len(ids) - 1))
         ids_t = torch.tensor(ids, device=self.pool.device)
-        feats = self.forward(ids_t, fwd.hidden, fwd.mrope, fwd.batch)
+        feats = self.forward(ids_t, self.target_feature(fwd.hidden, fwd.aux), fwd.mrope,
+                             fwd.batch)
         return {r.request_id: feats[row] for r, row in last}

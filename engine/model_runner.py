@@ -36,6 +36,8 @@ class StepForward:
     sample_rows: torch.Tensor | slice  # [S] int64 rows whose logits are sampled, in item order
     # (``slice(None)`` when every row is, in order): index ``hidden`` with it
     batch: AttentionBatch  # the forward's attention inputs (a draft over the same rows reuses it)
+    # [T, 3H] outputs of the runner's ``aux_layers`` (an EAGLE-3 draft's), [T, 0] without any
+    aux: torch.Tensor
 
 
 class ModelRunner:
@@ -53,6 +55,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # the other tensor-parallel ranks, which run every forward with this one; None: no TP
         self.peers: TPDriver | None = None
+        # target layers whose outputs every forward also returns (set by an EAGLE-3 draft)
+        self.aux_layers: tuple[int, ...] = ()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -68,15 +72,16 @@ class ModelRunner:
         mrope = mrope_from_1d(step.positions, step.deltas)  # [3, T]
         batch = step.attention
         graphs = self.decode_graphs
-        if graphs is not None and _pure_decode(out.items, batch, graphs):
+        if graphs is not None and not self.aux_layers and _pure_decode(out.items, batch, graphs):
             hidden = graphs.run(step.input_ids, mrope, batch.kv_lens, batch.max_kv,
                                 batch.page_table, batch.slot_mapping)
+            aux = hidden[:, :0]
         else:
             embeds = self.model.embed(step.input_ids)  # [T, H]
             mrope = self._prompt_positions(out.items, mrope, embeds, step.input_ids)
-            hidden = self.forward_embeds(embeds, mrope, batch)
+            hidden, aux = self.forward_embeds_aux(embeds, mrope, batch)
         return StepForward(step.input_ids, hidden, mrope, batch.slot_mapping, step.sample_rows,
-                           batch)
+                           batch, aux)
 
     @torch.inference_mode()
     def forward_embeds(
@@ -84,11 +89,26 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The target model over explicit inputs: ``embeds`` ``[T, H]`` at ``mrope`` ``[3, T]``,
         K/V written at ``batch.slot_mapping``; returns hidden states ``[T, H]``."""
+        return self.forward_embeds_aux(embeds, mrope, batch)[0]
+
+    @torch.inference_mode()
+    def forward_embeds_aux(
+        self, embeds: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_embeds`, also returning the outputs of ``aux_layers``
+        ``[T, len(aux_layers) * H]`` (:meth:`Qwen2VLModel.forward_aux`)."""
         self.attn.prepare(batch)
         if self.peers is None:
-            return self.model(embeds, mrope, self.attn)
+            return self._forward(embeds, mrope)
         with self.peers.step(embeds, mrope, batch):
-            return self.model(embeds, mrope, self.attn)
+            return self._forward(embeds, mrope)
+
+    def _forward(self, embeds: torch.Tensor, mrope: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.aux_layers:  # the model's plain call (a pipeline stage stands in for it)
+            hidden = self.model(embeds, mrope, self.attn)
+            return hidden, hidden[:, :0]
+        return self.model.forward_aux(embeds, mrope, self.attn, self.aux_layers)
 
     def _prompt_positions(
         self,

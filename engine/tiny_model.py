@@ -17,11 +17,14 @@ from safetensors.torch import save_file
 
 from engine.checkpoint import save_weights
 from engine.config import ModelConfig
-from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict
+from engine.models.eagle import DraftConfig, Eagle3Spec, EagleDraft, draft_config_dict
+from engine.models.eagle3 import Eagle3Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.tiny_tokenizer import build_tiny_tokenizer, special_token_ids
 
 TINY_VOCAB = 512
+# the tiny target has two layers: an EAGLE-3 draft for it fuses them out of order, one twice
+TINY_EAGLE3_LAYERS = (1, 0, 1)
 
 
 def tiny_config_dict(vocab_size: int = TINY_VOCAB) -> dict[str, Any]:
@@ -106,6 +109,39 @@ def write_random_draft(draft_dir: str | Path, target_text: dict[str, Any], seed:
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return path
+
+
+def random_vocab_map(target_vocab: int, draft_vocab: int, seed: int) -> torch.Tensor:
+    """A seeded ``d2t`` ``[draft_vocab]``: draft id ``d`` is target id ``d + d2t[d]``, the
+    draft vocabulary a random sorted subset of the target's."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(target_vocab, generator=gen)[:draft_vocab].sort().values
+    return ids - torch.arange(draft_vocab)
+
+
+def write_random_eagle3_draft(draft_dir: str | Path, target_text: dict[str, Any],
+                              spec: Eagle3Spec, seed: int = 1) -> Path:
+    """Write a random EAGLE-3 draft in pdserve's own layout, of ``spec``'s layers and vocabulary
+    size (a random subset of the target's), for a target whose text config is
+    ``target_text``, to ``draft_dir``."""
+    path = Path(draft_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    raw = draft_config_dict(target_text, target_text["num_hidden_layers"], eagle3=spec)
+    draft = Eagle3Draft(DraftConfig.from_dict(raw))
+    init_weights(draft, seed)
+    draft.d2t.copy_(random_vocab_map(target_text["vocab_size"], spec.draft_vocab_size, seed))
+    state = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return path
+
+
+def write_tiny_eagle3_draft(draft_dir: str | Path, seed: int = 1,
+                            draft_vocab: int = TINY_VOCAB // 2) -> Path:
+    """Write a random EAGLE-3 draft for the tiny model (layers :data:`TINY_EAGLE3_LAYERS`, a
+    draft vocabulary of ``draft_vocab`` of its tokens) to ``draft_dir``."""
+    spec = Eagle3Spec(TINY_EAGLE3_LAYERS, draft_vocab)
+    return write_random_eagle3_draft(draft_dir, tiny_config_dict()["text_config"], spec, seed)
 
 
 def write_tiny_draft(draft_dir: str | Path, seed: int = 1, vocab_size: int = TINY_VOCAB) -> Path:

@@ -179,14 +179,22 @@ def check_graphs(ctx: Context, res: dict[str, Any]) -> None:
 
 
 def check_eagle(ctx: Context, res: dict[str, Any]) -> None:
-    """(d) EAGLE greedy equals plain greedy decoding on the device; acceptance length."""
+    """(d) EAGLE greedy equals plain greedy decoding on the device; acceptance length. The
+    built-in draft as a chain (graphs on and off) and a tree; a random EAGLE-3 draft (three
+    target layers fused inside the captured verify, its own vocabulary) as a chain and a tree
+    (equality only: a random draft is rarely accepted)."""
     from decode_node.spec.eagle_engine import EagleEngine
     from decode_node.spec.tree import TreeShape
-    from engine.models.eagle import load_draft
+    from engine.models.eagle import Eagle3Spec, load_draft
+    from engine.tiny_model import write_random_eagle3_draft
 
     model_dir = builtin_model_dir()
     if not (model_dir / "draft" / "config.json").is_file():
         raise RuntimeError(f"{model_dir}: the built-in model and its draft are missing")
+    text = json.loads((model_dir / "config.json").read_text())["text_config"]
+    layers = Eagle3Spec.default_layer_ids(text["num_hidden_layers"])
+    eagle3 = write_random_eagle3_draft(ctx.work / "eagle3-draft", text,
+                                       Eagle3Spec(layers, text["vocab_size"] // 2))
     png = ctx.tiny()[1].pngs[0]
     prompts = [Prompt(text=chat_prompt(q)) for q in (
         "Write a Python function fibonacci(n). Return the n-th Fibonacci number.",
@@ -198,13 +206,15 @@ def check_eagle(ctx: Context, res: dict[str, Any]) -> None:
     res["k"] = EAGLE_K
     runs: dict[str, dict[str, Any]] = {}
     res["runs"] = runs  # "graphs_on" / "graphs_off" / "tree" -> rounds, acceptance, verdicts
-    for name, graphs, shape in (("graphs_on", True, TreeShape(EAGLE_K)),
-                                ("graphs_off", False, TreeShape(EAGLE_K)),
-                                ("tree", True, TreeShape(*EAGLE_TREE))):
+    own = model_dir / "draft"
+    for name, graphs, shape, draft_dir in (("graphs_on", True, TreeShape(EAGLE_K), own),
+                                           ("graphs_off", False, TreeShape(EAGLE_K), own),
+                                           ("tree", True, TreeShape(*EAGLE_TREE), own),
+                                           ("eagle3", True, TreeShape(EAGLE_K), eagle3),
+                                           ("eagle3_tree", True, TreeShape(*EAGLE_TREE), eagle3)):
         engine = LLMEngine(model_dir, ctx.engine_config(
             num_pages=256, lookahead_tokens=shape.lookahead, graphs=graphs))
-        draft = load_draft(model_dir / "draft", engine.model_config.text, torch.float32,
-                           ctx.device)
+        draft = load_draft(draft_dir, engine.model_config.text, torch.float32, ctx.device)
         spec = EagleEngine(engine, draft, shape.num_draft_tokens, shape.topk, shape.steps)
         got = spec.generate(prompts, greedy)
         runs[name] = {

@@ -16,7 +16,7 @@ bonus token ``b`` (the last committed token) sits at index ``S`` without KV; ``K
   with the request's penalties applied row by row (row ``j`` counts ``d_1..d_j`` as output), and
   min-p among the filters. The drafts come from the draft's own unpenalized distribution: any
   ``q`` keeps acceptance lossless.
-* **Draft extend**: the draft over the same ``K + 1`` rows with the verify's hidden states and the
+* **Draft extend**: the draft over the same ``K + 1`` rows with the verify's features and the
   committed tokens shifted by one, at the very positions tensor the verify used; row ``A - 1``
   (``select_index``) seeds the next round. Rows ``>= A`` write KV past ``S + A`` that nothing reads
   before it is overwritten.
@@ -53,7 +53,7 @@ from engine.draft_runner import DraftRunner
 from engine.input_batch import to_device
 from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
-from engine.models.eagle import EagleDraft
+from engine.models.eagle3 import Draft
 from engine.mrope import mrope_from_1d
 from engine.penalties import chain_scores
 from engine.request import Request, SamplingParams
@@ -90,7 +90,7 @@ class EagleEngine:
     or a tree of ``k`` nodes drafted ``steps`` deep with ``topk`` children per expanded node
     (:class:`~decode_node.spec.tree.TreeShape`)."""
 
-    def __init__(self, engine: LLMEngine, draft: EagleDraft, k: int, topk: int = 1,
+    def __init__(self, engine: LLMEngine, draft: Draft, k: int, topk: int = 1,
                  steps: int | None = None) -> None:
         self.shape = TreeShape(k, topk, steps)
         if engine.scheduler.config.lookahead_tokens < self.shape.lookahead:
@@ -173,7 +173,7 @@ class EagleEngine:
         ids = torch.tensor([[r.output_token_ids[-1], *d] for r, d in zip(reqs, drafts,
                                                                          strict=True)],
                            device=device).flatten()
-        hidden = self.graph.verify(rnd, ids)
+        hidden, features = self.graph.verify(rnd, ids)
         self._log_rows("verify", rows, *self._graph_positions(len(reqs)))
         logits = self.engine.model.logits(hidden).view(len(reqs), n, -1)
         committed = [self._accept(r, d, q, lg) for r, d, q, lg in zip(reqs, drafts, qs, logits,
@@ -181,7 +181,7 @@ class EagleEngine:
         # draft extend over the verified window, at the same positions; select_index rows
         ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed],
                            device=device).flatten()
-        seeds = self.graph.draft_extend(rnd, ext, hidden, [len(c) - 1 for c in committed])
+        seeds = self.graph.draft_extend(rnd, ext, features, [len(c) - 1 for c in committed])
         self._log_rows("draft_extend", rows, *self._graph_positions(len(reqs)))
         tokens, seed_qs = self._pick(seeds, reqs)
         return self._commit(reqs, starts, committed, logits, tokens, seed_qs, seeds)
@@ -265,7 +265,7 @@ class EagleEngine:
               ) -> tuple[list[int], list[torch.Tensor | None]]:
         """The draft's token per row (argmax, or sampled with the request's settings) and the
         distribution it came from."""
-        logits = self.engine.model.logits(feats)
+        logits = self.drafter.logits(feats)
         tokens = logits.argmax(dim=-1).tolist()
         qs: list[torch.Tensor | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):

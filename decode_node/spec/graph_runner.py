@@ -102,10 +102,13 @@ class SpecGraphRunner:
         return RoundInputs(reqs, starts, rows, bs, *to_device(host, self.bufs.device))
 
     def verify(self, rnd: RoundInputs, ids: torch.Tensor,
-               tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+               tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target over ``ids`` ``[B*N]`` (``[b, d_1..d_K]`` per request) at
         ``rnd.positions`` (``S..S+K`` for a chain), causal or under a draft tree's ``tree_mask``
-        ``[B, N, N]``; returns the real rows' hidden states ``[B*N, H]``."""
+        ``[B, N, N]``; returns the real rows' hidden states ``[B*N, H]`` (for the target's
+        logits) and the features they hand the draft ``[B*N, H]`` (the same tensor for an
+        EAGLE-1/2 draft; for an EAGLE-3 one its ``fc`` over three layers' outputs, computed in
+        the same static forward)."""
         b = self.bufs
         self._fill(rnd, ids, torch.zeros(ids.shape[0], b.hidden_size, device=b.device,
                                          dtype=b.hidden_states.dtype), [0] * len(rnd.reqs))
@@ -115,11 +118,20 @@ class SpecGraphRunner:
             self.tree_mask[raw_bs : self.bs].copy_(self.causal)
         b, rows, batch = self.bufs, self.bs * self.n, self._batch(rnd, tree_mask is not None)
 
+        eagle3 = bool(self.drafter.aux_layers)
+
         def forward() -> torch.Tensor:
             embeds = self.engine.model.embed(b.input_ids[:rows])
-            return self.engine.runner.forward_embeds(embeds, b.mrope_positions[:, :rows], batch)
+            hidden, aux = self.engine.runner.forward_embeds_aux(
+                embeds, b.mrope_positions[:, :rows], batch)
+            if not eagle3:
+                return hidden
+            return torch.cat((hidden, self.drafter.target_feature(hidden, aux)), dim=-1)
 
-        return self.graphs.run("verify", self.bs, forward)[: len(rnd.reqs) * self.n]
+        out = self.graphs.run("verify", self.bs, forward)[: len(rnd.reqs) * self.n]
+        if not eagle3:
+            return out, out
+        return out[:, : b.hidden_size], out[:, b.hidden_size :]
 
     def draft_extend(self, rnd: RoundInputs, ids: torch.Tensor, hidden: torch.Tensor,
                      accepted: list[int]) -> torch.Tensor:

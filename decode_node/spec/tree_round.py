@@ -17,7 +17,7 @@ root ``b``; see :mod:`decode_node.spec.tree` for the tree itself):
   commit. The target KV of ``p_j`` moves from slot ``S + p_j`` to
   ``S + j`` (every layer), so the committed KV is contiguous again.
 * **Draft extend**: the draft over rows ``j = 0 .. N - 1`` at ``S + j`` (the chain's window):
-  row ``j < A`` pairs the verify's hidden state of ``p_j`` with committed token ``j``, so the
+  row ``j < A`` pairs the verify's feature of ``p_j`` with committed token ``j``, so the
   draft KV lands at its committed slots directly; rows ``>= A`` repeat the last one and write
   past ``S + A``. Row ``A - 1`` seeds the next round.
 """
@@ -74,8 +74,8 @@ class TreeRounds:
         ids = torch.cat([bonus.unsqueeze(1), tree.tokens.to(device)], dim=1)  # [B, N]
         starts = torch.tensor(rnd.starts, device=device)
         positions = (starts.unsqueeze(1) + tree.depths.to(device)).flatten()  # [B*N]: S + depth
-        hidden = self.graph.verify(replace(rnd, positions=positions), ids.flatten(),
-                                   tree.mask.to(device))
+        hidden, features = self.graph.verify(replace(rnd, positions=positions), ids.flatten(),
+                                             tree.mask.to(device))
         self._log_graph("verify", rnd)
         logits = self.engine.model.logits(hidden).view(bsz, n, -1)  # [B, N, V]
         paths, committed = self._accept(rnd, ids.tolist(), tree, logits)
@@ -83,9 +83,9 @@ class TreeRounds:
         pad = [p + [p[-1]] * (n - len(p)) for p in paths]
         nodes = torch.tensor(pad, device=device)  # [B, N] node of each draft-extend row
         ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed], device=device)
-        path_hidden = hidden.view(bsz, n, -1).gather(
-            1, nodes.unsqueeze(2).expand(-1, -1, hidden.shape[1])).flatten(0, 1)  # [B*N, H]
-        seeds = self.graph.draft_extend(rnd, ext.flatten(), path_hidden,
+        path_features = features.reshape(bsz, n, -1).gather(
+            1, nodes.unsqueeze(2).expand(-1, -1, features.shape[1])).flatten(0, 1)  # [B*N, H]
+        seeds = self.graph.draft_extend(rnd, ext.flatten(), path_features,
                                         [len(c) - 1 for c in committed])
         self._log_graph("draft_extend", rnd)
         path_logits = logits.gather(1, nodes.unsqueeze(2).expand(-1, -1, logits.shape[2]))
@@ -93,9 +93,9 @@ class TreeRounds:
 
     def _draft(self, rnd: RoundInputs, features: torch.Tensor) -> DraftTree:
         """``steps - 1`` draft forwards growing each request's tree; the kept nodes."""
-        k, model = self.shape.topk, self.engine.model
+        k = self.shape.topk
         bsz = len(rnd.reqs)
-        draft = TreeDraft(torch.log_softmax(model.logits(features).float(), dim=-1), k)
+        draft = TreeDraft(torch.log_softmax(self.drafter.logits(features), dim=-1), k)
         feats = features.repeat_interleave(k, dim=0)  # [B*k, H] features of the frontier's parents
         batch = self.engine.runner.batch
         starts = np.array(rnd.starts, dtype=np.int64)  # [B]
@@ -115,7 +115,7 @@ class TreeRounds:
             out = self.drafter.forward(draft.frontier_tokens.flatten().to(device), feats, mrope,
                                        att)  # [B*k, H]
             self.log("draft_decode", row_ids, mrope, pos)
-            parent_row = draft.expand(torch.log_softmax(model.logits(out).float(), dim=-1))
+            parent_row = draft.expand(torch.log_softmax(self.drafter.logits(out), dim=-1))
             if i + 1 < self.shape.depth:  # the next frontier's parents' features
                 index = parent_row.to(device).unsqueeze(2).expand(-1, -1, out.shape[1])
                 feats = out.view(bsz, k, -1).gather(1, index).flatten(0, 1)  # [B*k, H]

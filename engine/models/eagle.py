@@ -25,14 +25,24 @@ Checkpoint layouts (Hugging Face-style directories; :func:`load_draft` tells the
   ``layers.0.post_attention_layernorm.weight`` (maybe ``embed_tokens.weight``, not used) in
   ``model.safetensors`` or ``pytorch_model.bin``.
 
-EAGLE-3 drafts (fused features of three target layers, their own vocabulary) are refused.
+EAGLE-3 drafts (:mod:`engine.models.eagle3`: they fuse the outputs of three target layers and
+may predict over a vocabulary of their own) carry :class:`Eagle3Spec` in their config; in
+pdserve's own layout its keys are ``eagle_aux_hidden_state_layer_ids`` and ``draft_vocab_size``,
+and the SpecForge / SGLang layout is read by :mod:`engine.models.eagle3_layout`.
+
+Every draft offers the same interface to the loops that run it
+(:data:`engine.models.eagle3.Draft`):
+``target_feature(hidden, aux)`` (the feature a target row hands the draft), ``forward`` (draft
+rows -> the features the next draft step reads), ``logits(features, target)`` (float32 logits
+over the *target's* vocabulary) and ``cfg.aux_layer_ids`` (the target layers whose outputs
+``aux`` holds; empty for EAGLE-1/2).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -41,11 +51,31 @@ from engine.attention import AttentionBackend
 from engine.config import TextConfig, text_config_from_dict
 from engine.errors import CheckpointError, ConfigError
 from engine.models.layers import MropeRotary, RMSNorm
-from engine.models.qwen2_vl import DecoderLayer
+from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
+
+if TYPE_CHECKING:
+    from engine.models.eagle3 import Eagle3Draft
 
 DRAFT_MODEL_TYPE = "qwen2_vl_eagle"
 # the layout variant flags of DraftConfig (and config.json keys), with their defaults
 VARIANT_DEFAULTS = {"fc_bias": False, "layer_input_norm": True, "final_norm": True}
+EAGLE3_LAYERS_KEY = "eagle_aux_hidden_state_layer_ids"
+EAGLE3_VOCAB_KEY = "draft_vocab_size"
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    """What makes a draft EAGLE-3: the target layers whose outputs it fuses (layer ``i``'s
+    output is the residual stream after decoder layer ``i``, before the final norm; in the order
+    the draft's ``fc`` reads them) and the size of its own vocabulary."""
+
+    aux_layer_ids: tuple[int, int, int]
+    draft_vocab_size: int
+
+    @staticmethod
+    def default_layer_ids(target_layers: int) -> tuple[int, int, int]:
+        """The layers SpecForge and SGLang pick when a draft names none: low, middle, high."""
+        return (1, target_layers // 2 - 1, target_layers - 4)
 
 
 @dataclass(frozen=True)
@@ -60,6 +90,12 @@ class DraftConfig:
     layer_input_norm: bool = VARIANT_DEFAULTS["layer_input_norm"]
     # the output features are normalised before the LM head
     final_norm: bool = VARIANT_DEFAULTS["final_norm"]
+    eagle3: Eagle3Spec | None = None  # None: an EAGLE-1/2 draft
+
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose outputs the draft fuses (empty unless EAGLE-3)."""
+        return () if self.eagle3 is None else self.eagle3.aux_layer_ids
 
     @property
     def layer_id(self) -> int:
@@ -77,11 +113,16 @@ class DraftConfig:
         try:
             text = text_config_from_dict(dict(raw["text_config"]))
             layers = int(raw["target_num_hidden_layers"])
+            eagle3 = _eagle3_spec(raw)
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"draft config.json has a bad field: {exc!r}") from exc
-        return cls(text, layers, fc_bias=_flag(raw, "fc_bias"),
-                   layer_input_norm=_flag(raw, "layer_input_norm"),
-                   final_norm=_flag(raw, "final_norm"))
+        flags = {key: _flag(raw, key) for key in VARIANT_DEFAULTS}
+        if eagle3 is not None and flags != VARIANT_DEFAULTS:
+            raise ConfigError("draft config.json: an EAGLE-3 draft has one layout (no fc bias, "
+                              f"both norms); variant flags {flags} do not apply")
+        return cls(text, layers, fc_bias=flags["fc_bias"],
+                   layer_input_norm=flags["layer_input_norm"], final_norm=flags["final_norm"],
+                   eagle3=eagle3)
 
     def check_target(self, target: TextConfig) -> None:
         """Raise ``ConfigError`` unless this draft fits ``target``, naming every field that
@@ -100,9 +141,34 @@ class DraftConfig:
         )
         diffs = [f"{name} is {mine} in the draft, {theirs} in the target"
                  for name, mine, theirs in fields if mine != theirs]
+        if self.eagle3 is not None:
+            diffs += self.eagle3_misfits(target)
         if diffs:
             raise ConfigError("the EAGLE draft does not fit the target model: "
                               + "; ".join(diffs))
+
+    def eagle3_misfits(self, target: TextConfig) -> list[str]:
+        """What keeps this EAGLE-3 draft's layers and vocabulary from fitting ``target``."""
+        assert self.eagle3 is not None
+        layers, vocab = self.eagle3.aux_layer_ids, self.eagle3.draft_vocab_size
+        diffs = []
+        if any(not 0 <= i < target.num_hidden_layers for i in layers):
+            diffs.append(f"{EAGLE3_LAYERS_KEY} is {list(layers)} in the draft, but the target's "
+                         f"layers are 0..{target.num_hidden_layers - 1}")
+        if not 0 < vocab <= target.vocab_size:
+            diffs.append(f"{EAGLE3_VOCAB_KEY} is {vocab} in the draft, more than the target's "
+                         f"vocab_size {target.vocab_size} (or not positive)")
+        return diffs
+
+
+def _eagle3_spec(raw: dict[str, Any]) -> Eagle3Spec | None:
+    """The EAGLE-3 keys of pdserve's own config (both or neither)."""
+    if EAGLE3_LAYERS_KEY not in raw and EAGLE3_VOCAB_KEY not in raw:
+        return None
+    ids = [int(i) for i in raw[EAGLE3_LAYERS_KEY]]
+    if len(ids) != 3:
+        raise ValueError(f"{EAGLE3_LAYERS_KEY} must name 3 target layers, got {ids}")
+    return Eagle3Spec((ids[0], ids[1], ids[2]), int(raw[EAGLE3_VOCAB_KEY]))
 
 
 def _flag(raw: dict[str, Any], key: str) -> bool:
@@ -150,19 +216,31 @@ class EagleDraft(nn.Module):
         x = self.layers[0].forward(x, rot, attn, 0)
         return self.norm.forward(x)
 
+    def target_feature(self, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The feature a target row hands the draft: its final hidden state ``hidden``
+        ``[T, H]`` (``aux`` is empty: this draft fuses no other layers)."""
+        return hidden
+
+    def logits(self, features: torch.Tensor, target: Qwen2VLModel) -> torch.Tensor:
+        """Float32 logits ``[n, V]`` of the draft's output ``features`` ``[n, H]``, through the
+        target's LM head."""
+        return target.logits(features)
+
 
 def load_draft(
     path: str | Path, target: TextConfig, dtype: torch.dtype,
     device: str | torch.device = "cpu",
-) -> EagleDraft:
+) -> EagleDraft | Eagle3Draft:
     """Load an EAGLE draft directory in any accepted layout (the module docstring), refused
     unless it fits the target's text config; its weights go straight onto ``device`` (the
     target's) in ``dtype``."""
-    from engine.models.eagle_layouts import read_draft  # it builds on this module's config
+    # both build on this module's config
+    from engine.models.eagle3 import build_draft
+    from engine.models.eagle_layouts import read_draft
 
     cfg, state = read_draft(Path(path), target, device)
     with torch.device("meta"):
-        draft = EagleDraft(cfg)
+        draft = build_draft(cfg)
     expected = set(draft.state_dict())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
@@ -178,13 +256,16 @@ def load_draft(
 
 
 def draft_config_dict(target_text: dict[str, Any], target_layers: int,
-                      **variant: bool) -> dict[str, Any]:
+                      eagle3: Eagle3Spec | None = None, **variant: bool) -> dict[str, Any]:
     """``config.json`` of a draft for a target whose ``text_config`` is ``target_text``, with the
     layout ``variant`` flags given (any of :data:`VARIANT_DEFAULTS`; those not given are left out
-    and read as their defaults)."""
+    and read as their defaults), or an EAGLE-3 draft of ``eagle3``'s layers and vocabulary."""
     unknown = sorted(set(variant) - set(VARIANT_DEFAULTS))
     if unknown:
         raise ValueError(f"unknown draft variant flags {unknown}")
     text = {**target_text, "num_hidden_layers": 1}
+    extra: dict[str, Any] = {} if eagle3 is None else {
+        EAGLE3_LAYERS_KEY: list(eagle3.aux_layer_ids),
+        EAGLE3_VOCAB_KEY: eagle3.draft_vocab_size}
     return {"model_type": DRAFT_MODEL_TYPE, "architectures": ["Qwen2VLEagleDraft"],
-            "text_config": text, "target_num_hidden_layers": target_layers, **variant}
+            "text_config": text, "target_num_hidden_layers": target_layers, **variant, **extra}

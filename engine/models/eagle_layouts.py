@@ -25,9 +25,9 @@ Mapping the original layout's config onto the draft's:
 - ``embed_tokens.weight``, saved along by EAGLE's training, must have the target embedding's
   shape and is dropped: the draft embeds with the target's.
 
-EAGLE-3 drafts (an ``Eagle3`` architecture, ``draft_vocab_size``, ``d2t``/``t2d`` or
-``midlayer.*`` tensors) are refused: their ``fc`` fuses three target layers and they predict
-over a vocabulary of their own.
+- a flat config marked EAGLE-3 (an ``Eagle3`` architecture or ``draft_vocab_size``): the
+  SpecForge / SGLang EAGLE-3 layout, read by :mod:`engine.models.eagle3_layout`. A config not so
+  marked whose tensors are EAGLE-3's (``d2t``/``t2d`` or ``midlayer.*``) is refused, naming them.
 """
 
 from __future__ import annotations
@@ -42,15 +42,17 @@ from engine.checkpoint import read_state_dict
 from engine.config import TextConfig, read_json_object
 from engine.errors import CheckpointError, ConfigError
 from engine.models.eagle import DRAFT_MODEL_TYPE, DraftConfig
+from engine.models.eagle3_layout import eagle3_config, eagle3_signs, eagle3_state_dict
 
 EAGLE_MODEL_TYPES = (None, "llama", "qwen2")
 EAGLE_DEFAULT_ROPE_THETA = 10000.0
 _PLAIN_ROPE_TYPES = (None, "default", "mrope")
 _QKV = ("q_proj", "k_proj", "v_proj")
 _EAGLE3_TENSORS = ("d2t", "t2d")
-_LAYOUTS = (f"pdserve's own (model_type {DRAFT_MODEL_TYPE!r}) or the original EAGLE one "
+_LAYOUTS = (f"pdserve's own (model_type {DRAFT_MODEL_TYPE!r}), the original EAGLE one "
             "(a flat Llama/Qwen2 config.json with hidden_size, num_attention_heads, "
-            "intermediate_size, vocab_size and num_hidden_layers 1)")
+            "intermediate_size, vocab_size and num_hidden_layers 1) or SpecForge's EAGLE-3 "
+            "one (the same, with draft_vocab_size)")
 
 
 @dataclass(frozen=True)
@@ -79,9 +81,10 @@ def read_draft(
     path: Path, target: TextConfig, device: str | torch.device,
 ) -> tuple[DraftConfig, dict[str, torch.Tensor]]:
     """The config and tensors (under pdserve's draft names, on ``device``) of the draft in
-    ``path``, whichever accepted layout it is in. ``ConfigError`` for an unknown layout, an
-    EAGLE-3 draft or a draft that does not fit ``target`` (raised before any weight is read);
-    ``CheckpointError`` for missing, unexpected or misshapen tensors."""
+    ``path``, whichever accepted layout it is in. ``ConfigError`` for an unknown layout or a
+    draft that does not fit ``target`` (raised before any weight is read), and for EAGLE-3
+    tensors under a config not marked EAGLE-3; ``CheckpointError`` for missing, unexpected or
+    misshapen tensors."""
     file = path / "config.json"
     if not file.is_file():
         raise ConfigError(f"{path}: no config.json (is this an EAGLE draft directory?)")
@@ -90,8 +93,11 @@ def read_draft(
         cfg = DraftConfig.from_dict(raw)
         cfg.check_target(target)
         return cfg, read_state_dict(path, device=device)
-    refuse_eagle3(path, _eagle3_config_signs(raw))
     layout = eagle_layout(raw, target, str(file))
+    if eagle3_signs(raw):
+        cfg = eagle3_config(raw, layout.draft.text, target, str(file))
+        cfg.check_target(target)
+        return cfg, eagle3_state_dict(read_weights(path, device), cfg, path)
     layout.draft.check_target(target)
     return layout.draft, eagle_state_dict(read_weights(path, device), layout, path)
 
@@ -172,21 +178,14 @@ def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def _eagle3_config_signs(raw: dict[str, Any]) -> list[str]:
-    archs = raw.get("architectures")
-    signs = [f"architecture {a!r}" for a in (archs if isinstance(archs, list) else [])
-             if "eagle3" in str(a).lower()]
-    return signs + (["draft_vocab_size"] if "draft_vocab_size" in raw else [])
-
-
 def refuse_eagle3(path: Path, signs: list[str]) -> None:
-    """Raise ``ConfigError`` if ``signs`` (what marks the draft in ``path`` as EAGLE-3) is not
-    empty."""
+    """Raise ``ConfigError`` if ``signs`` (EAGLE-3 tensors found in the draft in ``path``, whose
+    config is not marked EAGLE-3) is not empty."""
     if signs:
-        raise ConfigError(f"{path}: EAGLE-3 drafts are not supported yet (found "
-                          f"{', '.join(signs)}): pdserve runs EAGLE-1/EAGLE-2 drafts, whose fc "
-                          "reads the target's last hidden state and which predict over the "
-                          "target's vocabulary")
+        raise ConfigError(f"{path}: EAGLE-3 tensors ({', '.join(signs)}) in a draft whose "
+                          "config.json is not marked EAGLE-3: add draft_vocab_size and the "
+                          "architecture LlamaForCausalLMEagle3 (an EAGLE-1/2 draft reads the "
+                          "target's last hidden state over the target's vocabulary)")
 
 
 def read_weights(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:

@@ -26,15 +26,20 @@ from engine.tp_shard import TextShard
 
 class Attention(nn.Module):
     """Self-attention over this rank's heads (``shard``): q/k/v are column-parallel (this rank's
-    heads only), ``o_proj`` row-parallel, its partial sums all-reduced over ``tp``."""
+    heads only), ``o_proj`` row-parallel, its partial sums all-reduced over ``tp``.
 
-    def __init__(self, cfg: TextConfig, shard: TextShard, tp: TPGroup) -> None:
+    ``in_features`` is the width q/k/v read (the hidden size unless given: an EAGLE-3 draft
+    layer's attention reads ``2 * hidden``)."""
+
+    def __init__(self, cfg: TextConfig, shard: TextShard, tp: TPGroup,
+                 in_features: int | None = None) -> None:
         super().__init__()
         d, h, kv = cfg.head_dim, shard.num_heads, shard.num_kv_heads
         self.head_dim, self.num_heads, self.num_kv_heads = d, h, kv
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=True)
+        width = cfg.hidden_size if in_features is None else in_features
+        self.q_proj = nn.Linear(width, h * d, bias=True)
+        self.k_proj = nn.Linear(width, kv * d, bias=True)
+        self.v_proj = nn.Linear(width, kv * d, bias=True)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.tp = tp
         self.qkv_weight = self.qkv_bias = torch.empty(0)  # set by fuse()
@@ -188,11 +193,24 @@ class Qwen2VLModel(nn.Module):
         Writes every token's K/V through ``attn`` and returns the final-normed hidden states
         ``[T, hidden]``.
         """
+        return self.forward_aux(embeds, mrope_positions, attn, ())[0]
+
+    def forward_aux(
+        self, embeds: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,
+        aux_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, also returning the outputs of decoder layers ``aux_layers`` (the
+        residual stream after each, before the final norm; what an EAGLE-3 draft fuses),
+        concatenated in the order given: ``([T, hidden], [T, len(aux_layers) * hidden])``."""
         rot = self.rotary(mrope_positions, embeds.dtype)
         x = embeds
+        outs: dict[int, torch.Tensor] = {}
         for local, layer in enumerate(self.model.layers):
             x = layer.forward(x, rot, attn, local)
-        return self.model.norm.forward(x)
+            if local in aux_layers:
+                outs[local] = x
+        aux = torch.cat([outs[i] for i in aux_layers], dim=-1) if aux_layers else x[:, :0]
+        return self.model.norm.forward(x), aux
 
     def forward_layers(
         self, hidden: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,

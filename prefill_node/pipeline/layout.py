@@ -18,6 +18,7 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.draft_runner import DraftHead
+from engine.errors import ConfigError
 from engine.kv_cache import BufferInfo, KVPool, pages_for_budget
 from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
@@ -93,5 +94,11 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
     pool = stage_pool(config, model_config, layers)
     head = None
     if draft is not None:
-        head = DraftHead(load_draft(draft, model_config.text, dtype, device=device), model, pool)
+        loaded = load_draft(draft, model_config.text, dtype, device=device)
+        if loaded.cfg.eagle3 is not None:
+            # its fc reads the outputs of layers spread over the earlier stages
+            raise ConfigError(f"{draft}: an EAGLE-3 draft does not run beside a "
+                              "pipeline-parallel prefill yet: run the prefill without "
+                              "pipeline stages, or use an EAGLE-1/2 draft")
+        head = DraftHead(loaded, model, pool)
     return LaterStageModel(model_config, model, layers, pool, head)

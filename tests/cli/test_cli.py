@@ -19,10 +19,13 @@ import pytest
 import torch
 
 from engine.chat import chat_prompt
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
+from engine.models.eagle import load_draft
+from engine.models.eagle3 import Eagle3Draft
 from engine.request import SamplingParams
+from engine.tiny_model import TINY_EAGLE3_LAYERS
 
 REPO = Path(__file__).resolve().parents[2]
 PATCH_DIM = 3 * 2 * 14 * 14
@@ -266,6 +269,21 @@ def test_unknown_device_is_a_one_line_error_on_servers_and_launch(cache_dir: Pat
     """(generate: the tests above; prefill builds its config like decode.)"""
     proc = pdserve(cache_dir, *command, "--device", "tpu")
     assert_one_line_error(proc, "choose one of auto, cpu, cuda, npu")
+
+
+def test_make_tiny_model_writes_an_eagle3_draft_a_pipeline_stage_refuses(
+        cache_dir: Path, tmp_path: Path) -> None:
+    """``--with-eagle3-draft`` writes a draft ``--draft`` recognises as EAGLE-3 by its config;
+    a pipeline stage refuses it in one line (its fc reads layers of the earlier stages)."""
+    path = tmp_path / "tiny"
+    assert "EAGLE-3 draft" in ok(pdserve(cache_dir, "make-tiny-model", str(path),
+                                         "--with-eagle3-draft"))
+    draft = load_draft(path / "draft", ModelConfig.from_dir(path).text, torch.float32)
+    assert isinstance(draft, Eagle3Draft) and draft.cfg.aux_layer_ids == TINY_EAGLE3_LAYERS
+    proc = pdserve(cache_dir, "prefill", "--model", str(path), "--port", "0", "--pp-size", "2",
+                   "--pp-rank", "1", "--draft", str(path / "draft"))
+    assert_one_line_error(proc, "an EAGLE-3 draft does not run beside a pipeline-parallel "
+                                "prefill")
 
 
 def test_draft_on_a_pipeline_stage_before_the_last_is_a_one_line_error(cache_dir: Path) -> None:

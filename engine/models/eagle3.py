@@ -1,0 +1,137 @@
+"""The EAGLE-3 draft head: one decoder layer over (normed token embedding, normed feature).
+
+Against the EAGLE-1/2 draft (:class:`~engine.models.eagle.EagleDraft`):
+
+- The target hands the draft the outputs of three of its layers (low, middle, high;
+  :class:`~engine.models.eagle.Eagle3Spec`), concatenated ``[T, 3H]``; ``fc`` (no bias) fuses
+  them into the feature ``[T, H]`` (:meth:`Eagle3Draft.target_feature`). ``fc`` runs once, on
+  the target's side of the hand-over: the feature has the target's hidden size, so the aux row a
+  prefill node ships and the decode loop's buffers keep their size.
+- The layer's attention reads ``cat(input_layernorm(embedding), hidden_norm(feature))``
+  ``[T, 2H]``; the residual stream starts from the feature itself.
+- The layer's output before the final norm is the feature of the next draft step (no ``fc``
+  again); the logits come from ``norm`` and the draft's own ``lm_head`` over a draft vocabulary
+  of ``draft_vocab_size`` tokens. Draft token ``d`` is target token ``d + d2t[d]``
+  (:meth:`Eagle3Draft.logits` scatters the draft logits onto the target's vocabulary, ``-inf``
+  elsewhere, so every loop picks target ids as with any draft).
+
+The embedding is the target's; the draft's KV lives in the draft band as for every draft.
+Tensor names (pdserve's own layout): ``fc.weight`` ``[H, 3H]``, ``layers.0.input_layernorm``,
+``layers.0.hidden_norm``, ``layers.0.self_attn.{q,k,v}_proj`` (``[*, 2H]``, with biases),
+``layers.0.self_attn.o_proj``, ``layers.0.post_attention_layernorm``, ``layers.0.mlp.*``,
+``norm.weight``, ``lm_head.weight`` ``[draft_vocab_size, H]``, ``d2t`` (int64).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend
+from engine.config import TextConfig
+from engine.errors import CheckpointError
+from engine.models.eagle import DraftConfig, EagleDraft
+from engine.models.layers import MropeRotary, RMSNorm, RotaryTables
+from engine.models.qwen2_vl import Attention, Mlp, Qwen2VLModel
+from engine.parallel import SINGLE
+from engine.tp_shard import TextShard
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 draft's decoder layer: attention over the normed embedding and feature side
+    by side, residual from the feature."""
+
+    def __init__(self, cfg: TextConfig) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, TextShard.of(cfg, 0, 1), SINGLE, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = Mlp(cfg, TextShard.of(cfg, 0, 1), SINGLE)
+
+    def forward(self, embeds: torch.Tensor, feature: torch.Tensor, rot: RotaryTables,
+                attn: AttentionBackend, layer: int) -> torch.Tensor:
+        """``embeds``, ``feature`` ``[T, H]`` -> the layer's output ``[T, H]`` (pre-norm)."""
+        x = torch.cat((self.input_layernorm.forward(embeds),
+                       self.hidden_norm.forward(feature)), dim=-1)  # [T, 2H]
+        h = feature + self.self_attn.forward(x, rot, attn, layer)
+        return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
+
+
+class Eagle3Draft(nn.Module):
+    """An EAGLE-3 draft of ``cfg`` (whose ``eagle3`` is set); the interface of
+    :class:`~engine.models.eagle.EagleDraft`."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        assert cfg.eagle3 is not None, "an EAGLE-3 draft needs its Eagle3Spec"
+        t, spec = cfg.text, cfg.eagle3
+        self.cfg = cfg
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * t.hidden_size, t.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(t)])
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.lm_head = nn.Linear(t.hidden_size, spec.draft_vocab_size, bias=False)
+        self.d2t: torch.Tensor
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
+        self.target_ids = torch.empty(0, dtype=torch.int64)  # set by fuse()
+        self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
+
+    @property
+    def layer(self) -> Eagle3Layer:
+        """The draft's one decoder layer (``layers.0`` in the checkpoint)."""
+        layer = self.layers[0]
+        assert isinstance(layer, Eagle3Layer)
+        return layer
+
+    def fuse(self) -> None:
+        """Fuse projections and derive the draft -> target id table; call once loaded."""
+        self.layer.self_attn.fuse()
+        self.layer.mlp.fuse()
+        self.target_ids = vocab_map(self.d2t, self.cfg.text.vocab_size)
+
+    def target_feature(self, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """The feature a target row hands the draft: ``fc`` over the outputs ``aux``
+        ``[T, 3H]`` of the draft's target layers (``hidden``, the final state, is not used)."""
+        return self.fc(aux)
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        features: torch.Tensor,
+        mrope_positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Rows ``(embedding of token p+1, feature of p)`` at ``mrope_positions`` ``[3, T]``;
+        writes the draft KV through ``attn`` and returns the next step's features ``[T, H]``
+        (the layer's output before the final norm)."""
+        rot = self.rotary(mrope_positions, features.dtype)
+        return self.layer.forward(token_embeds, features, rot, attn, 0)
+
+    def logits(self, features: torch.Tensor, target: Qwen2VLModel) -> torch.Tensor:
+        """Float32 logits ``[n, V]`` over the target's vocabulary of ``features`` ``[n, H]``:
+        the draft vocabulary's logits at their target ids, ``-inf`` at every other id."""
+        small = F.linear(self.norm.forward(features), self.lm_head.weight).float()  # [n, Vd]
+        out = small.new_full((small.shape[0], self.cfg.text.vocab_size), float("-inf"))
+        return out.index_copy_(1, self.target_ids, small)
+
+
+def vocab_map(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:
+    """The target id of every draft id, ``arange(Vd) + d2t`` ``[Vd]``; ``CheckpointError``
+    unless they are distinct ids of the target's vocabulary."""
+    ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= target_vocab):
+        raise CheckpointError(f"d2t maps draft ids outside the target's vocabulary of "
+                              f"{target_vocab} (ids {int(ids.min())}..{int(ids.max())})")
+    if ids.unique().numel() != ids.numel():
+        raise CheckpointError("d2t maps several draft ids onto one target id")
+    return ids
+
+
+def build_draft(cfg: DraftConfig) -> EagleDraft | Eagle3Draft:
+    """The draft module ``cfg`` describes (EAGLE-3 when ``cfg.eagle3`` is set)."""
+    return EagleDraft(cfg) if cfg.eagle3 is None else Eagle3Draft(cfg)
+
+
+Draft = EagleDraft | Eagle3Draft  # what every draft loop runs
