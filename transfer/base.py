@@ -19,6 +19,7 @@ moves; a failure after that raises :class:`~transfer.errors.EngineCallError`.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -30,9 +31,12 @@ from transfer.aux import AuxBuffer
 from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
 from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
 from transfer.faults import FaultInjector
+from transfer.head_blocks import head_geometry, pages_per_round, staged_blocks, strided_blocks
+from transfer.heads import HeadCopy
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.memory import MemoryRange
 from transfer.messages import Registration
+from transfer.staging import HeadStaging
 
 if TYPE_CHECKING:
     from engine.kv_cache import BufferInfo
@@ -60,6 +64,8 @@ class KVManager(ABC):
         self.kv_devices: list[str] = []  # where each KV entry lives: "cpu", "cuda:N", "npu:N"
         self.num_pages = 0
         self.aux: AuxBuffer | None = None
+        self.staging: HeadStaging | None = None  # head-sliced sends gather here
+        self._staging_lock = threading.Lock()  # one gather-and-write round at a time
         self._registered = False
         self.faults: FaultInjector | None = None  # fault injection (tests): None when off
         # called after every send with (bytes, seconds, ok): the node's transfer metrics
@@ -83,13 +89,15 @@ class KVManager(ABC):
         """One engine batch write of at most ``batch_limit`` blocks; returns 0 on success."""
 
     def register(
-        self, kv: Sequence[BufferInfo], aux: AuxBuffer | None = None, *, use_layer_ids: bool = True
+        self, kv: Sequence[BufferInfo], aux: AuxBuffer | None = None, *, use_layer_ids: bool = True,
+        staging: HeadStaging | None = None,
     ) -> None:
         """Register the KV buffer entries (and the aux buffer) with the engine, exactly once.
 
         Each entry is registered as memory of its ``device``; nothing is recorded unless every
         range registered. ``use_layer_ids=False`` publishes no layer ids, so pairing is
-        positional.
+        positional. ``staging``: the buffer head-sliced sends into a destination rank that holds
+        fewer heads gather into (:mod:`transfer.heads`); registered with the entries.
         """
         if self._registered:
             raise TransferError("buffers are already registered; a manager registers once")
@@ -98,6 +106,8 @@ class KVManager(ABC):
         ranges = [MemoryRange(b.ptr, b.nbytes, b.device) for b in kv]
         if aux is not None:  # aux rows are small per-room records the host reads and writes
             ranges.append(MemoryRange(aux.ptr, aux.nbytes))
+        if staging is not None:
+            ranges.append(MemoryRange(staging.ptr, staging.nbytes, staging.device))
         self._register_ranges(ranges)
         self.kv_ptrs = [b.ptr for b in kv]
         self.kv_bytes_per_page = [b.bytes_per_page for b in kv]
@@ -105,6 +115,7 @@ class KVManager(ABC):
         self.kv_devices = [b.device for b in kv]
         self.num_pages = min(b.nbytes // b.bytes_per_page for b in kv)
         self.aux = aux
+        self.staging = staging
         self._registered = True
 
     def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,
@@ -140,6 +151,7 @@ class KVManager(ABC):
         dst_kv_item_len: int | None = None,
         dst_device_kv_indices: Sequence[int] | None = None,
         dst_attn_tp_size: int | None = None,
+        dst_heads: HeadCopy | None = None,
     ) -> SendResult:
         """Write local pages ``src_pages`` into the peer's pages ``dst_pages`` of every entry.
 
@@ -149,6 +161,13 @@ class KVManager(ABC):
         Runs of pages consecutive on both sides go as one block; all blocks go in as few engine
         calls as ``batch_limit`` allows.
 
+        ``dst_heads``: the head slice this rank writes into the destination rank when the two
+        sides differ in tensor-parallel size (:func:`transfer.heads.plan_head_copies`); None or a
+        whole copy is the plain page copy. A slice that is the destination's whole page is
+        gathered into the registered staging buffer and goes page-sized, as many blocks as the
+        plain copy; any other slice goes one block per token (see :mod:`transfer.heads`).
+        ``dst_bytes_per_page`` are then the destination rank's (fewer or more heads per page).
+
         The keywords of callers written for SGLang's KV managers:
 
         - ``executor`` (SGLang's fifth positional argument): ignored, writes here are
@@ -157,8 +176,8 @@ class KVManager(ABC):
           ``dst_bytes_per_page``;
         - ``dst_device_kv_indices``: ignored; the decode here keeps one page list per room,
           so its pages are ``dst_pages``;
-        - ``dst_attn_tp_size``: must be ``None`` or 1, both nodes hold every KV head (no
-          head-sliced transfer).
+        - ``dst_attn_tp_size``: must be ``None`` or 1; a head-sliced transfer is asked for with
+          ``dst_heads``, which carries the ranges rather than a size.
 
         Any other keyword is a ``TypeError`` naming it.
         """
@@ -171,7 +190,7 @@ class KVManager(ABC):
         if dst_attn_tp_size not in (None, 1):
             raise TransferError(
                 f"send_kvcache: dst_attn_tp_size={dst_attn_tp_size} asks for a head-sliced "
-                "transfer; prefill and decode here both hold every KV head (attention TP 1)"
+                "transfer; pass the planned slice as dst_heads (transfer.heads.plan_head_copies)"
             )
         if not self._registered:
             raise TransferError("register() the KV buffers before sending")
@@ -180,6 +199,11 @@ class KVManager(ABC):
         if src and max(src) >= self.num_pages:
             raise PageListError(f"source page {max(src)} is outside 0..{self.num_pages - 1}")
         pairs = pair_entries(self.kv_layer_ids, dst_layer_ids, len(self.kv_ptrs), len(dst_ptrs))
+        if dst_heads is not None and not dst_heads.whole:
+            if dst_kv_item_len is not None:
+                dst_bytes_per_page = [dst_kv_item_len] * len(dst_ptrs)
+            return self._send_heads(session, src, dst, dst_ptrs, pairs, dst_heads,
+                                    dst_bytes_per_page)
         if dst_bytes_per_page is not None:
             if len(dst_bytes_per_page) != len(dst_ptrs):
                 raise LayerPairingError(
@@ -193,6 +217,40 @@ class KVManager(ABC):
         runs = contiguous_runs(src, dst)
         srcs, dsts, lens = build_blocks(pairs, self.kv_ptrs, dst_ptrs, self.kv_bytes_per_page, runs)
         return self._write_blocks(session, srcs, dsts, lens)
+
+    def _send_heads(
+        self, session: str, src: list[int], dst: list[int], dst_ptrs: Sequence[int],
+        pairs: list[tuple[int, int]], copy: HeadCopy, dst_bpp: Sequence[int] | None,
+    ) -> SendResult:
+        """A head-sliced send (``copy`` is not whole); every check runs before a byte moves."""
+        if dst_bpp is not None and len(dst_bpp) != len(dst_ptrs):
+            raise LayerPairingError(
+                f"{len(dst_bpp)} bytes-per-page values for {len(dst_ptrs)} destination entries"
+            )
+        if len(src) != len(dst):
+            raise PageListError(f"{len(src)} source pages but {len(dst)} destination pages")
+        head_bytes, dst_bpp_all = head_geometry(pairs, self.kv_bytes_per_page, copy, dst_bpp)
+        if not copy.dst_contiguous or not src:
+            srcs, dsts, lens = strided_blocks(pairs, self.kv_ptrs, dst_ptrs,
+                                              self.kv_bytes_per_page, dst_bpp_all, src, dst, copy,
+                                              head_bytes)
+            return self._write_blocks(session, srcs, dsts, lens)
+        if self.staging is None:
+            raise TransferError(
+                f"a send of {copy.count} of {copy.src_heads} heads into a rank holding "
+                f"{copy.dst_heads} needs a staging buffer; register() one"
+            )
+        slice_page = dst_bpp_all[0]
+        step = pages_per_round(len(src), len(self.kv_ptrs), slice_page, self.staging.nbytes)
+        blocks = calls = nbytes = 0
+        with self._staging_lock:
+            for k in range(0, len(src), step):
+                self.staging.gather(src[k : k + step], copy.src_head, copy.count)
+                part = self._write_blocks(session, *staged_blocks(
+                    pairs, self.staging.ptr, dst_ptrs, dst[k : k + step], slice_page))
+                blocks, calls = blocks + part.blocks, calls + part.batches
+                nbytes += part.nbytes
+        return SendResult(blocks=blocks, batches=calls, nbytes=nbytes)
 
     def send_aux(self, session: str, src_slot: int, dst_aux_ptr: int, dst_row_bytes: int,
                  dst_slot: int) -> SendResult:
