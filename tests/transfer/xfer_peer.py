@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVPool
+from engine.kv_staging import HeadStagingBuffer
 from serving.process_exit import keep_until_exit
 from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer
@@ -61,7 +62,10 @@ class Node:
         self.aux = AuxBuffer(spec.aux_rows, HIDDEN)
         self.manager = make_manager(spec)
         infos = [info for pool in self.pools for info in pool.buffer_infos()]
-        self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True))
+        staging_bytes = spec.extra.get("staging_bytes", 0)
+        self.staging = HeadStagingBuffer(self.entries(), staging_bytes) if staging_bytes else None
+        self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True),
+                              staging=self.staging)
         # kept (buffers and engine) until the process ends, which skips the engine's one-second
         # destructor: a peer process exits when stopped, the test process after the session
         keep_until_exit(self)
@@ -84,6 +88,23 @@ class Node:
         return self.manager.registration(
             page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint
         )
+
+
+class Ranks:
+    """A decode of several TP ranks in one process: one :class:`Node` per rank spec."""
+
+    def __init__(self, specs: list[Spec]) -> None:
+        self.nodes = [Node(spec) for spec in specs]
+
+    def registration(self) -> list[Any]:
+        return [node.registration() for node in self.nodes]
+
+    def dump(self, rank: int) -> list[bytes]:
+        return self.nodes[rank].dump()
+
+    def zero(self) -> None:
+        for node in self.nodes:
+            node.zero()
 
 
 def make_manager(spec: Spec) -> KVManager:
@@ -121,6 +142,8 @@ def _build(role: str, spec: Spec, arg: Any) -> Any:
     cfg: BootstrapConfig = spec.extra.get("config", BootstrapConfig())
     if role == "node":
         return Node(spec)
+    if role == "ranks":
+        return Ranks(arg)
     if role == "prefill":
         node = Node(spec, fill_seed=1)
         server = PrefillBootstrapServer(node.manager, spec.identity, host=HOST, config=cfg)
@@ -135,7 +158,7 @@ def _build(role: str, spec: Spec, arg: Any) -> Any:
 
 def _child(conn: Any, role: str, spec: Spec, arg: Any) -> None:
     obj = _build(role, spec, arg)
-    ready = obj.registration() if role == "node" else getattr(obj, "address", None)
+    ready = obj.registration() if role in ("node", "ranks") else getattr(obj, "address", None)
     conn.send(ready)
     while True:
         name, args = conn.recv()
