@@ -32,7 +32,7 @@ from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
 from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
 from transfer.faults import FaultInjector
 from transfer.head_blocks import head_geometry, pages_per_round, staged_blocks, strided_blocks
-from transfer.heads import HeadCopy
+from transfer.heads import HeadCopy, HeadLayout
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.memory import MemoryRange
 from transfer.messages import Registration
@@ -119,10 +119,13 @@ class KVManager(ABC):
         self._registered = True
 
     def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,
-                     auth_token: str = "") -> Registration:
+                     auth_token: str = "", heads: HeadLayout | None = None,
+                     tp_rank: int = 0) -> Registration:
         """The message a decode node publishes once per connection (``auth_token``: the
-        cluster's internal shared secret, "" without one)."""
+        cluster's internal shared secret, "" without one; ``heads``: the decode's KV heads over
+        its TP ranks, of which this manager serves ``tp_rank``)."""
         aux = self._require_aux()
+        ranges = [x for pair in heads.ranges for x in pair] if heads is not None else []
         return Registration(
             session_id=self.session_id,
             kv_ptrs=list(self.kv_ptrs),
@@ -136,6 +139,10 @@ class KVManager(ABC):
             dtype=dtype,
             model_fingerprint=model_fingerprint,
             auth_token=auth_token,
+            tp_rank=tp_rank,
+            kv_head_ranges=ranges,
+            num_kv_heads=heads.num_kv_heads if heads is not None else 0,
+            head_dim=heads.head_dim if heads is not None else 0,
         )
 
     def send_kvcache(

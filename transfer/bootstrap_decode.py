@@ -91,6 +91,7 @@ class DecodeBootstrapClient:
         reg = manager.registration(
             page_size=identity.page_size, dtype=identity.dtype,
             model_fingerprint=identity.model_fingerprint, auth_token=self.config.secret or "",
+            heads=identity.heads, tp_rank=identity.tp_rank,
         )
         try:
             self._sock.send(reg)

@@ -24,6 +24,7 @@ from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity, check_compatible, check_token
 from transfer.errors import EngineCallError, MessageError, TransferError
 from transfer.faults import make_injector
+from transfer.heads import HeadCopy
 from transfer.messages import (
     Abort,
     AbortAck,
@@ -48,6 +49,7 @@ class _Conn:
     sock: FramedSocket
     reg: Registration
     last_seen: float
+    heads: HeadCopy | None = None  # the head slice written into this decode rank; None: whole
     alive: bool = True
 
 
@@ -172,7 +174,7 @@ class PrefillBootstrapServer:
                 self._fail(r, "the decode asked for no aux row from this prefill", quiesced=True)
                 return self._finish_locked(r)
             dst = r.dest.pages[r.cursor : r.cursor + len(src)]
-            reg, aux_slot = r.conn.reg, r.dest.aux_slot
+            reg, aux_slot, heads = r.conn.reg, r.dest.aux_slot, r.conn.heads
             r.cursor += len(src)
             r.inflight += 1
             r.status = advance(r.status, KVPoll.Transferring)
@@ -181,7 +183,7 @@ class PrefillBootstrapServer:
             if src:
                 self.manager.send_kvcache(
                     reg.session_id, src, reg.kv_ptrs, dst, dst_layer_ids=reg.kv_layer_ids or None,
-                    dst_bytes_per_page=reg.kv_bytes_per_page,
+                    dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=heads,
                 )
             if last is not None:
                 self._send_aux(reg, aux_slot, dataclasses.replace(last, room=room))
@@ -299,7 +301,7 @@ class PrefillBootstrapServer:
             if not isinstance(reg, Registration):
                 raise MessageError(f"expected Registration, got {type(reg).__name__}")
             check_token(self.config.secret, reg)
-            check_compatible(self.identity, self.manager, reg)
+            heads = check_compatible(self.identity, self.manager, reg)
             fs.send(RegisterReply(True, ""))
             sock.settimeout(None)
         except (OSError, TransferError) as exc:
@@ -311,7 +313,7 @@ class PrefillBootstrapServer:
                 pass
             fs.close()
             return
-        conn = _Conn(fs, reg, time.monotonic())
+        conn = _Conn(fs, reg, time.monotonic(), heads)
         with self._lock:
             self._conns.append(conn)
         try:

@@ -18,7 +18,7 @@ import msgpack
 from transfer.errors import MessageError
 from transfer.status import KVPoll
 
-VERSION = 2
+VERSION = 3
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -31,6 +31,12 @@ class Registration:
     ``auth_token`` is the cluster's internal shared secret ("" without one): a prefill that has
     one refuses a registration without it (:func:`transfer.bootstrap.check_token`). It is
     kept out of ``repr`` so that it never reaches a log.
+
+    Tensor parallelism (:mod:`transfer.heads`): ``tp_rank`` is this decode rank and
+    ``kv_head_ranges`` the ``(start, count)`` of the KV heads of every rank of the decode,
+    flattened (``[start_0, count_0, start_1, count_1, ...]``), of ``num_kv_heads`` heads of
+    ``head_dim``; empty ranges (and zeros) mean a decode that holds every head and says nothing
+    about them.
     """
 
     session_id: str  # transfer engine address of the decode, "host:rpc_port"
@@ -45,6 +51,10 @@ class Registration:
     dtype: str
     model_fingerprint: str
     auth_token: str = dataclasses.field(default="", repr=False)
+    tp_rank: int = 0
+    kv_head_ranges: list[int] = dataclasses.field(default_factory=list)
+    num_kv_heads: int = 0
+    head_dim: int = 0
 
 
 @dataclass(frozen=True)

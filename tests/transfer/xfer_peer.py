@@ -20,6 +20,7 @@ from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
+from transfer.heads import HeadLayout
 from transfer.mooncake import MooncakeKVManager, create_mooncake_engine
 
 HOST = "127.0.0.1"
@@ -43,7 +44,14 @@ class Spec:
 
     @property
     def identity(self) -> ModelIdentity:
-        return ModelIdentity(self.fingerprint, self.page_size, "torch.float32")
+        """The node's identity; ``extra["tp"] = (kv heads, tp size, rank)`` adds its heads."""
+        if "tp" not in self.extra:
+            return ModelIdentity(self.fingerprint, self.page_size, "torch.float32")
+        kv, size, rank = self.extra["tp"]
+        heads = HeadLayout.tensor_parallel(kv, size, head_dim=self.head_dim,
+                                           dtype="torch.float32", page_size=self.page_size)
+        return ModelIdentity(self.fingerprint, self.page_size, "torch.float32", heads=heads,
+                             tp_rank=rank)
 
 
 class Node:
@@ -86,7 +94,8 @@ class Node:
     def registration(self) -> Any:
         ident = self.spec.identity
         return self.manager.registration(
-            page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint
+            page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint,
+            heads=ident.heads, tp_rank=ident.tp_rank,
         )
 
 

@@ -1,0 +1,153 @@
+"""KV transfer between a prefill and a decode of different TP size, against equal TP.
+
+The decode process holds, for every TP size in the runs, that many rank managers, each a pool of
+its TP heads; the prefill (this process) likewise, with a staging buffer per rank. For each
+``P:D`` pair and each page list it times every prefill rank sending its planned head slices
+(:func:`transfer.heads.plan_head_copies`, ranks one after another) and compares with equal TP
+``P:P`` and ``D:D`` on the same page lists: the same total bytes, every KV head of every page
+once. Reported ratios are heterogeneous GB/s over equal-TP GB/s.
+
+    python -m bench.transfer --small --tp 1:2 2:1 --json
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from bench.transfer import HOST, Shape, _pages
+from engine.kv_cache import KVPool
+from engine.kv_staging import HeadStagingBuffer
+from transfer.heads import HeadLayout, plan_head_copies
+from transfer.messages import Registration
+from transfer.mooncake import MooncakeKVManager
+
+STAGING_BYTES = 64 << 20
+
+
+def _layout(shape: Shape, tp: int) -> HeadLayout:
+    return HeadLayout.tensor_parallel(shape.kv_heads, tp, head_dim=shape.head_dim,
+                                      dtype=shape.dtype, page_size=shape.page_size)
+
+
+def _rank_pool(shape: Shape, heads: int) -> KVPool:
+    return KVPool(shape.num_pages, shape.page_size, heads, shape.head_dim,
+                  list(range(shape.layers)), getattr(torch, shape.dtype))
+
+
+def _decode_main(conn: Any, shape: Shape, sizes: list[int]) -> None:
+    """Register every TP size's rank pools, publish them, hold them until told to stop."""
+    keep: list[tuple[KVPool, MooncakeKVManager]] = []
+    regs: dict[int, list[dict[str, Any]]] = {}
+    for tp in sizes:
+        regs[tp] = []
+        for _, count in _layout(shape, tp).ranges:
+            pool = _rank_pool(shape, count)
+            mgr = MooncakeKVManager(hostname=HOST)
+            mgr.register(pool.buffer_infos())
+            keep.append((pool, mgr))
+            regs[tp].append(asdict(Registration(
+                session_id=mgr.session_id, kv_ptrs=mgr.kv_ptrs,
+                kv_bytes_per_page=mgr.kv_bytes_per_page, kv_layer_ids=mgr.kv_layer_ids or [],
+                num_pages=mgr.num_pages, aux_ptr=0, aux_row_bytes=0, aux_num_rows=0,
+                page_size=shape.page_size, dtype=shape.dtype, model_fingerprint="bench")))
+    conn.send(regs)
+    conn.recv()
+
+
+def _prefill_ranks(shape: Shape, tp: int) -> list[MooncakeKVManager]:
+    mgrs = []
+    for _, count in _layout(shape, tp).ranges:
+        pool = _rank_pool(shape, count)
+        for e in pool.entries():
+            e.copy_(torch.randn(e.shape).to(e.dtype))
+        mgr = MooncakeKVManager(hostname=HOST)
+        mgr.register(pool.buffer_infos(), staging=HeadStagingBuffer(pool.entries(), STAGING_BYTES))
+        mgr.pool = pool  # type: ignore[attr-defined]  # keep the buffers alive with the manager
+        mgrs.append(mgr)
+    return mgrs
+
+
+def _time_send(shape: Shape, p: int, d: int, src_mgrs: list[MooncakeKVManager],
+               regs: list[Registration], src: list[int], dst: list[int]) -> tuple[float, int, int]:
+    """Fastest of ``shape.reps`` sends of every rank's slices (after a warm-up):
+    (seconds, bytes, blocks)."""
+    plans = [plan_head_copies(_layout(shape, p), _layout(shape, d), r) for r in range(p)]
+
+    def once() -> tuple[int, int]:
+        nbytes = blocks = 0
+        for mgr, copies in zip(src_mgrs, plans, strict=True):
+            for c in copies:
+                reg = regs[c.dst_rank]
+                res = mgr.send_kvcache(reg.session_id, src, reg.kv_ptrs, dst,
+                                       dst_layer_ids=reg.kv_layer_ids,
+                                       dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=c)
+                nbytes, blocks = nbytes + res.nbytes, blocks + res.blocks
+        return nbytes, blocks
+
+    nbytes, blocks = once()
+    best = min(_timed(once) for _ in range(shape.reps))
+    return best, nbytes, blocks
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """Heterogeneous vs equal TP for every ``(P, D)`` in ``pairs`` (see the module docstring)."""
+    sizes = sorted({t for pair in pairs for t in pair})
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_decode_main, args=(child_conn, shape, sizes), daemon=True)
+    proc.start()
+    try:
+        regs = {tp: [Registration(**r) for r in rs] for tp, rs in conn.recv().items()}
+        srcs = {tp: _prefill_ranks(shape, tp) for tp in sizes}
+        rng = random.Random(0)
+        lists = []
+        for tokens in shape.tokens:
+            n = -(-tokens // shape.page_size)
+            for fragmented in (False, True):
+                lists.append((tokens, fragmented,
+                              _pages(n, shape.num_pages, fragmented, rng),
+                              _pages(n, shape.num_pages, fragmented, rng)))
+        runs = []
+        for p, d in pairs:
+            totals = {"hetero": [0.0, 0], "equal_p": [0.0, 0], "equal_d": [0.0, 0]}
+            cases = []
+            for tokens, fragmented, src, dst in lists:
+                case: dict[str, Any] = {"tokens": tokens, "fragmented": fragmented}
+                for key, (a, b) in (("hetero", (p, d)), ("equal_p", (p, p)), ("equal_d", (d, d))):
+                    t, nbytes, blocks = _time_send(shape, a, b, srcs[a], regs[b], src, dst)
+                    case[f"{key}_gbps"], case[f"{key}_blocks"] = nbytes / t / 1e9, blocks
+                    totals[key][0] += t
+                    totals[key][1] = int(totals[key][1]) + nbytes
+                cases.append(case)
+            gbps = {k: v[1] / v[0] / 1e9 for k, v in totals.items()}
+            runs.append({"prefill_tp": p, "decode_tp": d, **{f"{k}_gbps": v for k, v in
+                                                            gbps.items()},
+                         "ratio_vs_prefill_tp": gbps["hetero"] / gbps["equal_p"],
+                         "ratio_vs_decode_tp": gbps["hetero"] / gbps["equal_d"],
+                         "cases": cases})
+        return {"shape": asdict(shape), "runs": runs}
+    finally:
+        conn.send("stop")
+        proc.join(10)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"{'P:D':>5} {'hetero GB/s':>12} {'P:P GB/s':>9} {'D:D GB/s':>9} "
+          f"{'vs P:P':>7} {'vs D:D':>7}")
+    for r in result["runs"]:
+        print(f"{r['prefill_tp']:>2}:{r['decode_tp']:<2} {r['hetero_gbps']:>12.3f} "
+              f"{r['equal_p_gbps']:>9.3f} {r['equal_d_gbps']:>9.3f} "
+              f"{r['ratio_vs_prefill_tp']:>7.3f} {r['ratio_vs_decode_tp']:>7.3f}")
