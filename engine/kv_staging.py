@@ -1,7 +1,12 @@
-"""A staging buffer for head-sliced KV sends: head slices of pool pages, gathered contiguous.
+"""Buffers of head-sliced KV transfers between sides of different TP size.
 
-The transfer layer (``transfer.staging.HeadStaging``) registers it with the KV entries and
-calls :meth:`HeadStagingBuffer.gather` before writing each round; the layout is described there.
+:class:`HeadStagingBuffer` (source side): head slices of pool pages, gathered contiguous. The
+transfer layer (``transfer.staging.HeadStaging``) registers it with the KV entries and calls
+:meth:`HeadStagingBuffer.gather` before writing each round; the layout is described there.
+
+:class:`HeadLandingBuffer` (destination side): where source ranks that each hold part of this
+rank's heads write whole pages, one pool-shaped entry set per incoming slice; once they arrived,
+:meth:`HeadLandingBuffer.scatter` puts each slice into its heads of the pool's pages.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from engine.kv_cache import BufferInfo
 
 
 class HeadStagingBuffer:
@@ -56,3 +63,49 @@ class HeadStagingBuffer:
                                out=out[e])
         if first.device.type != "cpu":  # the engine reads the bytes next, off any stream
             getattr(torch, first.device.type).synchronize(first.device)
+
+
+class HeadLandingBuffer:
+    """Per incoming slice ``(head_start, count)`` of this rank's heads, one buffer per KV entry
+    of shape ``[num_pages, page_size, count, head_dim]`` (a pool of that slice's heads).
+
+    ``entries`` and ``layer_ids``: the rank's KV entries in transfer order and their global
+    layer ids; landing entries carry the same ids, so a source's layer pairing is unchanged.
+    """
+
+    def __init__(self, entries: Sequence[torch.Tensor], layer_ids: Sequence[int],
+                 slices: Sequence[tuple[int, int]], num_pages: int) -> None:
+        if len(entries) != len(layer_ids) or not entries:
+            raise ValueError(f"{len(entries)} KV entries for {len(layer_ids)} layer ids")
+        first = entries[0]
+        _, page_size, heads, head_dim = first.shape
+        if any(start < 0 or count < 1 or start + count > heads for start, count in slices):
+            raise ValueError(f"slices {list(slices)} are outside the rank's {heads} heads")
+        self.entries, self.layer_ids, self.slices = list(entries), list(layer_ids), list(slices)
+        self.num_pages = num_pages
+        # land[s][e]: [num_pages, page_size, count_s, head_dim]
+        self.land = [[torch.zeros(num_pages, page_size, count, head_dim, dtype=first.dtype,
+                                  device=first.device) for _ in entries]
+                     for _, count in slices]
+
+    def buffer_infos(self, slot: int | None = None) -> list[BufferInfo]:
+        """The landing entries of slice ``slot`` (all slices when None), to register or send to."""
+        slots = range(len(self.slices)) if slot is None else [slot]
+        out = []
+        for s in slots:
+            for buf, lid in zip(self.land[s], self.layer_ids, strict=True):
+                nbytes = buf.numel() * buf.element_size()
+                out.append(BufferInfo(buf.data_ptr(), nbytes, nbytes // self.num_pages, lid,
+                                      str(buf.device)))
+        return out
+
+    def scatter(self, landing_pages: Sequence[int], pages: Sequence[int]) -> None:
+        """Every slice's landing pages ``landing_pages`` into its heads of pool ``pages``."""
+        if len(landing_pages) != len(pages):
+            raise ValueError(f"{len(landing_pages)} landing pages for {len(pages)} pool pages")
+        device = self.entries[0].device
+        src = torch.tensor(list(landing_pages), dtype=torch.long, device=device)
+        dst = torch.tensor(list(pages), dtype=torch.long, device=device)
+        for (start, count), land in zip(self.slices, self.land, strict=True):
+            for entry, buf in zip(self.entries, land, strict=True):
+                entry.narrow(2, start, count).index_copy_(0, dst, buf.index_select(0, src))

@@ -90,14 +90,16 @@ class KVManager(ABC):
 
     def register(
         self, kv: Sequence[BufferInfo], aux: AuxBuffer | None = None, *, use_layer_ids: bool = True,
-        staging: HeadStaging | None = None,
+        staging: HeadStaging | None = None, landing: Sequence[BufferInfo] = (),
     ) -> None:
         """Register the KV buffer entries (and the aux buffer) with the engine, exactly once.
 
         Each entry is registered as memory of its ``device``; nothing is recorded unless every
         range registered. ``use_layer_ids=False`` publishes no layer ids, so pairing is
         positional. ``staging``: the buffer head-sliced sends into a destination rank that holds
-        fewer heads gather into (:mod:`transfer.heads`); registered with the entries.
+        fewer heads gather into, ``landing``: the buffers source ranks that each hold part of
+        this rank's heads write whole pages into (:mod:`transfer.heads`); both registered with
+        the entries.
         """
         if self._registered:
             raise TransferError("buffers are already registered; a manager registers once")
@@ -108,6 +110,7 @@ class KVManager(ABC):
             ranges.append(MemoryRange(aux.ptr, aux.nbytes))
         if staging is not None:
             ranges.append(MemoryRange(staging.ptr, staging.nbytes, staging.device))
+        ranges.extend(MemoryRange(b.ptr, b.nbytes, b.device) for b in landing)
         self._register_ranges(ranges)
         self.kv_ptrs = [b.ptr for b in kv]
         self.kv_bytes_per_page = [b.bytes_per_page for b in kv]

@@ -21,10 +21,15 @@ Pages stay token-major, ``[page_size, heads_local, head_dim]``: a slice of heads
   TP is at least the source's): the source gathers the slice of every page into its registered
   staging buffer (:class:`~transfer.staging.HeadStaging`), where it is a whole destination
   page, and writes one block per run of destination pages, as many blocks as equal TP;
-- otherwise (the destination rank holds more heads than the slice: its TP is smaller): one block
-  per token and page, written straight from the pool into the strided destination. Correct, but
-  the engine pays per block (about 60 us over loopback TCP), so this is far slower; a receiving
-  landing buffer with a scatter on the decode would make it page-sized (not built).
+- the source rank holds exactly the slice but the destination rank holds more heads
+  (``HeadCopy.lands``: the destination's TP is smaller, several source ranks fill one page):
+  when the destination registered a landing buffer (``engine.kv_staging.HeadLandingBuffer``:
+  per incoming slice, pool-shaped entries of that slice's heads, :func:`landing_slices`), the
+  source writes whole pages into its slice's landing entries, the plain page copy, and the
+  destination scatters them into its pool pages once they arrived;
+- otherwise: one block per token and page, written straight from the pool into the strided
+  destination. Correct, but the engine pays per block (about 60 us over loopback TCP), so it is
+  tens of times slower than page-sized blocks.
 """
 
 from __future__ import annotations
@@ -103,6 +108,12 @@ class HeadCopy:
         """The destination rank holds exactly the slice: its page is the slice, contiguous."""
         return self.count == self.dst_heads
 
+    @property
+    def lands(self) -> bool:
+        """The source rank holds exactly the slice, the destination rank more heads: the slice
+        can go as whole pages into a landing buffer on the destination."""
+        return self.count == self.src_heads and self.count < self.dst_heads
+
 
 def check_layout(side: str, layout: HeadLayout) -> None:
     """Raise :class:`HeadLayoutError` unless ``layout`` is what the TP rule gives its size."""
@@ -166,3 +177,10 @@ def receivers(src: HeadLayout, dst: HeadLayout) -> list[list[tuple[int, HeadCopy
             raise HeadLayoutError(f"decode rank {j} would receive heads {heads}")
     return out
 
+
+
+def landing_slices(src: HeadLayout, dst: HeadLayout, dst_rank: int) -> list[tuple[int, int]]:
+    """``(dst_head, count)`` of every slice that lands on decode rank ``dst_rank`` (one landing
+    entry set each, in this order); a source rank's slot is the index of its copy's
+    ``(dst_head, count)``."""
+    return [(c.dst_head, c.count) for _, c in receivers(src, dst)[dst_rank] if c.lands]

@@ -17,7 +17,7 @@ import torch
 from xfer_peer import Node, Peer, Spec
 
 from transfer.errors import HeadLayoutError, LayerPairingError, TransferError
-from transfer.heads import HeadCopy, HeadLayout, plan_head_copies
+from transfer.heads import HeadCopy, HeadLayout, landing_slices, plan_head_copies
 
 pytestmark = pytest.mark.slow
 
@@ -65,20 +65,24 @@ def _prefill(kv: int, p: int, layer_ids: Sequence[int] = LAYERS,
     return nodes
 
 
-_decodes: dict[tuple[int, int], Peer] = {}
+_decodes: dict[tuple[int, int, int], Peer] = {}
 
 
 @pytest.fixture(scope="module")
 def decode() -> Iterator:  # type: ignore[type-arg]
-    """``decode(kv, d)``: a decode of ``d`` TP ranks (layers 0..3, draft 4), one per shape."""
+    """``decode(kv, d, p=0)``: a decode of ``d`` TP ranks (layers 0..3, draft 4), one per
+    shape; with ``p``, each rank has a landing buffer for the slices a TP-p prefill lands."""
 
-    def get(kv: int, d: int) -> Peer:
-        if (kv, d) not in _decodes:
+    def get(kv: int, d: int, p: int = 0) -> Peer:
+        if (kv, d, p) not in _decodes:
             specs = [Spec(layer_ids=LAYERS, draft_ids=DRAFT, heads=count, num_pages=NUM_PAGES,
-                          page_size=PAGE, head_dim=HEAD_DIM) for _, count in _layout(kv, d).ranges]
-            _decodes[kv, d] = Peer("ranks", Spec(), specs)
-        _decodes[kv, d].call("zero")
-        return _decodes[kv, d]
+                          page_size=PAGE, head_dim=HEAD_DIM,
+                          extra={"landing": landing_slices(_layout(kv, p), _layout(kv, d), j)
+                                 if p else ()})
+                     for j, (_, count) in enumerate(_layout(kv, d).ranges)]
+            _decodes[kv, d, p] = Peer("ranks", Spec(), specs)
+        _decodes[kv, d, p].call("zero")
+        return _decodes[kv, d, p]
 
     yield get
     for peer in _decodes.values():
@@ -89,13 +93,39 @@ def decode() -> Iterator:  # type: ignore[type-arg]
 def _send(nodes: list[Node], src: HeadLayout, dst: HeadLayout, peer: Peer,
           pages: tuple[Sequence[int], Sequence[int]] = (SRC, DST)) -> int:
     """Every prefill rank sends what the plan gives it; returns the engine blocks."""
+    return sum(_send_copy(node, copy, peer, pages) for rank, node in enumerate(nodes)
+               for copy in plan_head_copies(src, dst, rank))
+
+
+def _send_copy(node: Node, copy: HeadCopy, peer: Peer,
+               pages: tuple[Sequence[int], Sequence[int]] = (SRC, DST)) -> int:
+    """One planned slice into its decode rank's pool; returns the engine blocks."""
+    reg = peer.ready[copy.dst_rank]
+    return node.manager.send_kvcache(
+        reg.session_id, pages[0], reg.kv_ptrs, pages[1], dst_layer_ids=reg.kv_layer_ids,
+        dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=copy).blocks
+
+
+LAND = list(range(len(DST)))  # landing pages of the room: consecutive, so page runs follow SRC
+
+
+def _send_landing(nodes: list[Node], src: HeadLayout, dst: HeadLayout, peer: Peer) -> int:
+    """Slices that land go as whole pages into their landing entries, the rest as planned;
+    then every decode rank scatters its landing pages into DST. Returns the engine blocks."""
     blocks = 0
     for rank, node in enumerate(nodes):
         for copy in plan_head_copies(src, dst, rank):
-            reg = peer.ready[copy.dst_rank]
+            if not copy.lands:
+                blocks += _send_copy(node, copy, peer)
+                continue
+            slot = landing_slices(src, dst, copy.dst_rank).index((copy.dst_head, copy.count))
+            ptrs, ids, bpp = peer.call("landing", copy.dst_rank, slot)
             blocks += node.manager.send_kvcache(
-                reg.session_id, pages[0], reg.kv_ptrs, pages[1], dst_layer_ids=reg.kv_layer_ids,
-                dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=copy).blocks
+                peer.ready[copy.dst_rank].session_id, SRC, ptrs, LAND, dst_layer_ids=ids,
+                dst_bytes_per_page=bpp).blocks
+    for j in range(dst.tp_size):
+        if landing_slices(src, dst, j):
+            peer.call("scatter", j, LAND, DST)
     return blocks
 
 
@@ -132,6 +162,17 @@ def test_each_decode_rank_receives_exactly_its_heads(decode, kv: int, p: int, d:
     if p <= d:  # gathered slices go as page runs: DST has 3 runs, 10 entries per copy
         copies = sum(len(plan_head_copies(_layout(kv, p), _layout(kv, d), r)) for r in range(p))
         assert blocks >= 3 * 10 * copies and blocks <= 6 * 10 * copies
+
+
+@pytest.mark.parametrize(("kv", "p", "d"), [(4, 2, 1), (4, 4, 2), (4, 4, 1), (2, 4, 1)])
+def test_landing_buffer_takes_whole_pages(decode, kv: int, p: int, d: int) -> None:  # type: ignore[no-untyped-def]
+    """A smaller decode TP: each prefill rank writes whole pages into its slice's landing
+    entries (as many blocks as equal TP), the decode scatters them into its pool's heads."""
+    peer = decode(kv, d, p)
+    blocks = _send_landing(_prefill(kv, p), _layout(kv, p), _layout(kv, d), peer)
+    _check_heads(kv, _layout(kv, d), peer, sent=(*LAYERS, *DRAFT))
+    writers = sum(bool(plan_head_copies(_layout(kv, p), _layout(kv, d), r)) for r in range(p))
+    assert blocks == writers * 3 * 10  # 3 page runs, 10 entries, per writing prefill rank
 
 
 @pytest.mark.parametrize(("p", "d"), [(2, 4), (4, 2)])

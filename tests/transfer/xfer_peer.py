@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVPool
-from engine.kv_staging import HeadStagingBuffer
+from engine.kv_staging import HeadLandingBuffer, HeadStagingBuffer
 from serving.process_exit import keep_until_exit
 from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer
@@ -72,8 +72,12 @@ class Node:
         infos = [info for pool in self.pools for info in pool.buffer_infos()]
         staging_bytes = spec.extra.get("staging_bytes", 0)
         self.staging = HeadStagingBuffer(self.entries(), staging_bytes) if staging_bytes else None
+        slices = spec.extra.get("landing", ())  # (head_start, count) of each incoming slice
+        self.landing = (HeadLandingBuffer(self.entries(), self.layer_ids(), slices,
+                                          spec.num_pages) if slices else None)
         self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True),
-                              staging=self.staging)
+                              staging=self.staging,
+                              landing=self.landing.buffer_infos() if self.landing else ())
         # kept (buffers and engine) until the process ends, which skips the engine's one-second
         # destructor: a peer process exits when stopped, the test process after the session
         keep_until_exit(self)
@@ -88,7 +92,8 @@ class Node:
         return [e.numpy().tobytes() for e in self.entries()]
 
     def zero(self) -> None:
-        for e in self.entries():
+        landed = [b for slot in self.landing.land for b in slot] if self.landing else []
+        for e in [*self.entries(), *landed]:
             e.zero_()
 
     def registration(self) -> Any:
@@ -110,6 +115,19 @@ class Ranks:
 
     def dump(self, rank: int) -> list[bytes]:
         return self.nodes[rank].dump()
+
+    def landing(self, rank: int, slot: int) -> tuple[list[int], list[int], list[int]]:
+        """(pointers, layer ids, bytes per page) of rank ``rank``'s landing entries of ``slot``."""
+        landing = self.nodes[rank].landing
+        assert landing is not None
+        infos = landing.buffer_infos(slot)
+        return ([b.ptr for b in infos], [b.layer_id for b in infos],
+                [b.bytes_per_page for b in infos])
+
+    def scatter(self, rank: int, landing_pages: list[int], pages: list[int]) -> None:
+        landing = self.nodes[rank].landing
+        assert landing is not None
+        landing.scatter(landing_pages, pages)
 
     def zero(self) -> None:
         for node in self.nodes:
