@@ -5,7 +5,9 @@ its TP heads; the prefill (this process) likewise, with a staging buffer per ran
 ``P:D`` pair and each page list it times every prefill rank sending its planned head slices
 (:func:`transfer.heads.plan_head_copies`, ranks one after another) and compares with equal TP
 ``P:P`` and ``D:D`` on the same page lists: the same total bytes, every KV head of every page
-once. Reported ratios are heterogeneous GB/s over equal-TP GB/s.
+once. A prefill rank whose slice lands (a smaller decode TP, :mod:`transfer.heads`) writes whole
+pages into the decode rank's landing buffer, and the decode's scatter into its pool counts in the
+time. Reported ratios are heterogeneous GB/s over equal-TP GB/s.
 
     python -m bench.transfer --small --tp 1:2 2:1 --json
 """
@@ -23,8 +25,8 @@ import torch
 
 from bench.transfer import HOST, Shape, _pages
 from engine.kv_cache import KVPool
-from engine.kv_staging import HeadStagingBuffer
-from transfer.heads import HeadLayout, plan_head_copies
+from engine.kv_staging import HeadLandingBuffer, HeadStagingBuffer
+from transfer.heads import HeadLayout, landing_slices, plan_head_copies
 from transfer.messages import Registration
 from transfer.mooncake import MooncakeKVManager
 
@@ -41,24 +43,49 @@ def _rank_pool(shape: Shape, heads: int) -> KVPool:
                   list(range(shape.layers)), getattr(torch, shape.dtype))
 
 
-def _decode_main(conn: Any, shape: Shape, sizes: list[int]) -> None:
-    """Register every TP size's rank pools, publish them, hold them until told to stop."""
-    keep: list[tuple[KVPool, MooncakeKVManager]] = []
+def _decode_main(conn: Any, shape: Shape, pairs: list[tuple[int, int]]) -> None:
+    """Register every TP size's rank pools (with a landing buffer per pair that lands on
+    them), publish them, then scatter landed pages when asked, until told to stop."""
+    sizes = sorted({t for pair in pairs for t in pair})
+    keep: list[Any] = []
     regs: dict[int, list[dict[str, Any]]] = {}
+    landings: dict[tuple[int, int], list[HeadLandingBuffer | None]] = {}
+    slots: dict[tuple[int, int], list[list[tuple[list[int], list[int], list[int]]]]] = {}
     for tp in sizes:
         regs[tp] = []
-        for _, count in _layout(shape, tp).ranges:
+        for j, (_, count) in enumerate(_layout(shape, tp).ranges):
             pool = _rank_pool(shape, count)
+            mine = []
+            for p, d in pairs:
+                if d != tp:
+                    continue
+                slices = landing_slices(_layout(shape, p), _layout(shape, d), j)
+                buf = (HeadLandingBuffer(pool.entries(), pool.entry_layer_ids(), slices,
+                                         shape.num_pages) if slices else None)
+                landings.setdefault((p, d), []).append(buf)
+                if buf is None:
+                    continue
+                mine.extend(buf.buffer_infos())
+                infos = [buf.buffer_infos(k) for k in range(len(slices))]
+                slots.setdefault((p, d), [[] for _ in range(d)])[j] = [
+                    ([b.ptr for b in i], [b.layer_id for b in i], [b.bytes_per_page for b in i])
+                    for i in infos]
             mgr = MooncakeKVManager(hostname=HOST)
-            mgr.register(pool.buffer_infos())
+            mgr.register(pool.buffer_infos(), landing=mine)
             keep.append((pool, mgr))
             regs[tp].append(asdict(Registration(
                 session_id=mgr.session_id, kv_ptrs=mgr.kv_ptrs,
                 kv_bytes_per_page=mgr.kv_bytes_per_page, kv_layer_ids=mgr.kv_layer_ids or [],
                 num_pages=mgr.num_pages, aux_ptr=0, aux_row_bytes=0, aux_num_rows=0,
                 page_size=shape.page_size, dtype=shape.dtype, model_fingerprint="bench")))
-    conn.send(regs)
-    conn.recv()
+    conn.send((regs, slots))
+    while (msg := conn.recv()) != "stop":
+        p, d, pages = msg
+        t0 = time.perf_counter()
+        for buf in landings[p, d]:
+            if buf is not None:
+                buf.scatter(pages, pages)
+        conn.send(time.perf_counter() - t0)
 
 
 def _prefill_ranks(shape: Shape, tp: int) -> list[MooncakeKVManager]:
@@ -75,31 +102,45 @@ def _prefill_ranks(shape: Shape, tp: int) -> list[MooncakeKVManager]:
 
 
 def _time_send(shape: Shape, p: int, d: int, src_mgrs: list[MooncakeKVManager],
-               regs: list[Registration], src: list[int], dst: list[int]) -> tuple[float, int, int]:
-    """Fastest of ``shape.reps`` sends of every rank's slices (after a warm-up):
+               regs: list[Registration], slots: list[list[Any]] | None, conn: Any,
+               src: list[int], dst: list[int]) -> tuple[float, int, int]:
+    """Fastest of ``shape.reps`` sends of every rank's slices, landing ones into the landing
+    buffer (``slots``: per decode rank, per landing slot, pointers, ids and bytes per page)
+    and then scattered by the decode, whose time counts (after a warm-up):
     (seconds, bytes, blocks)."""
-    plans = [plan_head_copies(_layout(shape, p), _layout(shape, d), r) for r in range(p)]
+    src_l, dst_l = _layout(shape, p), _layout(shape, d)
+    plans = [plan_head_copies(src_l, dst_l, r) for r in range(p)]
+    lands = slots is not None and any(c.lands for copies in plans for c in copies)
 
     def once() -> tuple[int, int]:
         nbytes = blocks = 0
         for mgr, copies in zip(src_mgrs, plans, strict=True):
             for c in copies:
                 reg = regs[c.dst_rank]
-                res = mgr.send_kvcache(reg.session_id, src, reg.kv_ptrs, dst,
-                                       dst_layer_ids=reg.kv_layer_ids,
-                                       dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=c)
+                if c.lands and slots is not None:
+                    slot = landing_slices(src_l, dst_l, c.dst_rank).index((c.dst_head, c.count))
+                    ptrs, ids, bpp = slots[c.dst_rank][slot]
+                    res = mgr.send_kvcache(reg.session_id, src, ptrs, dst, dst_layer_ids=ids,
+                                           dst_bytes_per_page=bpp)
+                else:
+                    res = mgr.send_kvcache(reg.session_id, src, reg.kv_ptrs, dst,
+                                           dst_layer_ids=reg.kv_layer_ids,
+                                           dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=c)
                 nbytes, blocks = nbytes + res.nbytes, blocks + res.blocks
         return nbytes, blocks
 
+    def timed() -> float:
+        t0 = time.perf_counter()
+        once()
+        if not lands:
+            return time.perf_counter() - t0
+        conn.send((p, d, dst))  # the decode scatters what landed: its time counts
+        conn.recv()
+        return time.perf_counter() - t0
+
     nbytes, blocks = once()
-    best = min(_timed(once) for _ in range(shape.reps))
+    best = min(timed() for _ in range(shape.reps))
     return best, nbytes, blocks
-
-
-def _timed(fn: Any) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
@@ -107,10 +148,11 @@ def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
     sizes = sorted({t for pair in pairs for t in pair})
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_decode_main, args=(child_conn, shape, sizes), daemon=True)
+    proc = ctx.Process(target=_decode_main, args=(child_conn, shape, list(pairs)), daemon=True)
     proc.start()
     try:
-        regs = {tp: [Registration(**r) for r in rs] for tp, rs in conn.recv().items()}
+        raw_regs, slots = conn.recv()
+        regs = {tp: [Registration(**r) for r in rs] for tp, rs in raw_regs.items()}
         srcs = {tp: _prefill_ranks(shape, tp) for tp in sizes}
         rng = random.Random(0)
         lists = []
@@ -127,7 +169,8 @@ def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
             for tokens, fragmented, src, dst in lists:
                 case: dict[str, Any] = {"tokens": tokens, "fragmented": fragmented}
                 for key, (a, b) in (("hetero", (p, d)), ("equal_p", (p, p)), ("equal_d", (d, d))):
-                    t, nbytes, blocks = _time_send(shape, a, b, srcs[a], regs[b], src, dst)
+                    t, nbytes, blocks = _time_send(shape, a, b, srcs[a], regs[b],
+                                                   slots.get((a, b)), conn, src, dst)
                     case[f"{key}_gbps"], case[f"{key}_blocks"] = nbytes / t / 1e9, blocks
                     totals[key][0] += t
                     totals[key][1] = int(totals[key][1]) + nbytes
