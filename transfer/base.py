@@ -175,7 +175,9 @@ class KVManager(ABC):
         sides differ in tensor-parallel size (:func:`transfer.heads.plan_head_copies`); None or a
         whole copy is the plain page copy. A slice that is the destination's whole page is
         gathered into the registered staging buffer and goes page-sized, as many blocks as the
-        plain copy; any other slice goes one block per token (see :mod:`transfer.heads`).
+        plain copy; any other slice goes one block per token (see :mod:`transfer.heads`). A slice
+        that lands (``HeadCopy.lands``) goes page-sized as a plain send (no ``dst_heads``) into
+        the destination's landing entries for it instead, which the destination scatters.
         ``dst_bytes_per_page`` are then the destination rank's (fewer or more heads per page).
 
         The keywords of callers written for SGLang's KV managers:
