@@ -244,3 +244,18 @@ def test_gathered_slice_needs_a_staging_buffer(decode) -> None:  # type: ignore[
         node.manager.send_kvcache(reg.session_id, SRC, reg.kv_ptrs, DST,
                                   dst_layer_ids=reg.kv_layer_ids, dst_heads=copy)
     assert not any(any(b) for b in peer.call("dump", 0))
+
+
+def test_staging_and_landing_are_registered_once_and_released() -> None:
+    """Staging and landing buffers go in the one registration with the KV entries and aux
+    buffer, and close() leaves no range registered."""
+    node = Node(Spec(layer_ids=LAYERS, draft_ids=DRAFT, heads=4, num_pages=NUM_PAGES,
+                     page_size=PAGE, head_dim=HEAD_DIM,
+                     extra={"staging_bytes": STAGING, "landing": [(0, 2), (2, 2)]}))
+    ranges = node.manager._ranges  # type: ignore[attr-defined]
+    assert node.staging is not None and node.landing is not None
+    assert len(ranges) == 10 + 1 + 1 + 2 * 10  # KV entries, aux, staging, two landing slices
+    assert {r.ptr for r in ranges} >= {node.staging.ptr, *(b.ptr for b in
+                                                            node.landing.buffer_infos())}
+    node.manager.close()  # type: ignore[attr-defined]
+    assert ranges == []
