@@ -47,16 +47,18 @@ class HeadStagingBuffer:
     def device(self) -> str:
         return str(self.buf.device)
 
-    def gather(self, pages: Sequence[int], head_start: int, head_count: int) -> None:
+    def gather(self, pages: Sequence[int], head_start: int, head_count: int,
+               offset: int = 0) -> None:
         """Heads ``[head_start, head_start + head_count)`` of ``pages`` of every entry, as
-        ``[entries, len(pages), page_size, head_count, head_dim]`` from the buffer's start."""
+        ``[entries, len(pages), page_size, head_count, head_dim]`` from byte ``offset``."""
         first = self.entries[0]
         _, page_size, _, head_dim = first.shape
         shape = (len(self.entries), len(pages), page_size, head_count, head_dim)
         need = first.element_size() * shape[0] * shape[1] * page_size * head_count * head_dim
-        if need > self.nbytes:
-            raise ValueError(f"gather of {need} bytes exceeds the {self.nbytes}-byte buffer")
-        out = self.buf[:need].view(first.dtype).view(shape)
+        if offset < 0 or offset + need > self.nbytes or offset % first.element_size():
+            raise ValueError(f"gather of {need} bytes at {offset} does not fit the "
+                             f"{self.nbytes}-byte buffer")
+        out = self.buf[offset : offset + need].view(first.dtype).view(shape)
         idx = torch.tensor(list(pages), dtype=torch.long, device=first.device)
         for e, entry in enumerate(self.entries):
             torch.index_select(entry[:, :, head_start : head_start + head_count], 0, idx,

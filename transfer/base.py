@@ -23,7 +23,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,11 +31,12 @@ from transfer.aux import AuxBuffer
 from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
 from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
 from transfer.faults import FaultInjector
-from transfer.head_blocks import head_geometry, pages_per_round, staged_blocks, strided_blocks
+from transfer.head_blocks import head_geometry, strided_blocks
 from transfer.heads import HeadCopy, HeadLayout
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.memory import MemoryRange
 from transfer.messages import Registration
+from transfer.staged_send import send_staged
 from transfer.staging import HeadStaging
 
 if TYPE_CHECKING:
@@ -65,7 +66,8 @@ class KVManager(ABC):
         self.num_pages = 0
         self.aux: AuxBuffer | None = None
         self.staging: HeadStaging | None = None  # head-sliced sends gather here
-        self._staging_lock = threading.Lock()  # one gather-and-write round at a time
+        self._staging_lock = threading.Lock()  # one staged send at a time
+        self._writer: ThreadPoolExecutor | None = None  # writes staged rounds (started lazily)
         self._registered = False
         self.faults: FaultInjector | None = None  # fault injection (tests): None when off
         # called after every send with (bytes, seconds, ok): the node's transfer metrics
@@ -252,17 +254,15 @@ class KVManager(ABC):
                 f"a send of {copy.count} of {copy.src_heads} heads into a rank holding "
                 f"{copy.dst_heads} needs a staging buffer; register() one"
             )
-        slice_page = dst_bpp_all[0]
-        step = pages_per_round(len(src), len(self.kv_ptrs), slice_page, self.staging.nbytes)
-        blocks = calls = nbytes = 0
-        with self._staging_lock:
-            for k in range(0, len(src), step):
-                self.staging.gather(src[k : k + step], copy.src_head, copy.count)
-                part = self._write_blocks(session, *staged_blocks(
-                    pairs, self.staging.ptr, dst_ptrs, dst[k : k + step], slice_page))
-                blocks, calls = blocks + part.blocks, calls + part.batches
-                nbytes += part.nbytes
-        return SendResult(blocks=blocks, batches=calls, nbytes=nbytes)
+        with self._staging_lock:  # one send uses the staging buffer at a time
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-staged-write")
+            parts = send_staged(
+                lambda s, d, n: self._write_blocks(session, s, d, n), self.staging, self._writer,
+                pairs, len(self.kv_ptrs), dst_ptrs, src, dst, copy, dst_bpp_all[0])
+        return SendResult(blocks=sum(p.blocks for p in parts),
+                          batches=sum(p.batches for p in parts),
+                          nbytes=sum(p.nbytes for p in parts))
 
     def send_aux(self, session: str, src_slot: int, dst_aux_ptr: int, dst_row_bytes: int,
                  dst_slot: int) -> SendResult:

@@ -4,10 +4,10 @@ The transfer layer moves bytes by address and never touches tensors; the owner o
 provides the staging buffer and the gather (``engine.kv_staging.HeadStagingBuffer`` does it with
 torch, on the pool's device). The manager registers the buffer once, with its KV entries.
 
-Layout of one gather of ``m`` pages into the buffer: entry-major, then page, each slice page
-``page_size * count * head_bytes`` bytes, token-major inside like a pool page:
+Layout of one gather of ``m`` pages at byte ``offset`` of the buffer: entry-major, then page,
+each slice page ``page_size * count * head_bytes`` bytes, token-major inside like a pool page:
 ``[entries, m, page_size, count, head_dim]``. Entry ``e``'s page ``k`` starts at byte
-``(e * m + k) * slice_page_bytes``.
+``offset + (e * m + k) * slice_page_bytes``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class HeadStaging(Protocol):
     def device(self) -> str:
         """Where the buffer lives, as torch names it (``"cpu"``, ``"cuda:N"``, ``"npu:N"``)."""
 
-    def gather(self, pages: Sequence[int], head_start: int, head_count: int) -> None:
+    def gather(self, pages: Sequence[int], head_start: int, head_count: int,
+               offset: int = 0) -> None:
         """Copy heads ``[head_start, head_start + head_count)`` of ``pages`` of every KV entry
-        into the buffer (layout in the module docstring); done when it returns."""
+        into the buffer from byte ``offset`` (layout in the module docstring); the bytes are in
+        place when it returns."""

@@ -25,7 +25,7 @@ NUM_PAGES, PAGE, HEAD_DIM = 32, 4, 8
 LAYERS, DRAFT = (0, 1, 2, 3), (4,)
 SRC = [0, 1, 2, 9, 10, 30]
 DST = [5, 6, 20, 21, 22, 31]
-STAGING = 4096  # small: a gather of every entry holds a few pages, so sends take rounds
+STAGING = 8192  # small: a round holds one or a few pages of every entry, so sends take rounds
 
 
 def _layout(kv: int, tp: int) -> HeadLayout:
