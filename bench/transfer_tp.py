@@ -5,9 +5,11 @@ its TP heads; the prefill (this process) likewise, with a staging buffer per ran
 ``P:D`` pair and each page list it times every prefill rank sending its planned head slices
 (:func:`transfer.heads.plan_head_copies`, ranks one after another) and compares with equal TP
 ``P:P`` and ``D:D`` on the same page lists: the same total bytes, every KV head of every page
-once. A prefill rank whose slice lands (a smaller decode TP, :mod:`transfer.heads`) writes whole
-pages into the decode rank's landing buffer, and the decode's scatter into its pool counts in the
-time. Reported ratios are heterogeneous GB/s over equal-TP GB/s.
+once. The three are timed in turns, rep by rep (best of ``--reps`` each), so that load from
+other processes falls on all three alike. A prefill rank whose slice lands (a smaller decode
+TP, :mod:`transfer.heads`) writes whole pages into the decode rank's landing buffer, and the
+decode's scatter into its pool counts in the time. Reported ratios are heterogeneous GB/s
+over equal-TP GB/s.
 
     python -m bench.transfer --small --tp 1:2 2:1 --json
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -101,13 +103,12 @@ def _prefill_ranks(shape: Shape, tp: int) -> list[MooncakeKVManager]:
     return mgrs
 
 
-def _time_send(shape: Shape, p: int, d: int, src_mgrs: list[MooncakeKVManager],
-               regs: list[Registration], slots: list[list[Any]] | None, conn: Any,
-               src: list[int], dst: list[int]) -> tuple[float, int, int]:
-    """Fastest of ``shape.reps`` sends of every rank's slices, landing ones into the landing
-    buffer (``slots``: per decode rank, per landing slot, pointers, ids and bytes per page)
-    and then scattered by the decode, whose time counts (after a warm-up):
-    (seconds, bytes, blocks)."""
+def _sender(shape: Shape, p: int, d: int, src_mgrs: list[MooncakeKVManager],
+            regs: list[Registration], slots: list[list[Any]] | None, conn: Any,
+            src: list[int], dst: list[int]) -> tuple[Callable[[], float], int, int]:
+    """A timed send of every rank's slices, landing ones into the landing buffer (``slots``:
+    per decode rank, per landing slot, pointers, ids and bytes per page) and then scattered by
+    the decode, whose time counts; with the bytes and blocks of one send (after a warm-up)."""
     src_l, dst_l = _layout(shape, p), _layout(shape, d)
     plans = [plan_head_copies(src_l, dst_l, r) for r in range(p)]
     lands = slots is not None and any(c.lands for copies in plans for c in copies)
@@ -139,8 +140,7 @@ def _time_send(shape: Shape, p: int, d: int, src_mgrs: list[MooncakeKVManager],
         return time.perf_counter() - t0
 
     nbytes, blocks = once()
-    best = min(timed() for _ in range(shape.reps))
-    return best, nbytes, blocks
+    return timed, nbytes, blocks
 
 
 def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
@@ -168,11 +168,18 @@ def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
             cases = []
             for tokens, fragmented, src, dst in lists:
                 case: dict[str, Any] = {"tokens": tokens, "fragmented": fragmented}
-                for key, (a, b) in (("hetero", (p, d)), ("equal_p", (p, p)), ("equal_d", (d, d))):
-                    t, nbytes, blocks = _time_send(shape, a, b, srcs[a], regs[b],
-                                                   slots.get((a, b)), conn, src, dst)
-                    case[f"{key}_gbps"], case[f"{key}_blocks"] = nbytes / t / 1e9, blocks
-                    totals[key][0] += t
+                senders = {key: _sender(shape, a, b, srcs[a], regs[b], slots.get((a, b)), conn,
+                                        src, dst)
+                           for key, (a, b) in (("hetero", (p, d)), ("equal_p", (p, p)),
+                                               ("equal_d", (d, d)))}
+                # interleaved reps, so that load from elsewhere hits the three alike; best of
+                best = {key: min(times) for key, times in zip(senders, zip(*(
+                    [fn() for fn, _, _ in senders.values()] for _ in range(shape.reps)
+                ), strict=True), strict=True)}
+                for key, (_, nbytes, blocks) in senders.items():
+                    case[f"{key}_gbps"] = nbytes / best[key] / 1e9
+                    case[f"{key}_blocks"] = blocks
+                    totals[key][0] += best[key]
                     totals[key][1] = int(totals[key][1]) + nbytes
                 cases.append(case)
             gbps = {k: v[1] / v[0] / 1e9 for k, v in totals.items()}

@@ -102,7 +102,9 @@ class HeadLandingBuffer:
         return out
 
     def scatter(self, landing_pages: Sequence[int], pages: Sequence[int]) -> None:
-        """Every slice's landing pages ``landing_pages`` into its heads of pool ``pages``."""
+        """Every slice's landing pages ``landing_pages`` into its heads of pool ``pages``, in
+        every entry: call it once every source of the room has written (a slice no source
+        wrote would scatter stale bytes)."""
         if len(landing_pages) != len(pages):
             raise ValueError(f"{len(landing_pages)} landing pages for {len(pages)} pool pages")
         device = self.entries[0].device

@@ -175,16 +175,18 @@ def test_landing_buffer_takes_whole_pages(decode, kv: int, p: int, d: int) -> No
     assert blocks == writers * 3 * 10  # 3 page runs, 10 entries, per writing prefill rank
 
 
-@pytest.mark.parametrize(("p", "d"), [(2, 4), (4, 2)])
-def test_pipeline_stages_and_draft_band_with_head_slices(decode, p: int, d: int) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(("p", "d", "landing"), [(2, 4, False), (4, 2, False), (4, 2, True)])
+def test_pipeline_stages_and_draft_band_with_head_slices(decode, p: int, d: int,  # type: ignore[no-untyped-def]
+                                                         landing: bool) -> None:
     """Layer remapping and head slicing together: the last pipeline stage (layers 2, 3,
     numbered from 0 in its own pool) and the draft (its own pool, band 4) of a TP-p prefill
-    land in their layers on a TP-d decode; layers 0 and 1 stay untouched."""
-    peer = decode(4, d)
-    stage = _prefill(4, p, layer_ids=(2, 3), draft_ids=())
-    draft = _prefill(4, p, layer_ids=DRAFT, draft_ids=())
-    _send(stage, _layout(4, p), _layout(4, d), peer)
-    _send(draft, _layout(4, p), _layout(4, d), peer)
+    land in their layers on a TP-d decode (through its landing buffer, too); layers 0 and 1
+    stay untouched."""
+    peer = decode(4, d, p if landing else 0)
+    send = _send_landing if landing else _send
+    for layer_ids in ((2, 3), DRAFT):
+        send(_prefill(4, p, layer_ids=layer_ids, draft_ids=()), _layout(4, p), _layout(4, d),
+             peer)
     _check_heads(4, _layout(4, d), peer, sent=(2, 3, 4))
 
 
