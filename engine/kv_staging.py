@@ -107,9 +107,22 @@ class HeadLandingBuffer:
         wrote would scatter stale bytes)."""
         if len(landing_pages) != len(pages):
             raise ValueError(f"{len(landing_pages)} landing pages for {len(pages)} pool pages")
-        device = self.entries[0].device
-        src = torch.tensor(list(landing_pages), dtype=torch.long, device=device)
-        dst = torch.tensor(list(pages), dtype=torch.long, device=device)
+        # copy_ per run of pages consecutive on both sides: torch's indexed copies into a
+        # strided destination (index_copy_, index_put_) run about ten times slower on the CPU
+        runs = _runs(landing_pages, pages)
         for (start, count), land in zip(self.slices, self.land, strict=True):
             for entry, buf in zip(self.entries, land, strict=True):
-                entry.narrow(2, start, count).index_copy_(0, dst, buf.index_select(0, src))
+                heads = entry.narrow(2, start, count)
+                for src, dst, n in runs:
+                    heads[dst : dst + n].copy_(buf[src : src + n])
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(src_start, dst_start, length)`` of the stretches where both page ids go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
