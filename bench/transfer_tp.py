@@ -9,7 +9,9 @@ once. The three are timed in turns, rep by rep (best of ``--reps`` each), so tha
 other processes falls on all three alike. A prefill rank whose slice lands (a smaller decode
 TP, :mod:`transfer.heads`) writes whole pages into the decode rank's landing buffer, and the
 decode's scatter into its pool counts in the time. Reported ratios are heterogeneous GB/s
-over equal-TP GB/s.
+over equal-TP GB/s; ``ratio_same_blocks`` is the one over equal TP at the larger of the two
+sizes, which sends as many page-sized blocks as the heterogeneous send (the smaller size sends
+fewer, larger blocks: a property of the TP size, not of the slicing).
 
     python -m bench.transfer --small --tp 1:2 2:1 --json
 """
@@ -187,6 +189,9 @@ def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
                                                             gbps.items()},
                          "ratio_vs_prefill_tp": gbps["hetero"] / gbps["equal_p"],
                          "ratio_vs_decode_tp": gbps["hetero"] / gbps["equal_d"],
+                         # equal TP at the larger size sends as many page-sized blocks
+                         "ratio_same_blocks": gbps["hetero"] / gbps["equal_d" if d > p
+                                                                    else "equal_p"],
                          "cases": cases})
         return {"shape": asdict(shape), "runs": runs}
     finally:
@@ -196,8 +201,9 @@ def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"{'P:D':>5} {'hetero GB/s':>12} {'P:P GB/s':>9} {'D:D GB/s':>9} "
-          f"{'vs P:P':>7} {'vs D:D':>7}")
+          f"{'vs P:P':>7} {'vs D:D':>7} {'same blocks':>12}")
     for r in result["runs"]:
         print(f"{r['prefill_tp']:>2}:{r['decode_tp']:<2} {r['hetero_gbps']:>12.3f} "
               f"{r['equal_p_gbps']:>9.3f} {r['equal_d_gbps']:>9.3f} "
-              f"{r['ratio_vs_prefill_tp']:>7.3f} {r['ratio_vs_decode_tp']:>7.3f}")
+              f"{r['ratio_vs_prefill_tp']:>7.3f} {r['ratio_vs_decode_tp']:>7.3f} "
+              f"{r['ratio_same_blocks']:>12.3f}")

@@ -19,7 +19,7 @@ from transfer.head_blocks import pages_per_round, staged_blocks
 from transfer.heads import HeadCopy
 from transfer.staging import HeadStaging
 
-ROUND_BYTES = 4 << 20  # per round of every entry's pages; about a few ms on loopback TCP
+ROUND_BYTES = 16 << 20  # per round of every entry's pages (4 MiB measured slower: more calls)
 T = TypeVar("T")
 Write = Callable[[list[int], list[int], list[int]], T]
 
