@@ -243,10 +243,10 @@ class KVManager(ABC):
             )
         if len(src) != len(dst):
             raise PageListError(f"{len(src)} source pages but {len(dst)} destination pages")
-        head_bytes, dst_bpp_all = head_geometry(pairs, self.kv_bytes_per_page, copy, dst_bpp)
+        head_bytes, dst_page = head_geometry(pairs, self.kv_bytes_per_page, copy, dst_bpp)
         if not copy.dst_contiguous or not src:
             srcs, dsts, lens = strided_blocks(pairs, self.kv_ptrs, dst_ptrs,
-                                              self.kv_bytes_per_page, dst_bpp_all, src, dst, copy,
+                                              self.kv_bytes_per_page, dst_page, src, dst, copy,
                                               head_bytes)
             return self._write_blocks(session, srcs, dsts, lens)
         if self.staging is None:
@@ -259,7 +259,7 @@ class KVManager(ABC):
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-staged-write")
             parts = send_staged(
                 lambda s, d, n: self._write_blocks(session, s, d, n), self.staging, self._writer,
-                pairs, len(self.kv_ptrs), dst_ptrs, src, dst, copy, dst_bpp_all[0])
+                pairs, len(self.kv_ptrs), dst_ptrs, src, dst, copy, dst_page)
         return SendResult(blocks=sum(p.blocks for p in parts),
                           batches=sum(p.batches for p in parts),
                           nbytes=sum(p.nbytes for p in parts))

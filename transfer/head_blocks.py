@@ -20,8 +20,8 @@ from transfer.heads import HeadCopy
 def head_geometry(
     pairs: Sequence[tuple[int, int]], src_bpp: Sequence[int], copy: HeadCopy,
     dst_bpp: Sequence[int] | None,
-) -> tuple[int, list[int]]:
-    """``(head_bytes, destination bytes per page per destination entry)``.
+) -> tuple[int, int]:
+    """``(head_bytes, destination bytes per page)``, the same in every entry.
 
     ``head_bytes`` is one token's one head (``head_dim * itemsize``), the same in every entry.
     The destination's page is ``page_size * dst_heads * head_bytes``; ``dst_bpp`` (the peer's
@@ -40,7 +40,6 @@ def head_geometry(
         )
     head_bytes = per_head_page.pop() // copy.page_size if pairs else 0
     dst_page = copy.page_size * copy.dst_heads * head_bytes
-    num_dst = 1 + max((j for _, j in pairs), default=-1)
     if dst_bpp is not None:
         for i, j in pairs:
             if dst_bpp[j] != dst_page:
@@ -49,13 +48,12 @@ def head_geometry(
                     f"{src_bpp[i]}, so destination entry {j} with {copy.dst_heads} heads needs "
                     f"{dst_page}, but has {dst_bpp[j]}"
                 )
-        num_dst = len(dst_bpp)
-    return head_bytes, [dst_page] * num_dst
+    return head_bytes, dst_page
 
 
 def strided_blocks(
     pairs: Sequence[tuple[int, int]], src_ptrs: Sequence[int], dst_ptrs: Sequence[int],
-    src_bpp: Sequence[int], dst_bpp: Sequence[int], src: Sequence[int], dst: Sequence[int],
+    src_bpp: Sequence[int], dst_page: int, src: Sequence[int], dst: Sequence[int],
     copy: HeadCopy, head_bytes: int,
 ) -> tuple[list[int], list[int], list[int]]:
     """One block per (entry pair, page, token): the slice's bytes of that token."""
@@ -67,7 +65,7 @@ def strided_blocks(
     for i, j in pairs:
         for s, d in zip(src, dst, strict=True):
             s_base = src_ptrs[i] + s * src_bpp[i] + src_off
-            d_base = dst_ptrs[j] + d * dst_bpp[j] + dst_off
+            d_base = dst_ptrs[j] + d * dst_page + dst_off
             for t in range(copy.page_size):
                 srcs.append(s_base + t * src_tok)
                 dsts.append(d_base + t * dst_tok)
