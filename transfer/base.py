@@ -254,15 +254,25 @@ class KVManager(ABC):
                 f"a send of {copy.count} of {copy.src_heads} heads into a rank holding "
                 f"{copy.dst_heads} needs a staging buffer; register() one"
             )
+        start = time.perf_counter()
         with self._staging_lock:  # one send uses the staging buffer at a time
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-staged-write")
-            parts = send_staged(
-                lambda s, d, n: self._write_blocks(session, s, d, n), self.staging, self._writer,
-                pairs, len(self.kv_ptrs), dst_ptrs, src, dst, copy, dst_page)
-        return SendResult(blocks=sum(p.blocks for p in parts),
-                          batches=sum(p.batches for p in parts),
-                          nbytes=sum(p.nbytes for p in parts))
+            try:
+                parts = send_staged(
+                    lambda s, d, n: self._write_blocks(session, s, d, n, report=False),
+                    self.staging, self._writer, pairs, len(self.kv_ptrs), dst_ptrs, src, dst,
+                    copy, dst_page)
+            except EngineCallError:
+                if self.on_send is not None:
+                    self.on_send(0, time.perf_counter() - start, False)
+                raise
+        result = SendResult(blocks=sum(p.blocks for p in parts),
+                            batches=sum(p.batches for p in parts),
+                            nbytes=sum(p.nbytes for p in parts))
+        if self.on_send is not None:  # one report per send, as for the plain copy
+            self.on_send(result.nbytes, time.perf_counter() - start, True)
+        return result
 
     def send_aux(self, session: str, src_slot: int, dst_aux_ptr: int, dst_row_bytes: int,
                  dst_slot: int) -> SendResult:
@@ -276,8 +286,12 @@ class KVManager(ABC):
         return self._write_blocks(session, [aux.row_ptr(src_slot)], [dst], [aux.row_bytes])
 
     def _write_blocks(
-        self, session: str, srcs: list[int], dsts: list[int], lens: list[int]
+        self, session: str, srcs: list[int], dsts: list[int], lens: list[int], *,
+        report: bool = True,
     ) -> SendResult:
+        """Write the blocks in batches; ``report``: tell ``on_send`` (the caller reports a send
+        made of several of these itself)."""
+        on_send = self.on_send if report else None
         calls, start, nbytes = 0, time.perf_counter(), sum(lens)
         for part in batches(len(srcs), self.batch_limit):
             if self.faults is None:
@@ -286,14 +300,14 @@ class KVManager(ABC):
                 ret = self.faults.write(self._write, session, srcs[part], dsts[part], lens[part])
             calls += 1
             if ret != 0:
-                if self.on_send is not None:
-                    self.on_send(0, time.perf_counter() - start, False)
+                if on_send is not None:
+                    on_send(0, time.perf_counter() - start, False)
                 raise EngineCallError(
                     f"engine write to {session} failed with code {ret} "
                     f"(batch {calls}, {part.stop - part.start} blocks)"
                 )
-        if self.on_send is not None:
-            self.on_send(nbytes, time.perf_counter() - start, True)
+        if on_send is not None:
+            on_send(nbytes, time.perf_counter() - start, True)
         return SendResult(blocks=len(srcs), batches=calls, nbytes=nbytes)
 
     def _require_aux(self) -> AuxBuffer:

@@ -261,3 +261,17 @@ def test_staging_and_landing_are_registered_once_and_released() -> None:
                                                             node.landing.buffer_infos())}
     node.manager.close()  # type: ignore[attr-defined]
     assert ranges == []
+
+
+def test_a_staged_send_of_several_rounds_reports_once(decode) -> None:  # type: ignore[no-untyped-def]
+    """The node's transfer metrics see one send per send_kvcache, however many rounds."""
+    peer = decode(4, 2)
+    (node,) = _prefill(4, 1)
+    calls = _counted([node])
+    results = [node.manager.send_kvcache(
+        peer.ready[c.dst_rank].session_id, SRC, peer.ready[c.dst_rank].kv_ptrs, DST,
+        dst_layer_ids=peer.ready[c.dst_rank].kv_layer_ids, dst_heads=c)
+        for c in plan_head_copies(_layout(4, 1), _layout(4, 2), 0)]
+    assert all(r.batches > 1 for r in results)  # the small staging buffer took several rounds
+    assert [(n, ok) for n, _, ok in calls] == [(r.nbytes, True) for r in results]
+    _check_heads(4, _layout(4, 2), peer, sent=(*LAYERS, *DRAFT))
