@@ -51,14 +51,14 @@ def _keys(layer_ids: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _prefill(kv: int, p: int, layer_ids: Sequence[int] = LAYERS,
-             draft_ids: Sequence[int] = DRAFT) -> list[Node]:
+             draft_ids: Sequence[int] = DRAFT, backend: str = "mooncake") -> list[Node]:
     """``p`` prefill ranks whose pools hold their TP heads of the global KV."""
     full = _global_kv(kv)
     nodes = []
     for start, count in _layout(kv, p).ranges:
         node = Node(Spec(layer_ids=tuple(layer_ids), draft_ids=tuple(draft_ids), heads=count,
                          num_pages=NUM_PAGES, page_size=PAGE, head_dim=HEAD_DIM,
-                         extra={"staging_bytes": STAGING}))
+                         backend=backend, extra={"staging_bytes": STAGING}))
         for entry, key in zip(node.entries(), _keys(node.layer_ids()), strict=True):
             entry.copy_(full[key][:, :, start : start + count])
         nodes.append(node)
@@ -162,6 +162,15 @@ def test_each_decode_rank_receives_exactly_its_heads(decode, kv: int, p: int, d:
     if p <= d:  # gathered slices go as page runs: DST has 3 runs, 10 entries per copy
         copies = sum(len(plan_head_copies(_layout(kv, p), _layout(kv, d), r)) for r in range(p))
         assert blocks >= 3 * 10 * copies and blocks <= 6 * 10 * copies
+
+
+@pytest.mark.parametrize(("p", "d"), [(1, 2), (2, 1)])
+def test_ascend_manager_sends_head_slices(decode, p: int, d: int) -> None:  # type: ignore[no-untyped-def]
+    """The Ascend manager (over an injected TCP engine, host buffers) registers the staging
+    buffer in its one batch and sends head slices like the Mooncake manager."""
+    peer = decode(4, d)
+    _send(_prefill(4, p, backend="ascend"), _layout(4, p), _layout(4, d), peer)
+    _check_heads(4, _layout(4, d), peer, sent=(*LAYERS, *DRAFT))
 
 
 @pytest.mark.parametrize(("kv", "p", "d"), [(4, 2, 1), (4, 4, 2), (4, 4, 1), (2, 4, 1)])
