@@ -101,16 +101,19 @@ class HeadLandingBuffer:
                                       str(buf.device)))
         return out
 
-    def scatter(self, landing_pages: Sequence[int], pages: Sequence[int]) -> None:
-        """Every slice's landing pages ``landing_pages`` into its heads of pool ``pages``, in
-        every entry: call it once every source of the room has written (a slice no source
-        wrote would scatter stale bytes)."""
+    def scatter(self, landing_pages: Sequence[int], pages: Sequence[int],
+                slot: int | None = None) -> None:
+        """Slice ``slot``'s (every slice's when None) landing pages ``landing_pages`` into its
+        heads of pool ``pages``, in every entry: call it once the sources of those slices have
+        written (a slice no source wrote would scatter stale bytes)."""
         if len(landing_pages) != len(pages):
             raise ValueError(f"{len(landing_pages)} landing pages for {len(pages)} pool pages")
         # copy_ per run of pages consecutive on both sides: torch's indexed copies into a
         # strided destination (index_copy_, index_put_) run about ten times slower on the CPU
         runs = _runs(landing_pages, pages)
-        for (start, count), land in zip(self.slices, self.land, strict=True):
+        slots = range(len(self.slices)) if slot is None else [slot]
+        for s in slots:
+            (start, count), land = self.slices[s], self.land[s]
             for entry, buf in zip(self.entries, land, strict=True):
                 heads = entry.narrow(2, start, count)
                 for src, dst, n in runs:

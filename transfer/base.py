@@ -125,10 +125,11 @@ class KVManager(ABC):
 
     def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,
                      auth_token: str = "", heads: HeadLayout | None = None,
-                     tp_rank: int = 0) -> Registration:
+                     tp_rank: int = 0, landing: Sequence[BufferInfo] = ()) -> Registration:
         """The message a decode node publishes once per connection (``auth_token``: the
         cluster's internal shared secret, "" without one; ``heads``: the decode's KV heads over
-        its TP ranks, of which this manager serves ``tp_rank``)."""
+        its TP ranks, of which this manager serves ``tp_rank``; ``landing``: the landing
+        entries the prefill it registers with writes into, in KV entry order)."""
         aux = self._require_aux()
         ranges = [x for pair in heads.ranges for x in pair] if heads is not None else []
         return Registration(
@@ -148,6 +149,9 @@ class KVManager(ABC):
             kv_head_ranges=ranges,
             num_kv_heads=heads.num_kv_heads if heads is not None else 0,
             head_dim=heads.head_dim if heads is not None else 0,
+            landing_ptrs=[b.ptr for b in landing],
+            landing_bytes_per_page=[b.bytes_per_page for b in landing],
+            landing_num_pages=min((b.nbytes // b.bytes_per_page for b in landing), default=0),
         )
 
     def send_kvcache(

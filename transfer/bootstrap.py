@@ -163,7 +163,9 @@ def decode_heads(reg: Registration) -> HeadLayout | None:
 
 def check_heads(identity: ModelIdentity, manager: KVManager, reg: Registration) -> HeadCopy | None:
     """The head slice this prefill rank writes into the registering decode rank: None when
-    neither side describes its heads or both hold the same ones (a plain page copy).
+    neither side describes its heads or both hold the same ones (a plain page copy). With
+    landing entries in the registration, the slice goes as whole pages into them
+    (:func:`check_landing`).
 
     Raises :class:`IncompatiblePeerError` with the numbers when only one side describes its
     heads, the layouts cannot be paired (:func:`transfer.heads.plan_head_copies`), this rank
@@ -195,7 +197,9 @@ def check_heads(identity: ModelIdentity, manager: KVManager, reg: Registration) 
     (copy,) = mine
     if copy.whole:
         return None
-    if copy.dst_contiguous and manager.staging is None:
+    if reg.landing_ptrs:
+        check_landing(manager, reg, copy)
+    elif copy.dst_contiguous and manager.staging is None:
         raise IncompatiblePeerError(
             f"prefill rank {identity.tp_rank} sends {copy.count} of its {copy.src_heads} KV "
             "heads into each page and registered no staging buffer to gather them"
@@ -230,3 +234,26 @@ def check_draft_band(
 
 def _describe_draft(band: list[int]) -> str:
     return f"a draft (KV layer ids {band})" if band else "no draft"
+
+
+def check_landing(manager: KVManager, reg: Registration, copy: HeadCopy) -> None:
+    """Raise :class:`IncompatiblePeerError` unless the decode's landing entries take this
+    prefill rank's pages whole: its slice must be all of its heads, one landing entry per
+    decode entry, each with this rank's bytes per page."""
+    if not copy.lands:
+        raise IncompatiblePeerError(
+            f"the decode offers a landing buffer, but this prefill rank sends {copy.count} of "
+            f"its {copy.src_heads} KV heads into a rank holding {copy.dst_heads}: only a rank "
+            "whose every head lands in a larger decode rank can use one"
+        )
+    if not len(reg.landing_ptrs) == len(reg.landing_bytes_per_page) == len(reg.kv_ptrs):
+        raise IncompatiblePeerError(
+            f"registration has {len(reg.landing_ptrs)} landing entries and "
+            f"{len(reg.landing_bytes_per_page)} landing sizes for {len(reg.kv_ptrs)} KV entries"
+        )
+    try:
+        pairs = pair_entries(manager.kv_layer_ids, reg.kv_layer_ids or None,
+                             len(manager.kv_ptrs), len(reg.kv_ptrs))
+        check_bytes_per_page(pairs, manager.kv_bytes_per_page, reg.landing_bytes_per_page)
+    except LayerPairingError as exc:
+        raise IncompatiblePeerError(f"landing entries do not match: {exc}") from exc

@@ -1,4 +1,5 @@
-"""The staging buffer a source rank gathers head slices into before a head-sliced send.
+"""The staging buffer a source rank gathers head slices into before a head-sliced send, and the
+landing buffer a destination rank takes whole slice pages into (:mod:`transfer.heads`).
 
 The transfer layer moves bytes by address and never touches tensors; the owner of the KV pool
 provides the staging buffer and the gather (``engine.kv_staging.HeadStagingBuffer`` does it with
@@ -13,7 +14,10 @@ each slice page ``page_size * count * head_bytes`` bytes, token-major inside lik
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from engine.kv_cache import BufferInfo
 
 
 class HeadStaging(Protocol):
@@ -36,3 +40,19 @@ class HeadStaging(Protocol):
         """Copy heads ``[head_start, head_start + head_count)`` of ``pages`` of every KV entry
         into the buffer from byte ``offset`` (layout in the module docstring); the bytes are in
         place when it returns."""
+
+
+class HeadLanding(Protocol):
+    """Per incoming slice (``slot``), pool-shaped landing entries of ``num_pages`` pages, and
+    the scatter of landed pages into the slice's heads of the pool."""
+
+    @property
+    def num_pages(self) -> int:
+        """Landing pages per slot."""
+
+    def buffer_infos(self, slot: int | None = None) -> list[BufferInfo]:
+        """The landing entries of ``slot`` (every slot when None), in KV entry order."""
+
+    def scatter(self, landing_pages: Sequence[int], pages: Sequence[int],
+                slot: int | None = None) -> None:
+        """Landing pages of ``slot`` (every slot when None) into their heads of pool ``pages``."""

@@ -19,7 +19,7 @@ from transfer.bootstrap import check_compatible
 from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.errors import IncompatiblePeerError
-from transfer.heads import tp_head_ranges
+from transfer.heads import HeadLayout, landing_slices, tp_head_ranges
 from transfer.status import KVPoll
 
 pytestmark = pytest.mark.slow
@@ -27,8 +27,14 @@ pytestmark = pytest.mark.slow
 KV, HEAD_DIM, PAGE, NUM_PAGES = 4, 8, 4, 16
 
 
-def _spec(heads: int, tp: tuple[int, int, int] | None, **over: object) -> Spec:
-    extra: dict = {"staging_bytes": 1 << 16}
+def _layout(tp: int) -> HeadLayout:
+    return HeadLayout.tensor_parallel(KV, tp, head_dim=HEAD_DIM, dtype="torch.float32",
+                                      page_size=PAGE)
+
+
+def _spec(heads: int, tp: tuple[int, int, int] | None, landing: list | None = None,
+          **over: object) -> Spec:
+    extra: dict = {"staging_bytes": 1 << 16, "landing": landing or ()}
     if tp is not None:
         extra["tp"] = tp
     geo: dict = {"heads": heads, "head_dim": HEAD_DIM, "page_size": PAGE,
@@ -50,12 +56,18 @@ def _prefill(tp: int) -> tuple[list[Node], list[PrefillBootstrapServer], torch.T
     return nodes, servers, full
 
 
-def test_fan_in_room_lands_every_head_and_leaves_nothing() -> None:
+@pytest.mark.parametrize("landing", [False, True])
+def test_fan_in_room_lands_every_head_and_leaves_nothing(landing: bool) -> None:
+    """Without a landing buffer each prefill rank writes its heads into the strided pool pages;
+    with one, whole pages into its slot, which the client scatters on Success."""
     nodes, servers, full = _prefill(2)
-    spec = _spec(KV, (KV, 1, 0))
+    slices = landing_slices(_layout(2), _layout(1), 0) if landing else []
+    spec = _spec(KV, (KV, 1, 0), landing=slices)
     decode, pages = Node(spec), FreeList(NUM_PAGES)
-    clients = [DecodeBootstrapClient(decode.manager, spec.identity, s.address, pages.give,
-                                     config=CFG) for s in servers]
+    clients = [DecodeBootstrapClient(
+        decode.manager, spec.identity, s.address, pages.give, config=CFG,
+        landing=(decode.landing, r) if decode.landing is not None else None)
+        for r, s in enumerate(servers)]
     dst, src = pages.take(4), [1, 2, 7, 9]
     for server, client in zip(servers, clients, strict=True):
         server.add_room(ROOM)
@@ -73,6 +85,10 @@ def test_fan_in_room_lands_every_head_and_leaves_nothing() -> None:
     for e, entry in enumerate(decode.entries()):
         for h in range(KV):
             assert torch.equal(entry[dst, :, h], full[e, src, :, h]), f"entry {e} head {h}"
+    if decode.landing is not None:  # the pages went through the landing slots, and came back
+        for r, node in enumerate(nodes):
+            assert torch.equal(decode.landing.land[r][0][: len(src)], node.entries()[0][src])
+        assert all(c.free_landing_pages == list(range(NUM_PAGES)) for c in clients)
     for server in servers:
         server.release(ROOM)
     pages.give(dst)
@@ -85,6 +101,30 @@ def test_fan_in_room_lands_every_head_and_leaves_nothing() -> None:
         s.close()
 
 
+def test_a_failed_landing_room_frees_its_landing_pages() -> None:
+    """An aborted room's landing pages go back with its pages, once the prefill is quiet."""
+    nodes, servers, _ = _prefill(2)
+    spec = _spec(KV, (KV, 1, 0), landing=landing_slices(_layout(2), _layout(1), 0))
+    decode, pages = Node(spec), FreeList(NUM_PAGES)
+    assert decode.landing is not None
+    client = DecodeBootstrapClient(decode.manager, spec.identity, servers[1].address, pages.give,
+                                   config=CFG, landing=(decode.landing, 1))
+    servers[1].add_room(ROOM)
+    client.add_room(ROOM)
+    client.send_destination(ROOM, pages.take(3), aux=False)
+    assert len(client.free_landing_pages) == NUM_PAGES - 3
+    client.abort(ROOM)
+    client.release(ROOM)
+    wait_for(lambda: pages.held == 0, 5)
+    assert client.free_landing_pages == list(range(NUM_PAGES))
+    wait_for(lambda: servers[1].poll(ROOM) is KVPoll.Failed, 2)
+    servers[1].release(ROOM)
+    assert client.num_rooms == 0 and servers[1].num_rooms == 0
+    client.close()
+    for s in servers:
+        s.close()
+
+
 @pytest.mark.parametrize(
     ("decode_spec", "match"),
     [
@@ -93,6 +133,9 @@ def test_fan_in_room_lands_every_head_and_leaves_nothing() -> None:
         (_spec(1, (KV, 4, 2)),
          r"prefill rank 0 of TP 2 writes none of decode rank 2's KV heads \[2, 3\)"),
         (_spec(4, None), "only the prefill describes its KV heads"),
+        (_spec(1, (KV, 4, 0), landing=[(0, 1)]),
+         "offers a landing buffer, but this prefill rank sends 1 of its 2 KV heads into a rank "
+         "holding 1"),
     ],
 )
 def test_impossible_pairs_are_refused_with_the_numbers(decode_spec: Spec, match: str) -> None:
@@ -100,7 +143,8 @@ def test_impossible_pairs_are_refused_with_the_numbers(decode_spec: Spec, match:
     decode = Node(decode_spec)
     with pytest.raises(IncompatiblePeerError, match=match):
         DecodeBootstrapClient(decode.manager, decode_spec.identity, servers[0].address,
-                              FreeList(NUM_PAGES).give, config=CFG)
+                              FreeList(NUM_PAGES).give, config=CFG,
+                              landing=(decode.landing, 0) if decode.landing else None)
     assert servers[0].num_rooms == 0
     assert not any(e.any() for e in decode.entries())
     servers[0].close()
