@@ -7,6 +7,9 @@ loopback TCP. For every case it times (a) ``MooncakeKVManager.send_kvcache``, (b
 of those blocks, and prints GB/s with the ratios a/b and b/c.
 
     python -m bench.transfer --small --json
+
+With ``--tp P:D ...`` it measures head-sliced sends between a prefill of TP ``P`` and a decode of
+TP ``D`` against equal TP on the same bytes instead (:mod:`bench.transfer_tp`).
 """
 
 from __future__ import annotations
@@ -169,10 +172,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096, 16384])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batch-limit", type=int, default=1024)
+    ap.add_argument("--tp", nargs="+", default=[], metavar="P:D",
+                    help="prefill TP : decode TP pairs, each against equal TP on the same bytes")
     args = ap.parse_args(argv)
     layers, tokens = (8, (512, 2048)) if args.small else (args.layers, tuple(args.tokens))
     shape = Shape(layers, args.kv_heads, args.head_dim, args.page_size, args.dtype, tokens,
                   args.reps)
+    if args.tp:
+        from bench.transfer_tp import print_table, run_tp
+
+        pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.tp]
+        tp_result = run_tp(shape, [(p, d) for p, d in pairs])
+        if args.json:
+            print(json.dumps(tp_result))
+        else:
+            print_table(tp_result)
+        return
     result = run(shape, args.batch_limit)
     if args.json:
         print(json.dumps(result))

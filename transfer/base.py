@@ -19,10 +19,11 @@ moves; a failure after that raises :class:`~transfer.errors.EngineCallError`.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,9 +31,13 @@ from transfer.aux import AuxBuffer
 from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
 from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
 from transfer.faults import FaultInjector
+from transfer.head_blocks import head_geometry, strided_blocks
+from transfer.heads import HeadCopy, HeadLayout
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.memory import MemoryRange
 from transfer.messages import Registration
+from transfer.staged_send import send_staged
+from transfer.staging import HeadStaging
 
 if TYPE_CHECKING:
     from engine.kv_cache import BufferInfo
@@ -60,6 +65,9 @@ class KVManager(ABC):
         self.kv_devices: list[str] = []  # where each KV entry lives: "cpu", "cuda:N", "npu:N"
         self.num_pages = 0
         self.aux: AuxBuffer | None = None
+        self.staging: HeadStaging | None = None  # head-sliced sends gather here
+        self._staging_lock = threading.Lock()  # one staged send at a time
+        self._writer: ThreadPoolExecutor | None = None  # writes staged rounds (started lazily)
         self._registered = False
         self.faults: FaultInjector | None = None  # fault injection (tests): None when off
         # called after every send with (bytes, seconds, ok): the node's transfer metrics
@@ -83,13 +91,17 @@ class KVManager(ABC):
         """One engine batch write of at most ``batch_limit`` blocks; returns 0 on success."""
 
     def register(
-        self, kv: Sequence[BufferInfo], aux: AuxBuffer | None = None, *, use_layer_ids: bool = True
+        self, kv: Sequence[BufferInfo], aux: AuxBuffer | None = None, *, use_layer_ids: bool = True,
+        staging: HeadStaging | None = None, landing: Sequence[BufferInfo] = (),
     ) -> None:
         """Register the KV buffer entries (and the aux buffer) with the engine, exactly once.
 
         Each entry is registered as memory of its ``device``; nothing is recorded unless every
         range registered. ``use_layer_ids=False`` publishes no layer ids, so pairing is
-        positional.
+        positional. ``staging``: the buffer head-sliced sends into a destination rank that holds
+        fewer heads gather into, ``landing``: the buffers source ranks that each hold part of
+        this rank's heads write whole pages into (:mod:`transfer.heads`); both registered with
+        the entries.
         """
         if self._registered:
             raise TransferError("buffers are already registered; a manager registers once")
@@ -98,6 +110,9 @@ class KVManager(ABC):
         ranges = [MemoryRange(b.ptr, b.nbytes, b.device) for b in kv]
         if aux is not None:  # aux rows are small per-room records the host reads and writes
             ranges.append(MemoryRange(aux.ptr, aux.nbytes))
+        if staging is not None:
+            ranges.append(MemoryRange(staging.ptr, staging.nbytes, staging.device))
+        ranges.extend(MemoryRange(b.ptr, b.nbytes, b.device) for b in landing)
         self._register_ranges(ranges)
         self.kv_ptrs = [b.ptr for b in kv]
         self.kv_bytes_per_page = [b.bytes_per_page for b in kv]
@@ -105,13 +120,18 @@ class KVManager(ABC):
         self.kv_devices = [b.device for b in kv]
         self.num_pages = min(b.nbytes // b.bytes_per_page for b in kv)
         self.aux = aux
+        self.staging = staging
         self._registered = True
 
     def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,
-                     auth_token: str = "") -> Registration:
+                     auth_token: str = "", heads: HeadLayout | None = None,
+                     tp_rank: int = 0, landing: Sequence[BufferInfo] = ()) -> Registration:
         """The message a decode node publishes once per connection (``auth_token``: the
-        cluster's internal shared secret, "" without one)."""
+        cluster's internal shared secret, "" without one; ``heads``: the decode's KV heads over
+        its TP ranks, of which this manager serves ``tp_rank``; ``landing``: the landing
+        entries the prefill it registers with writes into, in KV entry order)."""
         aux = self._require_aux()
+        ranges = [x for pair in heads.ranges for x in pair] if heads is not None else []
         return Registration(
             session_id=self.session_id,
             kv_ptrs=list(self.kv_ptrs),
@@ -125,6 +145,13 @@ class KVManager(ABC):
             dtype=dtype,
             model_fingerprint=model_fingerprint,
             auth_token=auth_token,
+            tp_rank=tp_rank,
+            kv_head_ranges=ranges,
+            num_kv_heads=heads.num_kv_heads if heads is not None else 0,
+            head_dim=heads.head_dim if heads is not None else 0,
+            landing_ptrs=[b.ptr for b in landing],
+            landing_bytes_per_page=[b.bytes_per_page for b in landing],
+            landing_num_pages=min((b.nbytes // b.bytes_per_page for b in landing), default=0),
         )
 
     def send_kvcache(
@@ -140,6 +167,7 @@ class KVManager(ABC):
         dst_kv_item_len: int | None = None,
         dst_device_kv_indices: Sequence[int] | None = None,
         dst_attn_tp_size: int | None = None,
+        dst_heads: HeadCopy | None = None,
     ) -> SendResult:
         """Write local pages ``src_pages`` into the peer's pages ``dst_pages`` of every entry.
 
@@ -149,6 +177,15 @@ class KVManager(ABC):
         Runs of pages consecutive on both sides go as one block; all blocks go in as few engine
         calls as ``batch_limit`` allows.
 
+        ``dst_heads``: the head slice this rank writes into the destination rank when the two
+        sides differ in tensor-parallel size (:func:`transfer.heads.plan_head_copies`); None or a
+        whole copy is the plain page copy. A slice that is the destination's whole page is
+        gathered into the registered staging buffer and goes page-sized, as many blocks as the
+        plain copy; any other slice goes one block per token (see :mod:`transfer.heads`). A slice
+        that lands (``HeadCopy.lands``) goes page-sized as a plain send (no ``dst_heads``) into
+        the destination's landing entries for it instead, which the destination scatters.
+        ``dst_bytes_per_page`` are then the destination rank's (fewer or more heads per page).
+
         The keywords of callers written for SGLang's KV managers:
 
         - ``executor`` (SGLang's fifth positional argument): ignored, writes here are
@@ -157,8 +194,8 @@ class KVManager(ABC):
           ``dst_bytes_per_page``;
         - ``dst_device_kv_indices``: ignored; the decode here keeps one page list per room,
           so its pages are ``dst_pages``;
-        - ``dst_attn_tp_size``: must be ``None`` or 1, both nodes hold every KV head (no
-          head-sliced transfer).
+        - ``dst_attn_tp_size``: must be ``None`` or 1; a head-sliced transfer is asked for with
+          ``dst_heads``, which carries the ranges rather than a size.
 
         Any other keyword is a ``TypeError`` naming it.
         """
@@ -171,7 +208,7 @@ class KVManager(ABC):
         if dst_attn_tp_size not in (None, 1):
             raise TransferError(
                 f"send_kvcache: dst_attn_tp_size={dst_attn_tp_size} asks for a head-sliced "
-                "transfer; prefill and decode here both hold every KV head (attention TP 1)"
+                "transfer; pass the planned slice as dst_heads (transfer.heads.plan_head_copies)"
             )
         if not self._registered:
             raise TransferError("register() the KV buffers before sending")
@@ -180,6 +217,11 @@ class KVManager(ABC):
         if src and max(src) >= self.num_pages:
             raise PageListError(f"source page {max(src)} is outside 0..{self.num_pages - 1}")
         pairs = pair_entries(self.kv_layer_ids, dst_layer_ids, len(self.kv_ptrs), len(dst_ptrs))
+        if dst_heads is not None and not dst_heads.whole:
+            if dst_kv_item_len is not None:
+                dst_bytes_per_page = [dst_kv_item_len] * len(dst_ptrs)
+            return self._send_heads(session, src, dst, dst_ptrs, pairs, dst_heads,
+                                    dst_bytes_per_page)
         if dst_bytes_per_page is not None:
             if len(dst_bytes_per_page) != len(dst_ptrs):
                 raise LayerPairingError(
@@ -194,6 +236,48 @@ class KVManager(ABC):
         srcs, dsts, lens = build_blocks(pairs, self.kv_ptrs, dst_ptrs, self.kv_bytes_per_page, runs)
         return self._write_blocks(session, srcs, dsts, lens)
 
+    def _send_heads(
+        self, session: str, src: list[int], dst: list[int], dst_ptrs: Sequence[int],
+        pairs: list[tuple[int, int]], copy: HeadCopy, dst_bpp: Sequence[int] | None,
+    ) -> SendResult:
+        """A head-sliced send (``copy`` is not whole); every check runs before a byte moves."""
+        if dst_bpp is not None and len(dst_bpp) != len(dst_ptrs):
+            raise LayerPairingError(
+                f"{len(dst_bpp)} bytes-per-page values for {len(dst_ptrs)} destination entries"
+            )
+        if len(src) != len(dst):
+            raise PageListError(f"{len(src)} source pages but {len(dst)} destination pages")
+        head_bytes, dst_page = head_geometry(pairs, self.kv_bytes_per_page, copy, dst_bpp)
+        if not copy.dst_contiguous or not src:
+            srcs, dsts, lens = strided_blocks(pairs, self.kv_ptrs, dst_ptrs,
+                                              self.kv_bytes_per_page, dst_page, src, dst, copy,
+                                              head_bytes)
+            return self._write_blocks(session, srcs, dsts, lens)
+        if self.staging is None:
+            raise TransferError(
+                f"a send of {copy.count} of {copy.src_heads} heads into a rank holding "
+                f"{copy.dst_heads} needs a staging buffer; register() one"
+            )
+        start = time.perf_counter()
+        with self._staging_lock:  # one send uses the staging buffer at a time
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-staged-write")
+            try:
+                parts = send_staged(
+                    lambda s, d, n: self._write_blocks(session, s, d, n, report=False),
+                    self.staging, self._writer, pairs, len(self.kv_ptrs), dst_ptrs, src, dst,
+                    copy, dst_page)
+            except EngineCallError:
+                if self.on_send is not None:
+                    self.on_send(0, time.perf_counter() - start, False)
+                raise
+        result = SendResult(blocks=sum(p.blocks for p in parts),
+                            batches=sum(p.batches for p in parts),
+                            nbytes=sum(p.nbytes for p in parts))
+        if self.on_send is not None:  # one report per send, as for the plain copy
+            self.on_send(result.nbytes, time.perf_counter() - start, True)
+        return result
+
     def send_aux(self, session: str, src_slot: int, dst_aux_ptr: int, dst_row_bytes: int,
                  dst_slot: int) -> SendResult:
         """Write local aux row ``src_slot`` into the peer's aux row ``dst_slot``."""
@@ -206,8 +290,12 @@ class KVManager(ABC):
         return self._write_blocks(session, [aux.row_ptr(src_slot)], [dst], [aux.row_bytes])
 
     def _write_blocks(
-        self, session: str, srcs: list[int], dsts: list[int], lens: list[int]
+        self, session: str, srcs: list[int], dsts: list[int], lens: list[int], *,
+        report: bool = True,
     ) -> SendResult:
+        """Write the blocks in batches; ``report``: tell ``on_send`` (the caller reports a send
+        made of several of these itself)."""
+        on_send = self.on_send if report else None
         calls, start, nbytes = 0, time.perf_counter(), sum(lens)
         for part in batches(len(srcs), self.batch_limit):
             if self.faults is None:
@@ -216,14 +304,14 @@ class KVManager(ABC):
                 ret = self.faults.write(self._write, session, srcs[part], dsts[part], lens[part])
             calls += 1
             if ret != 0:
-                if self.on_send is not None:
-                    self.on_send(0, time.perf_counter() - start, False)
+                if on_send is not None:
+                    on_send(0, time.perf_counter() - start, False)
                 raise EngineCallError(
                     f"engine write to {session} failed with code {ret} "
                     f"(batch {calls}, {part.stop - part.start} blocks)"
                 )
-        if self.on_send is not None:
-            self.on_send(nbytes, time.perf_counter() - start, True)
+        if on_send is not None:
+            on_send(nbytes, time.perf_counter() - start, True)
         return SendResult(blocks=len(srcs), batches=calls, nbytes=nbytes)
 
     def _require_aux(self) -> AuxBuffer:

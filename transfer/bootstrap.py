@@ -28,8 +28,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from transfer.base import KVManager
-from transfer.errors import IncompatiblePeerError, LayerPairingError, PeerAuthError
+from transfer.errors import (
+    HeadLayoutError,
+    IncompatiblePeerError,
+    LayerPairingError,
+    PeerAuthError,
+)
 from transfer.faults import FaultConfig
+from transfer.head_blocks import head_geometry
+from transfer.heads import HeadCopy, HeadLayout, plan_head_copies
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.messages import Registration
 
@@ -70,6 +77,11 @@ class ModelIdentity:
     ``pipeline_draft_band`` is set on the stages of a pipeline-parallel prefill: the band of the
     whole pipeline (its last stage runs the draft; empty when none does). A stage checks the
     decode against it, not against its own buffers (which hold no draft before the last stage).
+
+    ``heads``: this node's KV heads over its tensor-parallel ranks, of which this process is
+    rank ``tp_rank`` (:mod:`transfer.heads`); None for a node that holds every head. A decode
+    publishes them in its registration; a prefill plans the head slice it writes into that
+    decode rank from them, or refuses the pair (:func:`check_compatible`).
     """
 
     model_fingerprint: str
@@ -77,6 +89,8 @@ class ModelIdentity:
     dtype: str
     num_hidden_layers: int = 0
     pipeline_draft_band: tuple[int, ...] | None = None
+    heads: HeadLayout | None = None
+    tp_rank: int = 0
 
 
 def check_token(secret: str | None, reg: Registration) -> None:
@@ -87,12 +101,16 @@ def check_token(secret: str | None, reg: Registration) -> None:
         raise PeerAuthError("registration refused: missing or wrong internal token")
 
 
-def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registration) -> None:
-    """Raise :class:`IncompatiblePeerError` unless the decode's registration fits this prefill.
+def check_compatible(
+    identity: ModelIdentity, manager: KVManager, reg: Registration
+) -> HeadCopy | None:
+    """Raise :class:`IncompatiblePeerError` unless the decode's registration fits this prefill;
+    return the head slice this prefill rank writes into that decode rank (None: whole pages).
 
     Checks model fingerprint, page size, dtype, that both hold the same EAGLE draft band (or
-    neither has a draft), that every local layer entry has a destination entry with equal bytes
-    per page, and that aux rows have the same size.
+    neither has a draft), the KV heads of both sides' TP ranks (:func:`check_heads`), that every
+    local layer entry has a destination entry with equal bytes per page (or, head-sliced, the
+    bytes per page of the decode rank's heads), and that aux rows have the same size.
     """
     mismatches = [
         (name, mine, theirs)
@@ -114,17 +132,79 @@ def check_compatible(identity: ModelIdentity, manager: KVManager, reg: Registrat
                          reg.kv_layer_ids, pipeline=True)
     if not len(reg.kv_ptrs) == len(reg.kv_bytes_per_page):
         raise IncompatiblePeerError("registration has ragged kv_ptrs / kv_bytes_per_page")
+    copy = check_heads(identity, manager, reg)
     try:
         pairs = pair_entries(
             manager.kv_layer_ids, reg.kv_layer_ids or None, len(manager.kv_ptrs), len(reg.kv_ptrs)
         )
-        check_bytes_per_page(pairs, manager.kv_bytes_per_page, reg.kv_bytes_per_page)
-    except LayerPairingError as exc:
+        if copy is None:
+            check_bytes_per_page(pairs, manager.kv_bytes_per_page, reg.kv_bytes_per_page)
+        else:
+            head_geometry(pairs, manager.kv_bytes_per_page, copy, reg.kv_bytes_per_page)
+    except (LayerPairingError, HeadLayoutError) as exc:
         raise IncompatiblePeerError(f"KV layers do not match: {exc}") from exc
     if manager.aux is not None and manager.aux.row_bytes != reg.aux_row_bytes:
         raise IncompatiblePeerError(
             f"aux rows differ: prefill {manager.aux.row_bytes} bytes, decode {reg.aux_row_bytes}"
         )
+    return copy
+
+
+def decode_heads(reg: Registration) -> HeadLayout | None:
+    """The decode's KV heads over its TP ranks, as its registration gives them (None: none)."""
+    flat = reg.kv_head_ranges
+    if not flat:
+        return None
+    if len(flat) % 2:
+        raise IncompatiblePeerError(f"registration has {len(flat)} head-range numbers, not pairs")
+    ranges = tuple((flat[k], flat[k + 1]) for k in range(0, len(flat), 2))
+    return HeadLayout(reg.num_kv_heads, reg.head_dim, reg.dtype, reg.page_size, ranges)
+
+
+def check_heads(identity: ModelIdentity, manager: KVManager, reg: Registration) -> HeadCopy | None:
+    """The head slice this prefill rank writes into the registering decode rank: None when
+    neither side describes its heads or both hold the same ones (a plain page copy). With
+    landing entries in the registration, the slice goes as whole pages into them
+    (:func:`check_landing`).
+
+    Raises :class:`IncompatiblePeerError` with the numbers when only one side describes its
+    heads, the layouts cannot be paired (:func:`transfer.heads.plan_head_copies`), this rank
+    writes nothing into that decode rank (another prefill rank holds its heads), or the slice
+    needs a staging buffer this manager did not register.
+    """
+    dst = decode_heads(reg)
+    if identity.heads is None and dst is None:
+        return None
+    if identity.heads is None or dst is None:
+        side = "decode" if identity.heads is None else "prefill"
+        raise IncompatiblePeerError(
+            f"only the {side} describes its KV heads over TP ranks; both must, or neither"
+        )
+    if not 0 <= reg.tp_rank < dst.tp_size:
+        raise IncompatiblePeerError(f"decode rank {reg.tp_rank} is outside its TP {dst.tp_size}")
+    try:
+        copies = plan_head_copies(identity.heads, dst, identity.tp_rank)
+    except HeadLayoutError as exc:
+        raise IncompatiblePeerError(f"KV heads cannot be paired: {exc}") from exc
+    mine = [c for c in copies if c.dst_rank == reg.tp_rank]
+    if not mine:
+        start, count = dst.ranges[reg.tp_rank]
+        raise IncompatiblePeerError(
+            f"prefill rank {identity.tp_rank} of TP {identity.heads.tp_size} writes none of "
+            f"decode rank {reg.tp_rank}'s KV heads [{start}, {start + count}); register it "
+            "with the prefill ranks that do (transfer.heads.receivers)"
+        )
+    (copy,) = mine
+    if copy.whole:
+        return None
+    if reg.landing_ptrs:
+        check_landing(manager, reg, copy)
+    elif copy.dst_contiguous and manager.staging is None:
+        raise IncompatiblePeerError(
+            f"prefill rank {identity.tp_rank} sends {copy.count} of its {copy.src_heads} KV "
+            "heads into each page and registered no staging buffer to gather them"
+        )
+    return copy
 
 
 def check_draft_band(
@@ -154,3 +234,26 @@ def check_draft_band(
 
 def _describe_draft(band: list[int]) -> str:
     return f"a draft (KV layer ids {band})" if band else "no draft"
+
+
+def check_landing(manager: KVManager, reg: Registration, copy: HeadCopy) -> None:
+    """Raise :class:`IncompatiblePeerError` unless the decode's landing entries take this
+    prefill rank's pages whole: its slice must be all of its heads, one landing entry per
+    decode entry, each with this rank's bytes per page."""
+    if not copy.lands:
+        raise IncompatiblePeerError(
+            f"the decode offers a landing buffer, but this prefill rank sends {copy.count} of "
+            f"its {copy.src_heads} KV heads into a rank holding {copy.dst_heads}: only a rank "
+            "whose every head lands in a larger decode rank can use one"
+        )
+    if not len(reg.landing_ptrs) == len(reg.landing_bytes_per_page) == len(reg.kv_ptrs):
+        raise IncompatiblePeerError(
+            f"registration has {len(reg.landing_ptrs)} landing entries and "
+            f"{len(reg.landing_bytes_per_page)} landing sizes for {len(reg.kv_ptrs)} KV entries"
+        )
+    try:
+        pairs = pair_entries(manager.kv_layer_ids, reg.kv_layer_ids or None,
+                             len(manager.kv_ptrs), len(reg.kv_ptrs))
+        check_bytes_per_page(pairs, manager.kv_bytes_per_page, reg.landing_bytes_per_page)
+    except LayerPairingError as exc:
+        raise IncompatiblePeerError(f"landing entries do not match: {exc}") from exc

@@ -10,6 +10,12 @@ Ownership invariant: between ``send_destination`` and ``commit``/``release`` the
 room's pages and aux slot. A released failed room's pages go back through ``free_pages`` only
 once the prefill has said it will write no more (a quiesced ``Status``, ``Abort`` or
 ``AbortAck``), or after ``quarantine_s`` without such word.
+
+Landing (``landing=(buffer, slot)``, :mod:`transfer.heads`): the prefill holds exactly a slice
+of this rank's heads, so it writes whole pages into the landing entries of ``slot``. The client
+owns that slot's landing pages: it takes one per destination page in ``send_destination``,
+scatters them into the room's pages when ``Success`` arrives (no write is in flight then) and
+frees them at once; a failed room's landing pages are freed with its pages.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from transfer.messages import (
     RegisterReply,
     Status,
 )
+from transfer.staging import HeadLanding
 from transfer.status import KVPoll, advance
 from transfer.wire import FramedSocket
 
@@ -55,6 +62,7 @@ class _Room:
     quiesced: bool = False  # the prefill will write nothing more into the pages
     released: bool = False  # the scheduler gave the room up
     expects_aux: bool = True  # False: a pipeline stage that finishes without an aux row
+    landing: list[int] | None = None  # landing pages the prefill writes instead of ``pages``
 
 
 class DecodeBootstrapClient:
@@ -68,8 +76,12 @@ class DecodeBootstrapClient:
         free_pages: Callable[[list[int]], None],
         *,
         config: BootstrapConfig | None = None,
+        landing: tuple[HeadLanding, int] | None = None,
     ) -> None:
-        """Connect and register; raises :class:`IncompatiblePeerError` if refused."""
+        """Connect and register; raises :class:`IncompatiblePeerError` if refused.
+
+        ``landing``: the landing buffer and the slot this prefill's slice lands in (see the
+        module docstring); None when the prefill writes into the pool pages."""
         self.manager = manager
         self.config = config or BootstrapConfig()
         if manager.faults is None:  # one injector per manager, shared by its clients
@@ -85,12 +97,16 @@ class DecodeBootstrapClient:
         if aux is None:
             raise TransferError("the decode manager has no aux buffer")
         self._aux: AuxBuffer = aux
+        self._landing = landing
+        self._landing_free = list(range(landing[0].num_pages)) if landing is not None else []
         sock = socket.create_connection(prefill_address, timeout=self.config.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = FramedSocket(sock)
         reg = manager.registration(
             page_size=identity.page_size, dtype=identity.dtype,
             model_fingerprint=identity.model_fingerprint, auth_token=self.config.secret or "",
+            heads=identity.heads, tp_rank=identity.tp_rank,
+            landing=landing[0].buffer_infos(landing[1]) if landing is not None else (),
         )
         try:
             self._sock.send(reg)
@@ -116,6 +132,12 @@ class DecodeBootstrapClient:
     def num_rooms(self) -> int:
         with self._lock:
             return len(self._rooms)
+
+    @property
+    def free_landing_pages(self) -> list[int]:
+        """The landing pages of this client's slot no room holds (empty without landing)."""
+        with self._lock:
+            return sorted(self._landing_free)
 
     @property
     def alive(self) -> bool:
@@ -153,13 +175,19 @@ class DecodeBootstrapClient:
             r = self._room(room)
             if r.pages is not None or r.status is not KVPoll.Bootstrapping:
                 raise TransferError(f"room {room} is {r.status.name}; cannot send a destination")
+            if self._landing is not None and len(page_list) > len(self._landing_free):
+                raise TransferError(f"{len(page_list)} pages but {len(self._landing_free)} free "
+                                    "landing pages on the decode")
             slot = self._aux.alloc() if aux else NO_AUX_SLOT
             if slot is None:
                 raise TransferError("no free aux slot on the decode")
             r.pages, r.aux_slot, r.expects_aux = page_list, (slot if aux else None), aux
+            if self._landing is not None:
+                r.landing = self._landing_free[: len(page_list)]
+                del self._landing_free[: len(page_list)]
             r.sent_at = time.monotonic()
             r.status = advance(r.status, KVPoll.WaitingForInput)
-            msg = Destination(room, list(r.pages), slot, cached_pages)
+            msg = Destination(room, list(r.pages), slot, cached_pages, list(r.landing or []))
         self._send(msg)
 
     def poll(self, room: int) -> KVPoll:
@@ -242,8 +270,21 @@ class DecodeBootstrapClient:
         del self._rooms[r.room]
         if r.aux_slot is not None:
             self._aux.free(r.aux_slot)
+        self._free_landing(r)
         if r.pages:
             self._free_pages(r.pages)
+
+    def _free_landing(self, r: _Room) -> None:
+        if r.landing:
+            self._landing_free.extend(r.landing)
+        r.landing = None
+
+    def _land(self, r: _Room) -> None:
+        """Scatter a successful room's landing pages into its pages, then free them."""
+        if self._landing is not None and r.landing and r.pages is not None:
+            buf, slot = self._landing
+            buf.scatter(r.landing, r.pages, slot)
+        self._free_landing(r)
 
     def _send(self, msg: Message) -> None:
         if self.manager.faults is not None and not self.manager.faults.outgoing([msg]):
@@ -284,6 +325,7 @@ class DecodeBootstrapClient:
 
     def _on_success(self, r: _Room) -> None:
         if r.status is not KVPoll.Failed and r.pages is not None and not r.expects_aux:
+            self._land(r)
             r.status = advance(r.status, KVPoll.Success)  # no aux row to check
             return
         if r.status is KVPoll.Failed or r.aux_slot is None:
@@ -294,6 +336,7 @@ class DecodeBootstrapClient:
             self._fail(r, f"aux row corrupt: room {echoed} echoed for room {r.room}")
             r.quiesced = True
             return
+        self._land(r)
         r.status = advance(r.status, KVPoll.Success)
 
     def _peer_dead(self, reason: str) -> None:

@@ -24,6 +24,7 @@ from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity, check_compatible, check_token
 from transfer.errors import EngineCallError, MessageError, TransferError
 from transfer.faults import make_injector
+from transfer.heads import HeadCopy
 from transfer.messages import (
     Abort,
     AbortAck,
@@ -48,6 +49,12 @@ class _Conn:
     sock: FramedSocket
     reg: Registration
     last_seen: float
+    heads: HeadCopy | None = None  # the head slice written into this decode rank; None: whole
+
+    @property
+    def lands(self) -> bool:
+        """Pages go whole into the decode's landing entries (``Destination.landing_pages``)."""
+        return bool(self.reg.landing_ptrs) and self.heads is not None
     alive: bool = True
 
 
@@ -171,17 +178,24 @@ class PrefillBootstrapServer:
             if last is not None and r.dest.aux_slot == NO_AUX_SLOT:
                 self._fail(r, "the decode asked for no aux row from this prefill", quiesced=True)
                 return self._finish_locked(r)
-            dst = r.dest.pages[r.cursor : r.cursor + len(src)]
-            reg, aux_slot = r.conn.reg, r.dest.aux_slot
+            lands = r.conn.lands
+            dst = (r.dest.landing_pages if lands else r.dest.pages)[r.cursor : r.cursor + len(src)]
+            reg, aux_slot, heads = r.conn.reg, r.dest.aux_slot, r.conn.heads
             r.cursor += len(src)
             r.inflight += 1
             r.status = advance(r.status, KVPoll.Transferring)
         error: TransferError | None = None
         try:
-            if src:
+            if src and lands:  # whole pages into the landing entries: a plain page copy
+                self.manager.send_kvcache(
+                    reg.session_id, src, reg.landing_ptrs, dst,
+                    dst_layer_ids=reg.kv_layer_ids or None,
+                    dst_bytes_per_page=reg.landing_bytes_per_page,
+                )
+            elif src:
                 self.manager.send_kvcache(
                     reg.session_id, src, reg.kv_ptrs, dst, dst_layer_ids=reg.kv_layer_ids or None,
-                    dst_bytes_per_page=reg.kv_bytes_per_page,
+                    dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=heads,
                 )
             if last is not None:
                 self._send_aux(reg, aux_slot, dataclasses.replace(last, room=room))
@@ -299,7 +313,7 @@ class PrefillBootstrapServer:
             if not isinstance(reg, Registration):
                 raise MessageError(f"expected Registration, got {type(reg).__name__}")
             check_token(self.config.secret, reg)
-            check_compatible(self.identity, self.manager, reg)
+            heads = check_compatible(self.identity, self.manager, reg)
             fs.send(RegisterReply(True, ""))
             sock.settimeout(None)
         except (OSError, TransferError) as exc:
@@ -311,7 +325,7 @@ class PrefillBootstrapServer:
                 pass
             fs.close()
             return
-        conn = _Conn(fs, reg, time.monotonic())
+        conn = _Conn(fs, reg, time.monotonic(), heads)
         with self._lock:
             self._conns.append(conn)
         try:
@@ -362,10 +376,13 @@ class PrefillBootstrapServer:
             return r
         r.conn, r.dest, r.skip = conn, d, d.cached_pages
         bad = [p for p in d.pages if not 0 <= p < conn.reg.num_pages]
+        bad += [p for p in d.landing_pages if not 0 <= p < conn.reg.landing_num_pages]
         slot_ok = 0 <= d.aux_slot < conn.reg.aux_num_rows or d.aux_slot == NO_AUX_SLOT
-        if bad or not slot_ok or d.cached_pages < 0:
+        landing_ok = len(d.landing_pages) == (len(d.pages) if conn.lands else 0)
+        if bad or not slot_ok or d.cached_pages < 0 or not landing_ok:
             self._fail(r, f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot}, "
-                          f"cached pages {d.cached_pages})", quiesced=True)
+                          f"cached pages {d.cached_pages}, {len(d.landing_pages)} landing pages "
+                          f"for {len(d.pages)})", quiesced=True)
         else:
             r.status = advance(r.status, KVPoll.WaitingForInput)
         return r

@@ -34,3 +34,8 @@ class IncompatiblePeerError(TransferError):
 
 class PeerAuthError(TransferError):
     """A bootstrap registration without the cluster's internal shared secret (or a wrong one)."""
+
+
+class HeadLayoutError(TransferError):
+    """The two sides' KV head layouts (TP sizes, head ranges, head geometry) cannot be paired
+    for a head-sliced transfer; raised before any byte moves."""

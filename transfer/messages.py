@@ -18,7 +18,7 @@ import msgpack
 from transfer.errors import MessageError
 from transfer.status import KVPoll
 
-VERSION = 2
+VERSION = 3
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -31,6 +31,14 @@ class Registration:
     ``auth_token`` is the cluster's internal shared secret ("" without one): a prefill that has
     one refuses a registration without it (:func:`transfer.bootstrap.check_token`). It is
     kept out of ``repr`` so that it never reaches a log.
+
+    Tensor parallelism (:mod:`transfer.heads`): ``tp_rank`` is this decode rank and
+    ``kv_head_ranges`` the ``(start, count)`` of the KV heads of every rank of the decode,
+    flattened (``[start_0, count_0, start_1, count_1, ...]``), of ``num_kv_heads`` heads of
+    ``head_dim``; empty ranges (and zeros) mean a decode that holds every head and says nothing
+    about them. ``landing_ptrs`` / ``landing_bytes_per_page``: this decode rank's landing
+    entries for the prefill rank it registers with (parallel to ``kv_layer_ids``, each of
+    ``landing_num_pages`` pages; empty when that prefill rank writes into the pool itself).
     """
 
     session_id: str  # transfer engine address of the decode, "host:rpc_port"
@@ -45,6 +53,13 @@ class Registration:
     dtype: str
     model_fingerprint: str
     auth_token: str = dataclasses.field(default="", repr=False)
+    tp_rank: int = 0
+    kv_head_ranges: list[int] = dataclasses.field(default_factory=list)
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    landing_ptrs: list[int] = dataclasses.field(default_factory=list)
+    landing_bytes_per_page: list[int] = dataclasses.field(default_factory=list)
+    landing_num_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,12 +76,15 @@ class Destination:
 
     ``cached_pages``: the room's first prompt pages that the decode holds already (its prefix
     cache). The prefill sends none of them: ``pages`` are the destinations of the prompt's pages
-    from that index on (delta transfer)."""
+    from that index on (delta transfer). ``landing_pages``: with a landing buffer
+    (:mod:`transfer.heads`), the landing pages the prefill writes instead, one per page of
+    ``pages``; the decode scatters them into ``pages`` on ``Success``."""
 
     room: int
     pages: list[int]
     aux_slot: int
     cached_pages: int = 0
+    landing_pages: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,11 @@ class MooncakeKVManager(KVManager):
         return int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
 
     def close(self) -> None:
-        """Unregister every range this manager registered."""
+        """Stop the staged-send writer thread and unregister every range this manager
+        registered."""
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
         for r in self._ranges:
             self.engine.unregister_memory(r.ptr)
         self._ranges.clear()

@@ -14,11 +14,13 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVPool
+from engine.kv_staging import HeadLandingBuffer, HeadStagingBuffer
 from serving.process_exit import keep_until_exit
 from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
+from transfer.heads import HeadLayout
 from transfer.mooncake import MooncakeKVManager, create_mooncake_engine
 
 HOST = "127.0.0.1"
@@ -42,7 +44,14 @@ class Spec:
 
     @property
     def identity(self) -> ModelIdentity:
-        return ModelIdentity(self.fingerprint, self.page_size, "torch.float32")
+        """The node's identity; ``extra["tp"] = (kv heads, tp size, rank)`` adds its heads."""
+        if "tp" not in self.extra:
+            return ModelIdentity(self.fingerprint, self.page_size, "torch.float32")
+        kv, size, rank = self.extra["tp"]
+        heads = HeadLayout.tensor_parallel(kv, size, head_dim=self.head_dim,
+                                           dtype="torch.float32", page_size=self.page_size)
+        return ModelIdentity(self.fingerprint, self.page_size, "torch.float32", heads=heads,
+                             tp_rank=rank)
 
 
 class Node:
@@ -61,7 +70,14 @@ class Node:
         self.aux = AuxBuffer(spec.aux_rows, HIDDEN)
         self.manager = make_manager(spec)
         infos = [info for pool in self.pools for info in pool.buffer_infos()]
-        self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True))
+        staging_bytes = spec.extra.get("staging_bytes", 0)
+        self.staging = HeadStagingBuffer(self.entries(), staging_bytes) if staging_bytes else None
+        slices = spec.extra.get("landing", ())  # (head_start, count) of each incoming slice
+        self.landing = (HeadLandingBuffer(self.entries(), self.layer_ids(), slices,
+                                          spec.num_pages) if slices else None)
+        self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True),
+                              staging=self.staging,
+                              landing=self.landing.buffer_infos() if self.landing else ())
         # kept (buffers and engine) until the process ends, which skips the engine's one-second
         # destructor: a peer process exits when stopped, the test process after the session
         keep_until_exit(self)
@@ -76,14 +92,46 @@ class Node:
         return [e.numpy().tobytes() for e in self.entries()]
 
     def zero(self) -> None:
-        for e in self.entries():
+        landed = [b for slot in self.landing.land for b in slot] if self.landing else []
+        for e in [*self.entries(), *landed]:
             e.zero_()
 
     def registration(self) -> Any:
         ident = self.spec.identity
         return self.manager.registration(
-            page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint
+            page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint,
+            heads=ident.heads, tp_rank=ident.tp_rank,
         )
+
+
+class Ranks:
+    """A decode of several TP ranks in one process: one :class:`Node` per rank spec."""
+
+    def __init__(self, specs: list[Spec]) -> None:
+        self.nodes = [Node(spec) for spec in specs]
+
+    def registration(self) -> list[Any]:
+        return [node.registration() for node in self.nodes]
+
+    def dump(self, rank: int) -> list[bytes]:
+        return self.nodes[rank].dump()
+
+    def landing(self, rank: int, slot: int) -> tuple[list[int], list[int], list[int]]:
+        """(pointers, layer ids, bytes per page) of rank ``rank``'s landing entries of ``slot``."""
+        landing = self.nodes[rank].landing
+        assert landing is not None
+        infos = landing.buffer_infos(slot)
+        return ([b.ptr for b in infos], [b.layer_id for b in infos],
+                [b.bytes_per_page for b in infos])
+
+    def scatter(self, rank: int, landing_pages: list[int], pages: list[int]) -> None:
+        landing = self.nodes[rank].landing
+        assert landing is not None
+        landing.scatter(landing_pages, pages)
+
+    def zero(self) -> None:
+        for node in self.nodes:
+            node.zero()
 
 
 def make_manager(spec: Spec) -> KVManager:
@@ -121,6 +169,8 @@ def _build(role: str, spec: Spec, arg: Any) -> Any:
     cfg: BootstrapConfig = spec.extra.get("config", BootstrapConfig())
     if role == "node":
         return Node(spec)
+    if role == "ranks":
+        return Ranks(arg)
     if role == "prefill":
         node = Node(spec, fill_seed=1)
         server = PrefillBootstrapServer(node.manager, spec.identity, host=HOST, config=cfg)
@@ -135,7 +185,7 @@ def _build(role: str, spec: Spec, arg: Any) -> Any:
 
 def _child(conn: Any, role: str, spec: Spec, arg: Any) -> None:
     obj = _build(role, spec, arg)
-    ready = obj.registration() if role == "node" else getattr(obj, "address", None)
+    ready = obj.registration() if role in ("node", "ranks") else getattr(obj, "address", None)
     conn.send(ready)
     while True:
         name, args = conn.recv()
