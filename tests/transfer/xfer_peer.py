@@ -15,7 +15,7 @@ import torch
 
 from engine.kv_cache import KVPool
 from engine.kv_staging import HeadLandingBuffer, HeadStagingBuffer
-from serving.process_exit import keep_until_exit
+from serving.process_exit import exit_process, keep_until_exit
 from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer
 from transfer.base import KVManager
@@ -189,7 +189,8 @@ def _child(conn: Any, role: str, spec: Spec, arg: Any) -> None:
     conn.send(ready)
     while True:
         name, args = conn.recv()
-        if name == "stop":
+        if name == "stop":  # leave without the engines' one-second destructors
+            exit_process(0)
             return
         try:
             target = obj
