@@ -17,6 +17,7 @@ exception                       status                  why
 ``ConversionError``             ``INVALID_ARGUMENT``    a message whose content cannot convert
 ``IncompatiblePeerError``       ``FAILED_PRECONDITION`` prefill and decode cannot be paired
 ``LayerPairingError``           ``FAILED_PRECONDITION`` their KV layers cannot be paired
+``HeadLayoutError``             ``FAILED_PRECONDITION`` their TP head layouts cannot be paired
 ``PeerAuthError``               ``UNAUTHENTICATED``     a peer without the internal token
 ``MessageError``                ``UNAVAILABLE``         a peer spoke garbage: use another path
 ``PageListError``               ``UNAVAILABLE``         a transfer refused before a byte moved
@@ -61,6 +62,7 @@ from proto.convert import ConversionError
 from transfer.errors import (
     BackendUnavailableError,
     EngineCallError,
+    HeadLayoutError,
     IncompatiblePeerError,
     LayerPairingError,
     MessageError,
@@ -89,6 +91,7 @@ STATUS_TABLE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (ConversionError, Code.INVALID_ARGUMENT),
     (IncompatiblePeerError, Code.FAILED_PRECONDITION),
     (LayerPairingError, Code.FAILED_PRECONDITION),
+    (HeadLayoutError, Code.FAILED_PRECONDITION),
     (PeerAuthError, Code.UNAUTHENTICATED),
     (MessageError, Code.UNAVAILABLE),
     (PageListError, Code.UNAVAILABLE),

@@ -29,6 +29,7 @@ from serving.status import (
 from transfer.errors import (
     BackendUnavailableError,
     EngineCallError,
+    HeadLayoutError,
     IncompatiblePeerError,
     LayerPairingError,
     MessageError,
@@ -50,6 +51,7 @@ EXPECTED: dict[type[Exception], grpc.StatusCode] = {
     ConversionError: Code.INVALID_ARGUMENT,
     IncompatiblePeerError: Code.FAILED_PRECONDITION,
     LayerPairingError: Code.FAILED_PRECONDITION,
+    HeadLayoutError: Code.FAILED_PRECONDITION,  # the two nodes' TP sizes cannot be paired
     PeerAuthError: Code.UNAUTHENTICATED,
     MessageError: Code.UNAVAILABLE,
     PageListError: Code.UNAVAILABLE,
