@@ -19,8 +19,15 @@ from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from tests.cluster.harness import Node, running
 from tests.cluster.stats import get_stats
-from tests.cluster.test_cluster import start_all, stop_all
-from tests.cluster.test_eagle_cluster import NODE, TREE, check, expected, generate_all, idle
+from tests.cluster.test_eagle_cluster import (
+    NODE,
+    TREE,
+    check,
+    eagle_pairs,
+    expected,
+    generate_all,
+    idle,
+)
 from tests.eagle3_pair import draft_vocab_ids, write_repeating_pair
 
 pytestmark = pytest.mark.slow
@@ -42,20 +49,8 @@ def want(model_dir: Path) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def disaggregated(model_dir: Path) -> Iterator[dict[str, Node]]:
     """One EAGLE-3 prefill; per flavour (chain, tree) a decode node and a router on the pair."""
-    model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
-    nodes: list[Node] = []
-    try:
-        nodes += start_all([["prefill", *model, *NODE, *draft],
-                            *[["decode", *model, *NODE, *draft, "--num-draft-tokens", *flags]
-                              for flags in FLAVOURS.values()]])
-        p, decodes = nodes[0], nodes[1:]
-        nodes += start_all([["router", *model, "--port", "0", "--prefill", p.address,
-                             "--decode", d.address] for d in decodes])
-        routers = nodes[1 + len(FLAVOURS):]
-        yield {"prefill": p, **{f"decode{f}": d for f, d in zip(FLAVOURS, decodes, strict=True)},
-               **{f"router{f}": r for f, r in zip(FLAVOURS, routers, strict=True)}}
-    finally:
-        stop_all(nodes)
+    with eagle_pairs(model_dir, FLAVOURS) as nodes:
+        yield nodes
 
 
 @pytest.mark.parametrize("flavour", list(FLAVOURS))

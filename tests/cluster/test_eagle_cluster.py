@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -115,24 +116,32 @@ TREE = ["--draft-topk", "2", "--draft-steps", "3"]  # an EAGLE-2 tree of 4 nodes
 KS = {"1": ["1"], "3": ["3"], "5": ["5"], "tree": ["4", *TREE]}  # --num-draft-tokens ...
 
 
-@pytest.fixture(scope="module")
-def disaggregated(model_dir: Path) -> Iterator[dict[str, Node]]:
-    """One EAGLE prefill, and per draft length k (or tree) a decode node and a router on the
-    pair (all started at once: the prefill's draft work does not depend on k)."""
+@contextmanager
+def eagle_pairs(model_dir: Path, flavours: dict[str, list[str]]) -> Iterator[dict[str, Node]]:
+    """One EAGLE prefill with ``model_dir/draft``, and per flavour (its ``--num-draft-tokens``
+    flags) a decode node and a router on the pair, all started at once (the prefill's draft
+    work does not depend on the flavour): ``prefill``, ``decode<f>``, ``router<f>``."""
     model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
     nodes: list[Node] = []
     try:
         nodes += start_all([["prefill", *model, *NODE, *draft],
                             *[["decode", *model, *NODE, *draft, "--num-draft-tokens", *flags]
-                              for flags in KS.values()]])
+                              for flags in flavours.values()]])
         p, decodes = nodes[0], nodes[1:]
         nodes += start_all([["router", *model, "--port", "0", "--prefill", p.address,
                              "--decode", d.address] for d in decodes])
-        routers = nodes[1 + len(KS):]
-        yield {"prefill": p, **{f"decode{k}": d for k, d in zip(KS, decodes, strict=True)},
-               **{f"router{k}": r for k, r in zip(KS, routers, strict=True)}}
+        routers = nodes[1 + len(flavours):]
+        yield {"prefill": p, **{f"decode{f}": d for f, d in zip(flavours, decodes, strict=True)},
+               **{f"router{f}": r for f, r in zip(flavours, routers, strict=True)}}
     finally:
         stop_all(nodes)
+
+
+@pytest.fixture(scope="module")
+def disaggregated(model_dir: Path) -> Iterator[dict[str, Node]]:
+    """Per draft length k (or tree) a decode node and a router on one EAGLE prefill."""
+    with eagle_pairs(model_dir, KS) as nodes:
+        yield nodes
 
 
 @pytest.mark.parametrize("k", list(KS))
