@@ -5,14 +5,12 @@ hand-made numbers."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from test_eagle import GREEDY, PROMPTS, image_prompt
 
-from decode_node.spec.accept import accept_sampled
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.attention import AttentionBatch, TorchPagedAttention
@@ -27,6 +25,7 @@ from engine.tiny_model import (
     write_tiny_eagle3_draft,
     write_tiny_model,
 )
+from tests.decode_node.test_eagle import first_token_chi2
 from tests.eagle3_pair import draft_vocab_ids, write_repeating_pair
 
 SHAPES = [(3, 1, 3), (4, 2, 3), (6, 3, 2)]  # (num_draft_tokens, topk, steps); the first a chain
@@ -158,13 +157,4 @@ def test_sampling_from_a_draft_vocabulary_keeps_the_target_distribution() -> Non
     logits[:, [0, 2, 4]] = torch.randn(2, 3, generator=gen)
     q = torch.softmax(logits, dim=-1)
     assert q[:, [1, 3]].eq(0).all()
-    trials = 20000
-    first: Counter[int] = Counter()
-    for _ in range(trials):
-        d1 = int(torch.multinomial(q[0], 1, generator=gen))
-        d2 = int(torch.multinomial(q[1], 1, generator=gen))
-        first[accept_sampled([d1, d2], p, q, gen)[0]] += 1
-    observed = torch.tensor([first[t] for t in range(vocab)], dtype=torch.float64)
-    expected = p[0].double() * trials
-    chi2 = float(((observed - expected) ** 2 / expected).sum())
-    assert chi2 < 20.5, (chi2, observed, expected)  # p = 0.0004 at 4 degrees of freedom
+    assert first_token_chi2(p, q, gen) < 20.5  # p = 0.0004 at 4 degrees of freedom
