@@ -23,6 +23,7 @@ from tests.cluster.test_eagle_cluster import (
     NODE,
     TREE,
     check,
+    colocated_twice,
     eagle_pairs,
     expected,
     generate_all,
@@ -69,16 +70,7 @@ def test_disaggregated_eagle3_equals_plain_decoding(disaggregated: dict[str, Nod
 @pytest.mark.parametrize("tree", [[], TREE], ids=["chain", "tree"])
 def test_colocated_eagle3_equals_plain_decoding(model_dir: Path, want: list[list[int]],
                                                 tree: list[str]) -> None:
-    model = ["--model", str(model_dir)]
-    worker = ["decode", *model, *NODE, "--draft", str(model_dir / "draft"),
-              "--num-draft-tokens", "4", *tree]
-    with running(worker) as [d], running(["router", *model, "--port", "0",
-                                          "--colocated", d.address]) as [r]:
-        check(generate_all(r), want)
-        check(generate_all(r), want)  # again: the prompts' pages come from the cache
-        idle([(d, worker_pb2_grpc.DecodeWorkerStub)])
-        stats = get_stats(d.address)
-        assert stats.drafted_tokens > 0 and stats.spec_rounds > 0
+    colocated_twice(model_dir, want, ["4", *tree])
 
 
 @pytest.mark.parametrize("flavour", list(FLAVOURS))

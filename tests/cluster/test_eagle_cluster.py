@@ -22,8 +22,8 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from engine.tiny_model import tiny_config_dict, write_tiny_draft, write_tiny_model
 from proto.convert import patches_message
+from proto.pdserve.v1 import admin_pb2, generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
-from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from tests.cluster.harness import Node, free_port, running
 from tests.cluster.stats import get_stats
@@ -219,21 +219,30 @@ def test_two_stage_prefill_with_the_draft_on_its_last_stage_equals_plain_decodin
           (decode, worker_pb2_grpc.DecodeWorkerStub)])
 
 
-@pytest.mark.parametrize("tree", [[], TREE], ids=["chain", "tree"])
-def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]],
-                                               tree: list[str]) -> None:
+def colocated_twice(model_dir: Path, want: list[list[int]], flags: list[str]
+                    ) -> admin_pb2.Stats:
+    """A colocated EAGLE worker (``model_dir/draft``, ``flags`` after ``--num-draft-tokens``)
+    behind a router serves every prompt twice (the second time from its cache), equal to
+    ``want`` both times, and ends idle; returns its stats."""
     model = ["--model", str(model_dir)]
     worker = ["decode", *model, *NODE, "--draft", str(model_dir / "draft"),
-              "--num-draft-tokens", "5", *tree]
+              "--num-draft-tokens", *flags]
     with running(worker) as [d], running(["router", *model, "--port", "0",
                                           "--colocated", d.address]) as [r]:
         check(generate_all(r), want)
         check(generate_all(r), want)  # again: the prompts' pages come from the cache
         idle([(d, worker_pb2_grpc.DecodeWorkerStub)])
         stats = get_stats(d.address)
-        assert stats.prefix_cache_hit_tokens == 8 * (6 + 1 + 5)
-        assert stats.drafted_tokens > 0 and stats.spec_rounds > 0
-        assert stats.accepted_tokens <= stats.drafted_tokens
-        assert 1.0 <= stats.acceptance_length <= 6.0
+    assert stats.drafted_tokens > 0 and stats.spec_rounds > 0
+    assert stats.accepted_tokens <= stats.drafted_tokens
+    return stats
+
+
+@pytest.mark.parametrize("tree", [[], TREE], ids=["chain", "tree"])
+def test_colocated_eagle_equals_plain_decoding(model_dir: Path, want: list[list[int]],
+                                               tree: list[str]) -> None:
+    stats = colocated_twice(model_dir, want, ["5", *tree])
+    assert stats.prefix_cache_hit_tokens == 8 * (6 + 1 + 5)
+    assert 1.0 <= stats.acceptance_length <= 6.0
 
 
