@@ -41,6 +41,7 @@ from engine.sampling import Sampler, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
 from engine.tp_driver import TPDriver
+from engine.tp_rank import RankAttach
 from engine.tp_shard import TextShard
 from engine.visual_digest import visual_keys
 
@@ -107,10 +108,14 @@ class LLMEngine:
     With ``config.tp_size`` ``N > 1`` this engine is rank 0 of ``N`` tensor-parallel processes
     (:mod:`engine.tp_driver`): it starts the others, holds its share of the decoder and of every
     KV page (:attr:`pool` has this rank's key/value heads), schedules and samples; decode steps
-    run eagerly (no CUDA graphs). :meth:`close` ends the other processes.
+    run eagerly (no CUDA graphs). :meth:`close` ends the other processes. ``rank_attach`` runs in
+    each other rank's process once its pool exists (:data:`engine.tp_rank.RankAttach`: a node
+    registers that rank's KV with its own transfer engine there); what each returned is
+    :attr:`rank_payloads`.
     """
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
+                 rank_attach: RankAttach | None = None) -> None:
         config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = dtype = resolve_dtype(config.dtype, self.device)
@@ -125,7 +130,7 @@ class LLMEngine:
         )
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.image_config = ImageProcessorConfig.from_dir(model_dir)
-        self.model_config, self.model = self._load(model_dir, config, num_pages)
+        self.model_config, self.model = self._load(model_dir, config, num_pages, rank_attach)
         # one page more than the allocator hands out: a scratch page that padded rows of a
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)
         self.scratch_page = num_pages
@@ -156,14 +161,14 @@ class LLMEngine:
         self.sampler = Sampler()
         self._next_id = 0
 
-    def _load(self, model_dir: str | Path, config: EngineConfig, num_pages: int
-              ) -> tuple[ModelConfig, Qwen2VLModel]:
+    def _load(self, model_dir: str | Path, config: EngineConfig, num_pages: int,
+              attach: RankAttach | None) -> tuple[ModelConfig, Qwen2VLModel]:
         """The model; with ``config.tp_size`` ranks, rank 0's share, once the other ranks'
         processes (:attr:`tp`, None with one rank) have loaded theirs (they are daemons: they
         end with this process however ``__init__`` ends)."""
         self.tp: TPDriver | None = None
         if config.tp_size > 1:
-            self.tp = TPDriver(model_dir, config, num_pages)
+            self.tp = TPDriver(model_dir, config, num_pages, attach)
         try:
             loaded = load_model(model_dir, self.dtype, self.device, config.layers,
                                 self.tp.group if self.tp else SINGLE)
@@ -173,6 +178,11 @@ class LLMEngine:
             self.close()
             raise
         return loaded
+
+    @property
+    def rank_payloads(self) -> list[bytes]:
+        """What ``rank_attach`` returned in ranks ``1..`` (empty with one rank)."""
+        return list(self.tp.payloads) if self.tp is not None else []
 
     def close(self) -> None:
         """End the other tensor-parallel ranks' processes (nothing to do with one rank); the

@@ -28,7 +28,7 @@ from engine.device import resolve_device
 from engine.errors import TensorParallelError
 from engine.parallel import DistGroup, rank_device, serve_store
 from engine.tp_messages import Command, RankReport, StepHeader, pack_step, step_header
-from engine.tp_rank import RankSpec, rank_main
+from engine.tp_rank import RankAttach, RankSpec, rank_main
 
 READY_TIMEOUT_S = 600.0  # a rank's model load
 REPORT_WAIT_S = 2.0  # after a failed step: how long to wait for a rank to say why
@@ -39,9 +39,12 @@ class TPDriver:
     """The other ranks of rank 0's group, driven from rank 0.
 
     Build it before rank 0 loads its model (the ranks load theirs meanwhile), build rank 0's
-    model with :attr:`group`, then :meth:`connect`."""
+    model with :attr:`group`, then :meth:`connect`. ``attach``: run in every other rank's
+    process once its pool exists (:data:`engine.tp_rank.RankAttach`); what each returned is in
+    :attr:`payloads` after :meth:`connect`."""
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig, num_pages: int) -> None:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, num_pages: int,
+                 attach: RankAttach | None = None) -> None:
         size = config.tp_size
         device = resolve_device(config.device)
         for rank in range(1, size):  # DeviceError now rather than a rank failing to start
@@ -50,10 +53,11 @@ class TPDriver:
         self._store = serve_store(size)
         self.failed = False
         self._closed = False
+        self.payloads: list[bytes] = []  # ranks 1.. in order, once connected
         ctx = mp.get_context("spawn")
         threads = max(1, torch.get_num_threads() // size)
         spec = RankSpec(str(model_dir), replace(config, num_pages=num_pages), 0,
-                        self._store.port, threads)
+                        self._store.port, threads, attach)
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         for rank in range(1, size):
@@ -69,10 +73,12 @@ class TPDriver:
         """Wait until every rank has loaded its share, then join the group."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         for rank, (proc, conn) in enumerate(zip(self._procs, self._conns, strict=True), 1):
-            error = _ready_report(proc, conn, deadline)
-            if error:
+            report = _ready_report(proc, conn, deadline)
+            if report.error:
                 self.failed = True
-                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {error}")
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} failed to start: {report.error}")
+            self.payloads.append(report.payload)
         self.group.join(self._store, device)
 
     @contextmanager
@@ -114,19 +120,19 @@ class TPDriver:
         self.group.close()
 
 
-def _ready_report(proc: BaseProcess, conn: Connection, deadline: float) -> str:
-    """What a starting rank says: empty when it is ready, else why it is not (its own report,
-    its exit, or the deadline passing)."""
+def _ready_report(proc: BaseProcess, conn: Connection, deadline: float) -> RankReport:
+    """What a starting rank says: its report (an empty error when it is ready), or one naming
+    its exit or the deadline passing."""
     while not conn.poll(0.05):
         if not proc.is_alive():
             break
         if time.monotonic() > deadline:
-            return f"not ready after {READY_TIMEOUT_S:.0f} s"
+            return RankReport(0, f"not ready after {READY_TIMEOUT_S:.0f} s")
     try:
-        return RankReport.decode(conn.recv_bytes()).error
+        return RankReport.decode(conn.recv_bytes())
     except (EOFError, OSError):
         proc.join(1.0)
-        return f"its process exited (exit code {proc.exitcode}) without a report"
+        return RankReport(0, f"its process exited (exit code {proc.exitcode}) without a report")
 
 
 def step_failure(procs: list[BaseProcess], conns: list[Connection], exc: Exception,

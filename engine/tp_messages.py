@@ -61,18 +61,23 @@ class StepHeader:
 
 @dataclass(frozen=True)
 class RankReport:
-    """One message from a non-zero rank: ready (``error`` empty) or failed, and why."""
+    """One message from a non-zero rank: ready (``error`` empty) or failed, and why.
+
+    ``payload``: with the ready report, what the rank's attach hook returned
+    (:attr:`engine.tp_rank.RankSpec.attach`; empty without one), opaque to the engine."""
 
     rank: int
     error: str = ""
+    payload: bytes = b""
 
     def encode(self) -> bytes:
-        return struct.pack("<q", self.rank) + self.error.encode()
+        error = self.error.encode()
+        return struct.pack("<qq", self.rank, len(error)) + error + self.payload
 
     @classmethod
     def decode(cls, data: bytes) -> RankReport:
-        (rank,) = struct.unpack("<q", data[:8])
-        return cls(rank, data[8:].decode(errors="replace"))
+        rank, n = struct.unpack("<qq", data[:16])
+        return cls(rank, data[16 : 16 + n].decode(errors="replace"), data[16 + n :])
 
 
 def step_header(embeds: torch.Tensor, batch: AttentionBatch) -> StepHeader:

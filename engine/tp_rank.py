@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -31,17 +32,24 @@ from engine.parallel import DistGroup, join_store, rank_device
 from engine.tp_messages import Command, RankReport, StepHeader, unpack_step
 from engine.tp_shard import TextShard
 
+RankAttach = Callable[[KVPool, int], bytes]
+"""A node's hook run in a rank's process once its pool is built, given the pool and the rank:
+what it returns reaches rank 0 with the ready report (:attr:`engine.tp_driver.TPDriver.payloads`)
+and what it builds (a transfer engine with the pool registered) lives as long as the process.
+It crosses into a spawned process, so it must pickle (a module-level function or class)."""
+
 
 @dataclass(frozen=True)
 class RankSpec:
     """What a rank's process is started with; ``config`` is rank 0's, with its device and dtype
-    resolved and its page count fixed."""
+    resolved and its page count fixed; ``attach``: the node's hook (:data:`RankAttach`)."""
 
     model_dir: str
     config: EngineConfig
     rank: int
     store_port: int
     num_threads: int  # torch threads of this process
+    attach: RankAttach | None = None
 
     @property
     def num_pages(self) -> int:
@@ -56,10 +64,11 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     group = DistGroup(spec.rank, spec.config.tp_size)
     try:
         device = rank_device(resolve_device(spec.config.device), spec.rank)
-        model, attn = _build(spec, group, device)
-        conn.send_bytes(RankReport(spec.rank).encode())
+        model, pool = _build(spec, group, device)
+        payload = spec.attach(pool, spec.rank) if spec.attach is not None else b""
+        conn.send_bytes(RankReport(spec.rank, payload=payload).encode())
         group.join(join_store(spec.store_port, group.size), device)
-        _serve(conn, model, attn, device)
+        _serve(conn, model, make_attention(pool), device)
     except EOFError:  # rank 0 is gone
         pass
     except BaseException as exc:
@@ -74,9 +83,9 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
 
 
 def _build(spec: RankSpec, group: DistGroup, device: torch.device
-           ) -> tuple[Qwen2VLModel, AttentionBackend]:
-    """This rank's model share, and attention over its KV pool (rank 0's page count, this
-    rank's key/value heads)."""
+           ) -> tuple[Qwen2VLModel, KVPool]:
+    """This rank's model share, and its KV pool (rank 0's page count, this rank's key/value
+    heads)."""
     config = spec.config
     if device.type != "cpu":  # NCCL and HCCL take the rank's device from the current one
         getattr(torch, device.type).set_device(device)
@@ -86,7 +95,7 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
     shard = TextShard.of(text, group.rank, group.size)
     pool = KVPool(spec.num_pages + 1, config.page_size, shard.num_kv_heads, text.head_dim,
                   list(range(text.num_hidden_layers)), dtype, device)
-    return model, make_attention(pool)
+    return model, pool
 
 
 @torch.inference_mode()

@@ -72,9 +72,17 @@ def test_with_every_rank_alive_and_silent_rank_0s_error_is_named(start) -> None:
 
 def test_a_starting_rank_is_ready_or_says_why_not(start) -> None:  # noqa: ANN001
     deadline = time.monotonic() + 10
-    assert _ready_report(*start("", linger_s=30), deadline) == ""
-    assert _ready_report(*start("CheckpointError: corrupt"), deadline) == \
+    assert _ready_report(*start("", linger_s=30), deadline).error == ""
+    assert _ready_report(*start("CheckpointError: corrupt"), deadline).error == \
         "CheckpointError: corrupt"
-    assert _ready_report(*start(code=3), deadline) == \
+    assert _ready_report(*start(code=3), deadline).error == \
         "its process exited (exit code 3) without a report"
-    assert _ready_report(*start(linger_s=30), time.monotonic() + 0.2).startswith("not ready")
+    assert _ready_report(*start(linger_s=30), time.monotonic() + 0.2).error.startswith(
+        "not ready")
+
+
+def test_a_ready_report_carries_the_attach_hooks_payload() -> None:
+    report = RankReport(2, payload=b"\x00registration\xff")
+    assert RankReport.decode(report.encode()) == report
+    failed = RankReport(1, "boom: \u00e9", b"tail")
+    assert RankReport.decode(failed.encode()) == failed
