@@ -16,10 +16,17 @@ of this rank's heads, so it writes whole pages into the landing entries of ``slo
 owns that slot's landing pages: it takes one per destination page in ``send_destination``,
 scatters them into the room's pages when ``Success`` arrives (no write is in flight then) and
 frees them at once; a failed room's landing pages are freed with its pages.
+
+Tensor-parallel decode (``rank``): every rank's KV lives in its own process and its own transfer
+engine, but rank 0 runs every handshake. It registers each other rank with a client of its own,
+given that rank's :class:`~transfer.messages.Registration` (which the rank's process built): the
+prefill writes into that rank's engine directly, and such a client sends only destinations
+without the aux row (``aux=False``), which rank 0's client of the same prefill holds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -40,6 +47,7 @@ from transfer.messages import (
     HeartbeatAck,
     Message,
     RegisterReply,
+    Registration,
     Status,
 )
 from transfer.staging import HeadLanding
@@ -77,11 +85,13 @@ class DecodeBootstrapClient:
         *,
         config: BootstrapConfig | None = None,
         landing: tuple[HeadLanding, int] | None = None,
+        rank: Registration | None = None,
     ) -> None:
         """Connect and register; raises :class:`IncompatiblePeerError` if refused.
 
         ``landing``: the landing buffer and the slot this prefill's slice lands in (see the
-        module docstring); None when the prefill writes into the pool pages."""
+        module docstring); None when the prefill writes into the pool pages. ``rank``: another
+        TP rank's registration, sent instead of ``manager``'s (see the module docstring)."""
         self.manager = manager
         self.config = config or BootstrapConfig()
         if manager.faults is None:  # one injector per manager, shared by its clients
@@ -102,12 +112,19 @@ class DecodeBootstrapClient:
         sock = socket.create_connection(prefill_address, timeout=self.config.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = FramedSocket(sock)
-        reg = manager.registration(
-            page_size=identity.page_size, dtype=identity.dtype,
-            model_fingerprint=identity.model_fingerprint, auth_token=self.config.secret or "",
-            heads=identity.heads, tp_rank=identity.tp_rank,
-            landing=landing[0].buffer_infos(landing[1]) if landing is not None else (),
-        )
+        if rank is not None and landing is not None:
+            raise TransferError("a landing buffer is rank 0's; another rank's client has none")
+        self._remote_rank = rank is not None
+        reg = dataclasses.replace(rank, auth_token=self.config.secret or "") if rank else \
+            manager.registration(
+                page_size=identity.page_size, dtype=identity.dtype,
+                model_fingerprint=identity.model_fingerprint,
+                auth_token=self.config.secret or "", heads=identity.heads,
+                tp_rank=identity.tp_rank,
+                landing=landing[0].buffer_infos(landing[1]) if landing is not None else (),
+            )
+        self._num_pages = reg.num_pages
+        self.tp_rank = reg.tp_rank
         try:
             self._sock.send(reg)
             reply = self._sock.recv()
@@ -169,8 +186,11 @@ class DecodeBootstrapClient:
         finished with :meth:`commit_without_aux`.
         """
         page_list = [int(p) for p in pages]
-        if not all(0 <= p < self.manager.num_pages for p in page_list):
-            raise PageListError(f"destination pages outside 0..{self.manager.num_pages - 1}")
+        if not all(0 <= p < self._num_pages for p in page_list):
+            raise PageListError(f"destination pages outside 0..{self._num_pages - 1}")
+        if aux and self._remote_rank:
+            raise TransferError(f"decode rank {self.tp_rank}'s client sends no aux slot: "
+                                "rank 0's client of the same prefill holds it")
         with self._lock:
             r = self._room(room)
             if r.pages is not None or r.status is not KVPoll.Bootstrapping:

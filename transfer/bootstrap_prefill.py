@@ -5,9 +5,16 @@ bootstrap timeout and the heartbeat deadline. The prefill scheduler calls :meth:
 :meth:`poll` (the gate: compute only once it says ``WaitingForInput``), :meth:`send_chunk`,
 :meth:`abort` and, once a room is terminal, :meth:`release`.
 
-Invariants: the final word on a room (``Status``, ``Abort`` or ``AbortAck``) is sent exactly
-once and only when no write into the room is in flight; a room that failed cannot start another
-write; a room the scheduler never claimed is dropped by the sweeper once it fails.
+A decode with tensor-parallel ranks registers once per rank (one connection each, its
+``Registration.tp_rank``) and sends each room's destination over every one of them: the same
+pages, the aux slot on rank 0's only. A room here has one *target* per decode rank and is
+``WaitingForInput`` once every rank's destination arrived; each chunk goes into every target
+(the head slice this prefill writes into that rank, :func:`transfer.bootstrap.check_heads`), the
+aux row into the target holding the slot.
+
+Invariants: the final word on a room (``Status``, ``Abort`` or ``AbortAck``) is sent to each
+target exactly once and only when no write into the room is in flight; a room that failed cannot
+start another write; a room the scheduler never claimed is dropped by the sweeper once it fails.
 """
 
 from __future__ import annotations
@@ -44,18 +51,35 @@ NO_AUX_SLOT = -1  # Destination.aux_slot of a room this prefill finishes without
 
 @dataclass(eq=False)
 class _Conn:
-    """One registered decode connection."""
+    """One registered decode connection (one rank of the decode)."""
 
     sock: FramedSocket
     reg: Registration
     last_seen: float
     heads: HeadCopy | None = None  # the head slice written into this decode rank; None: whole
+    alive: bool = True
 
     @property
     def lands(self) -> bool:
         """Pages go whole into the decode's landing entries (``Destination.landing_pages``)."""
         return bool(self.reg.landing_ptrs) and self.heads is not None
-    alive: bool = True
+
+    @property
+    def decode_tp(self) -> int:
+        """The TP size of the decode this rank belongs to (1 when it describes no heads)."""
+        return max(1, len(self.reg.kv_head_ranges) // 2)
+
+
+@dataclass(eq=False)
+class _Target:
+    """One decode rank's part of a room: its connection, its destination (None when it aborted
+    before sending one) and its final word."""
+
+    conn: _Conn
+    dest: Destination | None = None
+    peer_aborted: bool = False  # that rank sent Abort: answer AbortAck
+    final_sent: bool = False
+    outbox: list[Message] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -67,16 +91,20 @@ class _Room:
     claimed: bool  # the scheduler called add_room (and will call release)
     status: KVPoll = KVPoll.Bootstrapping
     reason: str = ""
-    conn: _Conn | None = None
-    dest: Destination | None = None
+    targets: dict[int, _Target] = field(default_factory=dict)  # by decode TP rank
     cursor: int = 0  # destination pages already written
     skip: int = 0  # source pages still to drop: the decode holds them (Destination.cached_pages)
     inflight: int = 0  # send_chunk calls in progress
     quiesced: bool = True  # no failed engine call may still land bytes
-    peer_aborted: bool = False  # the decode sent Abort: answer AbortAck
     aborted_here: bool = False  # the scheduler called abort(): tell the decode Abort
-    final_sent: bool = False
-    outbox: list[Message] = field(default_factory=list)
+
+    def ready(self) -> list[_Target]:
+        """The targets that have a destination, once every rank of the decode sent one (else
+        empty)."""
+        dests = [t for t in self.targets.values() if t.dest is not None]
+        if not dests or len(dests) < dests[0].conn.decode_tp:
+            return []
+        return dests
 
 
 class PrefillBootstrapServer:
@@ -162,43 +190,38 @@ class PrefillBootstrapServer:
             r = self._room(room)
             if r.status is KVPoll.Failed:
                 return r.status
-            if r.dest is None or r.conn is None:
+            targets = r.ready()
+            if not targets:
                 raise TransferError(f"room {room} has no destination yet: poll() gates compute")
             drop = min(r.skip, len(src))
             r.skip -= drop
             self.pages_not_sent += drop
-            self.bytes_not_sent += drop * sum(r.conn.reg.kv_bytes_per_page)
+            self.bytes_not_sent += drop * sum(sum(t.conn.reg.kv_bytes_per_page) for t in targets)
             src = src[drop:]
             if not src and last is None and not finish:
                 return r.status
-            if r.cursor + len(src) > len(r.dest.pages):
+            dest = _dest(targets[0])
+            if r.cursor + len(src) > len(dest.pages):
                 self._fail(r, f"{r.cursor + len(src)} pages sent, destination has "
-                              f"{len(r.dest.pages)}", quiesced=True)
+                              f"{len(dest.pages)}", quiesced=True)
                 return self._finish_locked(r)
-            if last is not None and r.dest.aux_slot == NO_AUX_SLOT:
+            aux_to = [t for t in targets if _dest(t).aux_slot != NO_AUX_SLOT]
+            if last is not None and not aux_to:
                 self._fail(r, "the decode asked for no aux row from this prefill", quiesced=True)
                 return self._finish_locked(r)
-            lands = r.conn.lands
-            dst = (r.dest.landing_pages if lands else r.dest.pages)[r.cursor : r.cursor + len(src)]
-            reg, aux_slot, heads = r.conn.reg, r.dest.aux_slot, r.conn.heads
+            writes = [(t.conn, _dest(t), r.cursor) for t in targets]
             r.cursor += len(src)
             r.inflight += 1
             r.status = advance(r.status, KVPoll.Transferring)
         error: TransferError | None = None
         try:
-            if src and lands:  # whole pages into the landing entries: a plain page copy
-                self.manager.send_kvcache(
-                    reg.session_id, src, reg.landing_ptrs, dst,
-                    dst_layer_ids=reg.kv_layer_ids or None,
-                    dst_bytes_per_page=reg.landing_bytes_per_page,
-                )
-            elif src:
-                self.manager.send_kvcache(
-                    reg.session_id, src, reg.kv_ptrs, dst, dst_layer_ids=reg.kv_layer_ids or None,
-                    dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=heads,
-                )
+            if src:
+                for conn, d, cursor in writes:
+                    self._send_pages(conn, src, d, cursor)
             if last is not None:
-                self._send_aux(reg, aux_slot, dataclasses.replace(last, room=room))
+                aux = _dest(aux_to[0])
+                self._send_aux(aux_to[0].conn.reg, aux.aux_slot,
+                               dataclasses.replace(last, room=room))
         except TransferError as exc:
             error = exc
         with self._lock:
@@ -208,6 +231,24 @@ class PrefillBootstrapServer:
             elif last is not None or finish:
                 r.status = advance(r.status, KVPoll.Success)
             return self._finish_locked(r)
+
+    def _send_pages(self, conn: _Conn, src: list[int], dest: Destination, cursor: int) -> None:
+        """Write ``src`` into one decode rank: its destination pages from ``cursor`` on, or
+        its landing pages (whole pages of this rank's heads, a plain page copy)."""
+        reg = conn.reg
+        if conn.lands:
+            self.manager.send_kvcache(
+                reg.session_id, src, reg.landing_ptrs,
+                dest.landing_pages[cursor : cursor + len(src)],
+                dst_layer_ids=reg.kv_layer_ids or None,
+                dst_bytes_per_page=reg.landing_bytes_per_page,
+            )
+        else:
+            self.manager.send_kvcache(
+                reg.session_id, src, reg.kv_ptrs, dest.pages[cursor : cursor + len(src)],
+                dst_layer_ids=reg.kv_layer_ids or None,
+                dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=conn.heads,
+            )
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
         """Fail ``room``; the decode hears ``Abort`` once no write into it is in flight."""
@@ -253,19 +294,22 @@ class PrefillBootstrapServer:
         r.quiesced = r.quiesced and quiesced
 
     def _finish_locked(self, r: _Room) -> KVPoll:
-        """Queue the room's final word once it is terminal and quiet; flush its outbox."""
-        if r.status.is_terminal and r.inflight == 0 and not r.final_sent and r.conn is not None:
-            r.final_sent = True
-            if r.peer_aborted:
-                r.outbox.append(AbortAck(r.room))
-            elif r.aborted_here:
-                r.outbox.append(Abort(r.room, r.reason))
-            else:
-                r.outbox.append(Status(r.room, int(r.status), r.reason, r.quiesced))
-        if r.outbox and r.conn is not None:
-            conn, msgs = r.conn, list(r.outbox)
-            r.outbox.clear()
-            threading.Thread(target=self._send_all, args=(conn, msgs), daemon=True).start()
+        """Queue the room's final word to each target once it is terminal and quiet; flush
+        the targets' outboxes."""
+        quiet = r.status.is_terminal and r.inflight == 0
+        for t in r.targets.values():
+            if quiet and not t.final_sent:
+                t.final_sent = True
+                if t.peer_aborted:
+                    t.outbox.append(AbortAck(r.room))
+                elif r.aborted_here:
+                    t.outbox.append(Abort(r.room, r.reason))
+                else:
+                    t.outbox.append(Status(r.room, int(r.status), r.reason, r.quiesced))
+            if t.outbox and t.conn.alive:
+                msgs = list(t.outbox)
+                t.outbox.clear()
+                threading.Thread(target=self._send_all, args=(t.conn, msgs), daemon=True).start()
         if not r.claimed and r.status is KVPoll.Failed and r.inflight == 0:
             self._rooms.pop(r.room, None)
         return r.status
@@ -352,13 +396,16 @@ class PrefillBootstrapServer:
 
     def _on_abort(self, conn: _Conn, a: Abort) -> _Room | None:
         r = self._rooms.get(a.room)
-        if r is None or r.conn not in (conn, None) or r.final_sent:
+        t = r.targets.get(conn.reg.tp_rank) if r is not None else None
+        if r is None or (t is not None and (t.conn is not conn or t.final_sent)):
             # Nothing of this connection's can still be written into that room: ack at once.
             threading.Thread(
                 target=self._send_all, args=(conn, [AbortAck(a.room)]), daemon=True
             ).start()
             return None
-        r.conn, r.peer_aborted = conn, True
+        if t is None:  # that rank aborts before its destination came
+            t = r.targets[conn.reg.tp_rank] = _Target(conn)
+        t.peer_aborted = True
         self._fail(r, f"aborted by decode: {a.reason}", quiesced=True)
         return r
 
@@ -366,24 +413,26 @@ class PrefillBootstrapServer:
         r = self._rooms.get(d.room)
         if r is None:
             r = self._rooms[d.room] = _Room(d.room, time.monotonic(), claimed=False)
-        if r.dest is not None:
-            # A second destination for a live room: refuse it without touching the first.
+        t = r.targets.get(conn.reg.tp_rank)
+        if t is not None and (t.dest is not None or t.conn is not conn):
+            # A second destination from one rank: refuse it without touching the first.
             threading.Thread(
                 target=self._send_all,
                 args=(conn, [Abort(d.room, "aborted: duplicate destination for this room")]),
                 daemon=True,
             ).start()
             return r
-        r.conn, r.dest, r.skip = conn, d, d.cached_pages
-        bad = [p for p in d.pages if not 0 <= p < conn.reg.num_pages]
-        bad += [p for p in d.landing_pages if not 0 <= p < conn.reg.landing_num_pages]
-        slot_ok = 0 <= d.aux_slot < conn.reg.aux_num_rows or d.aux_slot == NO_AUX_SLOT
-        landing_ok = len(d.landing_pages) == (len(d.pages) if conn.lands else 0)
-        if bad or not slot_ok or d.cached_pages < 0 or not landing_ok:
-            self._fail(r, f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot}, "
-                          f"cached pages {d.cached_pages}, {len(d.landing_pages)} landing pages "
-                          f"for {len(d.pages)})", quiesced=True)
-        else:
+        if t is None:
+            t = r.targets[conn.reg.tp_rank] = _Target(conn)
+        t.dest = d
+        problem = _destination_problem(conn, d)
+        others = [o for o in r.targets.values() if o is not t and o.dest is not None]
+        if not problem and others:
+            problem = _mismatch(others[0], t)
+        if problem:
+            self._fail(r, problem, quiesced=True)
+        elif r.ready() and r.status is KVPoll.Bootstrapping:
+            r.skip = d.cached_pages
             r.status = advance(r.status, KVPoll.WaitingForInput)
         return r
 
@@ -396,8 +445,11 @@ class PrefillBootstrapServer:
             if conn in self._conns:
                 self._conns.remove(conn)
             for r in list(self._rooms.values()):
-                if r.conn is conn:
-                    r.conn = None
+                mine = [t for t in r.targets.values() if t.conn is conn]
+                for t in mine:
+                    t.final_sent = True  # nothing more goes to a dead connection
+                    t.outbox.clear()
+                if mine:
                     if not r.status.is_terminal:
                         self._fail(r, reason, quiesced=True)
                     self._finish_locked(r)
@@ -429,3 +481,37 @@ class PrefillBootstrapServer:
                     self._finish_locked(r)
             for c in silent:
                 self._drop_conn(c, "decode heartbeat timeout")
+
+
+def _dest(t: _Target) -> Destination:
+    assert t.dest is not None, "a ready target has a destination"
+    return t.dest
+
+
+def _destination_problem(conn: _Conn, d: Destination) -> str:
+    """Why ``d`` does not fit the decode rank that sent it ("" when it does)."""
+    reg = conn.reg
+    bad = [p for p in d.pages if not 0 <= p < reg.num_pages]
+    bad += [p for p in d.landing_pages if not 0 <= p < reg.landing_num_pages]
+    slot_ok = 0 <= d.aux_slot < reg.aux_num_rows or d.aux_slot == NO_AUX_SLOT
+    landing_ok = len(d.landing_pages) == (len(d.pages) if conn.lands else 0)
+    if bad or not slot_ok or d.cached_pages < 0 or not landing_ok:
+        return (f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot}, cached "
+                f"pages {d.cached_pages}, {len(d.landing_pages)} landing pages for "
+                f"{len(d.pages)})")
+    return ""
+
+
+def _mismatch(first: _Target, t: _Target) -> str:
+    """Why ``t``'s destination cannot belong with ``first``'s in one room of one decode ("" when
+    it can): the decode's ranks send the same pages and cached count, one of them the aux
+    slot, and describe the same TP layout."""
+    a, b = _dest(first), _dest(t)
+    if first.conn.reg.kv_head_ranges != t.conn.reg.kv_head_ranges:
+        return "destinations of one room came from decodes of different TP layouts"
+    if a.pages != b.pages or a.cached_pages != b.cached_pages:
+        return (f"decode ranks {first.conn.reg.tp_rank} and {t.conn.reg.tp_rank} sent "
+                "different pages for one room")
+    if NO_AUX_SLOT not in (a.aux_slot, b.aux_slot):
+        return "two decode ranks each asked for the aux row of one room"
+    return ""

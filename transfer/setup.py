@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from transfer.aux import AuxBuffer
 from transfer.base import KVManager
 from transfer.errors import TransferError
+from transfer.staging import HeadStaging
 
 if TYPE_CHECKING:
     from engine.kv_cache import BufferInfo
@@ -22,8 +23,10 @@ def make_kv_manager(
     hidden_size: int,
     aux_rows: int,
     hostname: str,
+    staging: HeadStaging | None = None,
 ) -> KVManager:
-    """A manager of ``backend`` with ``kv`` and a fresh aux buffer registered."""
+    """A manager of ``backend`` with ``kv``, a fresh aux buffer and ``staging`` (the buffer
+    head-sliced sends gather into, :mod:`transfer.heads`) registered."""
     manager: KVManager
     if backend == "mooncake":
         from transfer.mooncake import MooncakeKVManager
@@ -35,5 +38,5 @@ def make_kv_manager(
         manager = AscendKVManager(hostname=hostname)
     else:
         raise TransferError(f"unknown transfer backend {backend!r}; choose from {BACKENDS}")
-    manager.register(kv, AuxBuffer(aux_rows, hidden_size))
+    manager.register(kv, AuxBuffer(aux_rows, hidden_size), staging=staging)
     return manager
