@@ -1,20 +1,23 @@
-"""The decode node's bootstrap connections: one registered client per prefill address.
+"""The decode node's bootstrap connections: registered clients per prefill address, one per
+tensor-parallel rank of this decode.
 
-A connection is made (and the node's buffers registered with that prefill) the first time a
-room names the address. When a prefill dies its client is retired: new rooms get a fresh
-connection (so a prefill restarted on the same address is used again), and the old client is
-closed once its failed rooms have released their pages.
+The connections are made (and every rank's buffers registered with that prefill) the first time
+a room names the address: rank 0's with its own manager, every other rank's with the
+registration its process built (:mod:`decode_node.tp_ranks`). When a prefill dies its clients
+are retired: new rooms get fresh connections (so a prefill restarted on the same address is used
+again), and the old clients are closed once their failed rooms have released their pages.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.errors import TransferError
+from transfer.messages import Registration
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -27,46 +30,65 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class BootstrapClients:
+    """``ranks``: the registrations of this decode's TP ranks ``1..`` (empty with one rank)."""
+
     def __init__(
         self,
         manager: KVManager,
         identity: ModelIdentity,
         free_pages: Callable[[list[int]], None],
         config: BootstrapConfig | None = None,
+        ranks: Sequence[Registration] = (),
     ) -> None:
         self.manager = manager
         self.identity = identity
         self.config = config or BootstrapConfig()
+        self._ranks = list(ranks)
         self._free_pages = free_pages
         self._lock = threading.Lock()
-        self._clients: dict[str, DecodeBootstrapClient] = {}
+        self._clients: dict[str, list[DecodeBootstrapClient]] = {}
         self._retired: list[DecodeBootstrapClient] = []
 
-    def get(self, address: str) -> DecodeBootstrapClient:
-        """The live client for ``address``, connecting (and registering) if needed. Blocking;
-        raises ``TransferError`` / ``OSError`` when the prefill cannot be reached or refuses."""
+    def get(self, address: str) -> list[DecodeBootstrapClient]:
+        """The live clients for ``address``, one per TP rank with rank 0's last (the one that
+        holds a room's aux slot), connecting (and registering) if needed. Blocking; raises
+        ``TransferError`` / ``OSError`` when the prefill cannot be reached or refuses a rank."""
         with self._lock:
             self._close_drained()
-            client = self._clients.get(address)
-            if client is not None and client.alive:
-                return client
-            if client is not None:
-                self._retired.append(client)
-            client = DecodeBootstrapClient(self.manager, self.identity, parse_address(address),
-                                           self._free_pages, config=self.config)
-            self._clients[address] = client
-            return client
+            group = self._clients.pop(address, [])
+            if group and all(c.alive for c in group):
+                self._clients[address] = group
+                return list(group)
+            self._retired.extend(group)
+            host = parse_address(address)
+            group = []
+            try:
+                for reg in self._ranks:
+                    group.append(DecodeBootstrapClient(self.manager, self.identity, host,
+                                                       self._free_pages, config=self.config,
+                                                       rank=reg))
+                group.append(DecodeBootstrapClient(self.manager, self.identity, host,
+                                                   self._free_pages, config=self.config))
+            except BaseException:
+                for c in group:
+                    c.close()
+                raise
+            self._clients[address] = group
+            return list(group)
 
     def num_rooms(self) -> int:
         with self._lock:
-            return sum(c.num_rooms for c in [*self._clients.values(), *self._retired])
+            return sum(c.num_rooms for c in self._all())
 
     def close(self) -> None:
         with self._lock:
-            for c in [*self._clients.values(), *self._retired]:
+            for c in self._all():
                 c.close()
             self._clients.clear()
             self._retired.clear()
+
+    def _all(self) -> list[DecodeBootstrapClient]:
+        return [*(c for group in self._clients.values() for c in group), *self._retired]
 
     def _close_drained(self) -> None:
         for c in [c for c in self._retired if c.num_rooms == 0]:

@@ -9,8 +9,9 @@ from decode_node.clients import BootstrapClients
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
+from decode_node.tp_ranks import RankTransfer, rank_registrations
 from engine.checkpoint import model_fingerprint
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
@@ -21,6 +22,7 @@ from serving.kv_events import kv_event_hub
 from serving.process_exit import keep_until_exit
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
+from transfer.heads import HeadLayout
 from transfer.setup import make_kv_manager
 
 SERVICE_NAME = "pdserve.v1.DecodeWorker"
@@ -41,13 +43,16 @@ async def serve_decode(
     ``max_waiting`` bounds the admission queue (see :mod:`decode_node.service`);
     ``bootstrap_config`` sets the handshake timeouts of its connections to prefill nodes.
     With ``config.tp_size`` above 1 the engine's other ranks run in their own processes, ended
-    at shutdown; the pool holds rank 0's key/value heads only, so a prefill refuses this node's
-    registration (bytes per page differ) and the node serves colocated and local prefills.
+    at shutdown. Each registers its key/value heads of every page with a transfer engine of its
+    own (:mod:`decode_node.tp_ranks`); rank 0 registers them all with each prefill, which writes
+    every rank its heads (:mod:`transfer.heads`).
     """
     if draft is not None and config.tp_size > 1:
         raise ConfigError("--draft does not run with --tp-size > 1 yet: the EAGLE loop drives "
                           "one process's model")
-    engine = LLMEngine(model_dir, config)
+    text = ModelConfig.from_dir(model_dir).text
+    engine = LLMEngine(model_dir, config, rank_attach=RankTransfer(
+        transfer_backend, advertise_host, text.hidden_size))
     spec = None
     buffers = engine.pool.buffer_infos()
     if draft is not None:
@@ -61,12 +66,16 @@ async def serve_decode(
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
     )
     keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
+    heads = HeadLayout.tensor_parallel(text.num_key_value_heads, config.tp_size,
+                                       head_dim=text.head_dim, dtype=engine.config.dtype,
+                                       page_size=config.page_size)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
-                             engine.model_config.text.num_hidden_layers)
+                             text.num_hidden_layers, heads=heads)
     service = DecodeService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
     loop = DecodeLoop(engine, service.emit, spec)
-    clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config)
+    clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config,
+                               rank_registrations(engine.rank_payloads, identity))
     service.bind(loop, asyncio.get_running_loop(), clients)
     loop.start()
     server, bound, _ = await start_server(

@@ -151,12 +151,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _connect(self, bootstrap: str,
                        context: grpc.aio.ServicerContext) -> list[DecodeBootstrapClient]:
-        """A client per address of ``bootstrap`` (a pipeline-parallel prefill lists every
-        stage's, in stage order); a refusal ends the call with details naming ``bootstrap``."""
+        """The clients of every address of ``bootstrap`` (a pipeline-parallel prefill lists
+        every stage's, in stage order), each address's in :meth:`BootstrapClients.get`'s order
+        (rank 0's last); a refusal ends the call with details naming ``bootstrap``."""
         assert self._clients is not None
         try:
-            return [await asyncio.to_thread(self._clients.get, address.strip())
-                    for address in bootstrap.split(",")]
+            return [c for address in bootstrap.split(",")
+                    for c in await asyncio.to_thread(self._clients.get, address.strip())]
         except STATUS_ERRORS as exc:
             await abort_with_status(context, exc, where=f"prefill bootstrap {bootstrap}",
                                     trailing=PREFILL_SIDE)

@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.draft_runner import DraftRunner
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
+from prefill_node.kv_transfer import prefill_heads, prefill_manager
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2_grpc
@@ -18,11 +19,9 @@ from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
 from serving.kv_events import kv_event_hub
 from serving.metrics import TransferMetrics
-from serving.process_exit import keep_until_exit
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
-from transfer.setup import make_kv_manager
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
 
@@ -61,14 +60,12 @@ async def serve_prefill(
         drafter = DraftRunner(engine, load_draft(draft, engine.model_config.text,
                                                  engine.model.dtype, device=engine.device))
         buffers = drafter.buffer_infos()
-    manager = make_kv_manager(
-        transfer_backend, buffers,
-        hidden_size=engine.model_config.text.hidden_size,
-        aux_rows=4, hostname=advertise_host,
-    )
-    keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
+    manager = prefill_manager(transfer_backend, engine.pool, buffers,
+                              hidden_size=engine.model_config.text.hidden_size,
+                              hostname=advertise_host)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
-                             engine.model_config.text.num_hidden_layers)
+                             engine.model_config.text.num_hidden_layers,
+                             heads=prefill_heads(engine.pool))
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
                                        config=bootstrap_config)
     service = PrefillService(max_waiting)

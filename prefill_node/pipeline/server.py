@@ -26,8 +26,9 @@ from pathlib import Path
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import BufferInfo, pages_for_budget
+from engine.kv_cache import BufferInfo, KVPool, pages_for_budget
 from engine.llm_engine import LLMEngine
+from prefill_node.kv_transfer import prefill_heads, prefill_manager
 from prefill_node.pipeline.first import FirstStageLoop
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage
@@ -41,12 +42,10 @@ from serving.admin import StatsSource
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import Metadata, ServerSecurity, internal_metadata
 from serving.metrics import TransferMetrics
-from serving.process_exit import keep_until_exit
 from serving.server import Registration, serve_until_signal, start_server
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
-from transfer.setup import make_kv_manager
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ async def serve_first_stage(args: StageArgs) -> None:
         resolve_dtype(config.dtype, resolve_device(config.device)))
     engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages))
     runner = first_stage_runner(engine)
-    ends = await _open_endpoints(args, layers, engine.pool.buffer_infos(), text)
+    ends = await _open_endpoints(args, layers, engine.pool, engine.pool.buffer_infos(), text)
     assert ends.link is not None  # the first stage is never the last: size > 1
     service = PrefillService(args.max_waiting)
     loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link,
@@ -111,7 +110,7 @@ async def serve_first_stage(args: StageArgs) -> None:
 async def serve_later_stage(args: StageArgs) -> None:
     """Run a later stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
     share = load_later_stage(args.model_dir, args.config, args.layout, args.draft)
-    ends = await _open_endpoints(args, share.layers, share.buffer_infos(),
+    ends = await _open_endpoints(args, share.layers, share.pool, share.buffer_infos(),
                                  share.model_config.text)
     stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link)
     info = wpb.StageInfo(pp_rank=args.layout.rank, pp_size=args.layout.size,
@@ -125,9 +124,10 @@ async def serve_later_stage(args: StageArgs) -> None:
     ], "prefill-stage", face.stats)
 
 
-async def _open_endpoints(args: StageArgs, layers: range, buffers: list[BufferInfo],
-                          text: TextConfig) -> _Endpoints:
-    """Link to the next stage (waiting for it), register ``buffers`` for transfer and open the
+async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
+                          buffers: list[BufferInfo], text: TextConfig) -> _Endpoints:
+    """Link to the next stage (waiting for it), register ``buffers`` (``pool``'s entries, then
+    the draft's) for transfer (:mod:`prefill_node.kv_transfer`) and open the
     bootstrap endpoint, which accepts a decode with a draft only when the pipeline's last stage
     runs the same one (the draft band: this stage's own on the last, else the next's)."""
     secret = args.bootstrap_config.secret if args.bootstrap_config is not None else None
@@ -142,11 +142,9 @@ async def _open_endpoints(args: StageArgs, layers: range, buffers: list[BufferIn
         band, later = tuple(info.draft_layer_ids), "," + info.bootstrap
     identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
                              args.config.dtype, text.num_hidden_layers,
-                             pipeline_draft_band=band)
-    manager = make_kv_manager(args.transfer_backend, buffers,
-                              hidden_size=text.hidden_size, aux_rows=4,
-                              hostname=args.advertise_host)
-    keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
+                             pipeline_draft_band=band, heads=prefill_heads(pool))
+    manager = prefill_manager(args.transfer_backend, pool, buffers,
+                              hidden_size=text.hidden_size, hostname=args.advertise_host)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
                                        port=args.bootstrap_port, config=args.bootstrap_config)
     chain = f"{args.advertise_host}:{bootstrap.address[1]}{later}"

@@ -39,9 +39,10 @@ NAMES = ["text_only", "two_images", "video", "image_then_video"]
 NODE = ["--port", "0", "--page-size", "8", "--num-pages", "128", "--max-num-batched-tokens", "16"]
 
 
-def request(prompt: Prompt) -> gpb.GenerateRequest:
-    """The wire request of an expanded ``prompt``: each run of pads collapsed to one placeholder,
-    the images and videos as patches with their seconds per grid."""
+def request(prompt: Prompt, new_tokens: int = NEW_TOKENS) -> gpb.GenerateRequest:
+    """The wire request of an expanded ``prompt`` (greedy, ``new_tokens`` long): each run of
+    pads collapsed to one placeholder, the images and videos as patches with their seconds per
+    grid."""
     ids = list(prompt.token_ids or [])
     collapsed = [t for i, t in enumerate(ids) if t not in (IMG, VID) or i == 0 or ids[i - 1] != t]
     images = [gpb.Image(patches=_patches(im)) for im in prompt.images
@@ -50,7 +51,7 @@ def request(prompt: Prompt) -> gpb.GenerateRequest:
               for v in prompt.videos]
     return gpb.GenerateRequest(
         token_ids=gpb.TokenIds(ids=collapsed), images=images, videos=videos,
-        sampling=gpb.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.0))
+        sampling=gpb.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, temperature=0.0))
 
 
 def _patches(item: ImageInput | VideoInput) -> gpb.ImagePatches:

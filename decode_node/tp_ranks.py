@@ -1,0 +1,57 @@
+"""A tensor-parallel decode's other ranks in the P/D transfer: each registers its own share of
+the KV (its key/value heads of every page) with a transfer engine of its own, in its own
+process; rank 0 runs every handshake for them (:mod:`transfer.bootstrap_decode`).
+
+:class:`RankTransfer` is the engine's attach hook (:data:`engine.tp_rank.RankAttach`): it runs
+in each rank's process once its pool exists and returns that rank's registration, encoded.
+Rank 0 completes it with what both sides must agree on (:func:`rank_registrations`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.kv_cache import KVPool
+from serving.process_exit import keep_until_exit
+from transfer.bootstrap import ModelIdentity
+from transfer.errors import TransferError
+from transfer.messages import Registration, decode, encode
+from transfer.setup import make_kv_manager
+
+
+@dataclass(frozen=True)
+class RankTransfer:
+    """The attach hook of a decode's TP ranks: a KV manager of ``backend`` on ``hostname`` with
+    the rank's pool registered (and a one-row aux buffer of ``hidden_size``: the registration
+    needs one, the prefill writes the aux row into rank 0's only). The manager lives until the
+    rank's process exits."""
+
+    backend: str
+    hostname: str
+    hidden_size: int
+
+    def __call__(self, pool: KVPool, rank: int) -> bytes:
+        manager = make_kv_manager(self.backend, pool.buffer_infos(),
+                                  hidden_size=self.hidden_size, aux_rows=1,
+                                  hostname=self.hostname)
+        keep_until_exit(manager)
+        return encode(manager.registration(page_size=0, dtype="", model_fingerprint="",
+                                           tp_rank=rank))
+
+
+def rank_registrations(payloads: list[bytes], identity: ModelIdentity) -> list[Registration]:
+    """The registrations of ranks ``1..`` from what their hooks returned, completed with rank
+    0's ``identity`` (model, page size, dtype, and every rank's KV heads)."""
+    heads = identity.heads
+    out = []
+    for rank, payload in enumerate(payloads, 1):
+        reg = decode(payload)
+        if not isinstance(reg, Registration) or reg.tp_rank != rank or heads is None:
+            raise TransferError(f"decode rank {rank} reported no registration of its KV")
+        out.append(dataclasses.replace(
+            reg, page_size=identity.page_size, dtype=identity.dtype,
+            model_fingerprint=identity.model_fingerprint,
+            kv_head_ranges=[x for pair in heads.ranges for x in pair],
+            num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim))
+    return out
