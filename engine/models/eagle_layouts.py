@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from engine.checkpoint import read_state_dict
+from engine.checkpoint_bin import read_bin_state_dict
 from engine.config import TextConfig, read_json_object
 from engine.errors import CheckpointError, ConfigError
 from engine.models.eagle import DRAFT_MODEL_TYPE, DraftConfig
@@ -92,7 +93,7 @@ def read_draft(
     if raw.get("model_type") == DRAFT_MODEL_TYPE:
         cfg = DraftConfig.from_dict(raw)
         cfg.check_target(target)
-        return cfg, read_state_dict(path, device=device)
+        return cfg, read_weights(path, device)
     layout = eagle_layout(raw, target, str(file))
     if eagle3_signs(raw):
         cfg = eagle3_config(raw, layout.draft.text, target, str(file))
@@ -189,23 +190,12 @@ def refuse_eagle3(path: Path, signs: list[str]) -> None:
 
 
 def read_weights(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """The tensors of ``path``'s safetensors files, or else of its ``pytorch_model.bin`` (read
-    with ``weights_only=True``: plain tensors only, never arbitrary objects), on ``device``."""
+    """The tensors of ``path``'s safetensors files or, when it has none, of its PyTorch ``.bin``
+    files (single or sharded: :mod:`engine.checkpoint_bin`, plain tensors only), on
+    ``device``, under their stored names."""
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         return read_state_dict(path, device=device)
-    file = path / "pytorch_model.bin"
-    if not file.is_file():
-        raise CheckpointError(f"{path}: no model.safetensors or pytorch_model.bin")
-    where = torch.device(device)
-    try:
-        state = torch.load(file, map_location=where, weights_only=True)
-    except Exception as exc:  # torch raises several unrelated types on bad or unsafe files
-        raise CheckpointError(f"{file}: unreadable, or holds more than plain tensors: "
-                              f"{exc}") from exc
-    if not isinstance(state, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise CheckpointError(f"{file}: not a mapping of tensor names to tensors")
-    return state
+    return read_bin_state_dict(path, device)
 
 
 def eagle_state_dict(
