@@ -40,19 +40,25 @@ def canonical_name(name: str) -> str:
     return name
 
 
+def indexed_files(index: Path) -> list[Path]:
+    """The shard files a Hugging Face ``*.index.json`` lists (its ``weight_map``'s values, in a
+    stable order), refused naming them unless every one is beside it."""
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [index.parent / s for s in shards]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{index}: unreadable index: {exc}") from exc
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{index.parent}: shards listed in the index are missing: {missing}")
+    return files
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, in a stable order."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index}: unreadable index: {exc}") from exc
-        files = [model_dir / s for s in shards]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"{model_dir}: shards listed in the index are missing: {missing}")
-        return files
+        return indexed_files(index)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{model_dir}: no *.safetensors weight files")

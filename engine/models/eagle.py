@@ -23,7 +23,8 @@ Checkpoint layouts (Hugging Face-style directories; :func:`load_draft` tells the
   ``vocab_size``, ``num_hidden_layers`` 1, ``bias``, ``qkv_bias``, rope settings) and
   ``fc.weight``, ``fc.bias``, ``layers.0.self_attn.*``, ``layers.0.mlp.*``,
   ``layers.0.post_attention_layernorm.weight`` (maybe ``embed_tokens.weight``, not used) in
-  ``model.safetensors`` or ``pytorch_model.bin``.
+  safetensors or ``pytorch_model.bin`` files (single or sharded with an index), under these
+  names or SGLang's (``model.``-prefixed, maybe an unused ``lm_head.weight``).
 
 EAGLE-3 drafts (:mod:`engine.models.eagle3`: they fuse the outputs of three target layers and
 may predict over a vocabulary of their own) carry :class:`Eagle3Spec` in their config; in

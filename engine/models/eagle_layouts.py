@@ -10,20 +10,29 @@
   final norm (its output features go straight to the LM head), ``fc`` takes
   ``cat(token embedding, target feature)`` as pdserve's does and has a bias unless ``bias`` is
   false; it becomes pdserve's draft with ``fc_bias`` = ``bias`` and both norms left out.
+  Its tensors may come in safetensors or PyTorch ``.bin`` files (one ``pytorch_model.bin`` or a
+  sharded set with ``pytorch_model.bin.index.json``; :mod:`engine.checkpoint_bin`), under the
+  original names or SGLang's (``architectures`` ``LlamaForCausalLMEagle`` /
+  ``Qwen2ForCausalLMEagle``: a ``model.`` prefix and an ``lm_head.weight``;
+  :mod:`engine.models.eagle_sglang`).
 
 Mapping the original layout's config onto the draft's:
 
 - ``num_hidden_layers`` must be 1 (pdserve drafts have one layer); the KV band sits above the
   target's layers whatever depth the draft was trained beside.
-- ``qkv_bias`` (default false, Llama's attention) says whether ``q/k/v_proj`` have biases; where
-  they have none the draft gets zero biases, which add nothing.
+- ``qkv_bias`` (default false, Llama's attention; true under SGLang's ``Qwen2ForCausalLMEagle``)
+  says whether ``q/k/v_proj`` have biases; where they have none the draft gets zero biases,
+  which add nothing.
 - ``rope_theta`` defaults to 10000 (EAGLE's default); ``rope_scaling`` / ``rope_parameters``
   may only be plain or ``mrope``. Without an ``mrope_section`` the draft takes the target's: on
   text all three axes of a position are equal, so the rotation is the 1-D rope the draft was
   trained with; on image tokens it sees the target's 3-D positions (acceptance may differ
   there, the output never does: verification keeps it the target's).
-- ``embed_tokens.weight``, saved along by EAGLE's training, must have the target embedding's
-  shape and is dropped: the draft embeds with the target's.
+- ``embed_tokens.weight``, saved along by EAGLE's training, and ``lm_head.weight``, saved by
+  SGLang's classes, must have the target embedding's shape and are dropped: the draft embeds
+  and predicts with the target's.
+- any other tensor, a missing one, or the input norm or final norm the layout leaves out is
+  refused, naming the tensors.
 
 - a flat config marked EAGLE-3 (an ``Eagle3`` architecture or ``draft_vocab_size``): the
   SpecForge / SGLang EAGLE-3 layout, read by :mod:`engine.models.eagle3_layout`. A config not so
@@ -39,16 +48,27 @@ from typing import Any
 import torch
 
 from engine.checkpoint import read_state_dict
+from engine.checkpoint_bin import read_bin_state_dict
 from engine.config import TextConfig, read_json_object
 from engine.errors import CheckpointError, ConfigError
 from engine.models.eagle import DRAFT_MODEL_TYPE, DraftConfig
 from engine.models.eagle3_layout import eagle3_config, eagle3_signs, eagle3_state_dict
+from engine.models.eagle_sglang import (
+    SGLANG_HEAD,
+    SGLANG_PREFIX,
+    sglang_qkv_bias,
+    sglang_unprefixed,
+)
 
 EAGLE_MODEL_TYPES = (None, "llama", "qwen2")
 EAGLE_DEFAULT_ROPE_THETA = 10000.0
 _PLAIN_ROPE_TYPES = (None, "default", "mrope")
 _QKV = ("q_proj", "k_proj", "v_proj")
 _EAGLE3_TENSORS = ("d2t", "t2d")
+# tensors a draft may carry that are the target's at run time: checked for shape, dropped
+_SHARED = (("embed_tokens.weight", "embedding"), (SGLANG_HEAD, "LM head"))
+# norms the original layout leaves out
+_ABSENT_NORMS = ("layers.0.input_layernorm.weight", "norm.weight")
 _LAYOUTS = (f"pdserve's own (model_type {DRAFT_MODEL_TYPE!r}), the original EAGLE one "
             "(a flat Llama/Qwen2 config.json with hidden_size, num_attention_heads, "
             "intermediate_size, vocab_size and num_hidden_layers 1) or SpecForge's EAGLE-3 "
@@ -92,7 +112,7 @@ def read_draft(
     if raw.get("model_type") == DRAFT_MODEL_TYPE:
         cfg = DraftConfig.from_dict(raw)
         cfg.check_target(target)
-        return cfg, read_state_dict(path, device=device)
+        return cfg, read_weights(path, device)
     layout = eagle_layout(raw, target, str(file))
     if eagle3_signs(raw):
         cfg = eagle3_config(raw, layout.draft.text, target, str(file))
@@ -150,7 +170,7 @@ def _eagle_text(raw: dict[str, Any], target: TextConfig) -> tuple[TextConfig, bo
         mrope_section=section or target.mrope_section,
         hidden_act=str(raw.get("hidden_act", "silu")),
     )
-    return text, _bool(raw, "bias", True), _bool(raw, "qkv_bias", False)
+    return text, _bool(raw, "bias", True), _bool(raw, "qkv_bias", sglang_qkv_bias(raw))
 
 
 def _eagle_rope(raw: dict[str, Any]) -> tuple[float, tuple[int, int, int] | None]:
@@ -189,48 +209,50 @@ def refuse_eagle3(path: Path, signs: list[str]) -> None:
 
 
 def read_weights(path: Path, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """The tensors of ``path``'s safetensors files, or else of its ``pytorch_model.bin`` (read
-    with ``weights_only=True``: plain tensors only, never arbitrary objects), on ``device``."""
+    """The tensors of ``path``'s safetensors files or, when it has none, of its PyTorch ``.bin``
+    files (single or sharded: :mod:`engine.checkpoint_bin`, plain tensors only), on
+    ``device``, under their stored names."""
     if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file():
         return read_state_dict(path, device=device)
-    file = path / "pytorch_model.bin"
-    if not file.is_file():
-        raise CheckpointError(f"{path}: no model.safetensors or pytorch_model.bin")
-    where = torch.device(device)
-    try:
-        state = torch.load(file, map_location=where, weights_only=True)
-    except Exception as exc:  # torch raises several unrelated types on bad or unsafe files
-        raise CheckpointError(f"{file}: unreadable, or holds more than plain tensors: "
-                              f"{exc}") from exc
-    if not isinstance(state, dict) or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise CheckpointError(f"{file}: not a mapping of tensor names to tensors")
-    return state
+    return read_bin_state_dict(path, device)
 
 
 def eagle_state_dict(
     tensors: dict[str, torch.Tensor], layout: EagleLayout, path: Path,
 ) -> dict[str, torch.Tensor]:
-    """The original layout's ``tensors`` (from ``path``) under pdserve's draft names: the
-    ``embed_tokens.weight`` dropped once its shape is checked, zero q/k/v biases added where the
+    """The original layout's ``tensors`` (from ``path``; under its names or SGLang's, see
+    :mod:`engine.models.eagle_sglang`) under pdserve's draft names: ``embed_tokens.weight`` and
+    ``lm_head.weight`` dropped once their shapes are checked, zero q/k/v biases added where the
     attention has none. Raises unless exactly the layout's tensors are there."""
-    tensors = dict(tensors)
+    tensors, renamed = sglang_unprefixed(tensors, path)
     refuse_eagle3(path, [f"tensor {n!r}" for n in sorted(tensors)
                          if n in _EAGLE3_TENSORS or n.startswith("midlayer.")])
     text = layout.draft.text
-    embed = tensors.pop("embed_tokens.weight", None)
-    if embed is not None and tuple(embed.shape) != (text.vocab_size, text.hidden_size):
-        raise CheckpointError(f"{path}: embed_tokens.weight has shape {list(embed.shape)}, not "
-                              f"the target embedding's [{text.vocab_size}, {text.hidden_size}]")
+    for name, what in _SHARED:
+        shared = tensors.pop(name, None)
+        if shared is not None and tuple(shared.shape) != (text.vocab_size, text.hidden_size):
+            raise CheckpointError(f"{path}: {name} has shape {list(shared.shape)}, not the "
+                                  f"target {what}'s [{text.vocab_size}, {text.hidden_size}]")
     expected = layout.tensor_names()
     missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected)
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: not the tensors of an EAGLE draft with fc bias {layout.draft.fc_bias} "
             f"(config 'bias') and q/k/v biases {layout.qkv_bias} (config 'qkv_bias'): "
-            f"missing {missing[:8]}, unexpected {unexpected[:8]}")
+            f"missing {missing[:8]}, unexpected {unexpected[:8]}{_notes(unexpected, renamed)}")
     if not layout.qkv_bias:
         for proj in _QKV:
             weight = tensors[f"layers.0.self_attn.{proj}.weight"]
             tensors[f"layers.0.self_attn.{proj}.bias"] = weight.new_zeros(weight.shape[0])
     return tensors
+
+
+def _notes(unexpected: list[str], renamed: bool) -> str:
+    """What a refusal of the original layout's tensors adds: how the names were read, and which
+    of the unexpected tensors are norms the layout leaves out."""
+    notes = [f" (names read without SGLang's {SGLANG_PREFIX!r} prefix)"] if renamed else []
+    norms = [n for n in _ABSENT_NORMS if n in unexpected]
+    if norms:
+        notes.append(f"; the original EAGLE layout has no input norm and no final norm, but "
+                     f"{norms} are there")
+    return "".join(notes)
