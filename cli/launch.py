@@ -54,6 +54,9 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-resources", default="{}", metavar="JSON",
                    help='custom Ray resources per prefill worker, e.g. \'{"NPU": 1}\'')
     p.add_argument("--decode-resources", default="{}", metavar="JSON")
+    p.add_argument("--decode-tp-size", type=int, default=1, metavar="N",
+                   help="tensor-parallel processes of every decode worker (its --decode-gpus "
+                        "cover them all); prefills send each rank its KV heads")
     p.add_argument("--worker-args", default="", metavar="'FLAGS'",
                    help="engine flags passed to every worker, e.g. '--num-pages 512'")
     add_device_args(p)  # passed to every worker as given: each resolves auto on its own node
@@ -82,7 +85,8 @@ def run_launch(args: argparse.Namespace) -> int:
         port=args.port, address=args.address, prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus, prefill_resources=_resources(args.prefill_resources),
         decode_resources=_resources(args.decode_resources),
-        worker_args=args.worker_args.split(), detached=args.detach,
+        worker_args=args.worker_args.split(), decode_tp=args.decode_tp_size,
+        detached=args.detach,
         draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
         draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         device=args.device, dtype=args.dtype, graphs=not args.no_graphs,

@@ -127,6 +127,7 @@ class LaunchOptions:
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)  # engine flags for both worker roles
+    decode_tp: int = 1  # --tp-size of every decode worker (its processes; decode_gpus covers all)
     draft: str | None = None  # EAGLE draft directory for both roles
     num_draft_tokens: int = 3
     draft_topk: int = 1  # the decode's EAGLE-2 tree: children per node, and its depth
@@ -233,8 +234,11 @@ def actor_name(cluster: str, label: str) -> str:
 
 def worker_argv(role: str, opts: LaunchOptions) -> list[str]:
     """The ``pdserve ROLE`` flags of a worker (its server flags come from :class:`ServerActor`):
-    model, device flags, then ``worker_args`` (so a flag given there wins), then the draft's."""
-    return ["--model", opts.model, *device_args(opts), *opts.worker_args, *draft_args(role, opts)]
+    model, device flags, a decode's ``--tp-size``, then ``worker_args`` (so a flag given there
+    wins), then the draft's."""
+    tp = ["--tp-size", str(opts.decode_tp)] if role == "decode" and opts.decode_tp > 1 else []
+    return ["--model", opts.model, *device_args(opts), *tp, *opts.worker_args,
+            *draft_args(role, opts)]
 
 
 def device_args(opts: LaunchOptions) -> list[str]:

@@ -42,3 +42,12 @@ def test_launch_draft_tree_flags_reach_the_decode(flags: list[str],
                          draft_topk=launch.draft_topk, draft_steps=launch.draft_steps)
     worker = parser.parse_args(["decode", *worker_argv("decode", opts)])
     assert (worker.num_draft_tokens, worker.draft_topk, worker.draft_steps) == tree
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_launch_decode_tp_size_reaches_the_decodes_only(n: int) -> None:
+    parser = build_parser()
+    launch = parser.parse_args(["launch", *(["--decode-tp-size", str(n)] if n > 1 else [])])
+    opts = LaunchOptions(model="m", decode_tp=launch.decode_tp_size)
+    assert parser.parse_args(["decode", *worker_argv("decode", opts)]).tp_size == n
+    assert "--tp-size" not in worker_argv("prefill", opts)
