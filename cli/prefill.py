@@ -12,6 +12,7 @@ from cli.engine_args import (
     add_draft_args,
     add_engine_args,
     add_server_args,
+    add_tp_args,
     add_transfer_args,
     add_worker_args,
     advertise_host,
@@ -25,6 +26,7 @@ from serving.process_exit import exit_process
 
 def add_prefill_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    add_tp_args(p)
     add_server_args(p, default_port=50051)
     add_transfer_args(p)
     add_worker_args(p)
@@ -43,7 +45,8 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
 
 
 def _pipeline_error(args: argparse.Namespace) -> str | None:
-    """Why the ``--pp-*`` and ``--draft`` flags do not fit together, or None."""
+    """Why the ``--pp-*``, ``--tp-size`` and ``--draft`` flags do not fit together, or
+    None."""
     from prefill_node.pipeline.layout import DRAFT_ON_EARLY_STAGE
 
     if not 0 <= args.pp_rank < args.pp_size:
@@ -53,6 +56,11 @@ def _pipeline_error(args: argparse.Namespace) -> str | None:
                 "last takes none")
     if args.draft and args.pp_rank < args.pp_size - 1:
         return DRAFT_ON_EARLY_STAGE
+    if args.tp_size > 1 and args.pp_size > 1:
+        return "--tp-size does not run with --pp-size > 1 yet: split the prefill one way"
+    if args.tp_size > 1 and args.draft:
+        return ("--draft does not run with --tp-size > 1 yet: the draft's KV is one "
+                "process's")
     return None
 
 

@@ -1,20 +1,32 @@
-"""A prefill process's side of the KV transfer: its KV manager (the pool registered, with a
+"""A prefill's side of the KV transfer: its KV managers (each rank's pool registered, with a
 staging buffer for decodes of larger TP) and the KV heads it describes to decodes.
 
-A prefill holds every KV head in one process (no TP here yet), so a decode with TP ``d`` takes
-a slice of each page per rank: the prefill gathers the slice into the staging buffer and writes
-whole destination pages (:mod:`transfer.heads`). A prefill with an EAGLE draft registers no
-staging buffer (a decode does not run a draft beside TP yet), so it serves equal TP only.
+A decode rank that holds a slice of a prefill rank's heads gets it gathered into that rank's
+staging buffer and written as whole destination pages (:mod:`transfer.heads`). A prefill with
+an EAGLE draft registers no staging buffer (a decode does not run a draft beside TP yet), so it
+serves equal TP only.
+
+With ``--tp-size N`` every rank holds its heads of every page in its own process: each other
+rank registers them with a transfer engine of its own and writes them on rank 0's word
+(:class:`PrefillRankTransfer`, the engine's attach hook, starts its
+:class:`~transfer.rank_agent.RankAgent`; rank 0 holds a
+:class:`~transfer.rank_agent.RemoteRank` for it, :func:`remote_ranks`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from engine.config import TextConfig
 from engine.device import dtype_name
 from engine.kv_cache import BufferInfo, KVPool
 from engine.kv_staging import HeadStagingBuffer
 from serving.process_exit import keep_until_exit
 from transfer.base import KVManager
+from transfer.errors import TransferError
 from transfer.heads import HeadLayout
+from transfer.messages import RankBuffers, decode, encode
+from transfer.rank_agent import RankAgent, RemoteRank
 from transfer.setup import make_kv_manager
 
 STAGING_BYTES = 32 << 20  # two 16 MiB halves: one gathered round while the other is written
@@ -34,7 +46,40 @@ def prefill_manager(backend: str, pool: KVPool, buffers: list[BufferInfo], *,
     return manager
 
 
-def prefill_heads(pool: KVPool) -> HeadLayout:
-    """The KV heads a prefill describes: all of ``pool``'s, in one rank."""
-    return HeadLayout.tensor_parallel(pool.num_kv_heads, 1, head_dim=pool.head_dim,
-                                      dtype=dtype_name(pool.dtype), page_size=pool.page_size)
+def prefill_heads(text: TextConfig, pool: KVPool, tp_size: int = 1) -> HeadLayout:
+    """The KV heads a prefill describes: ``text``'s over its ``tp_size`` ranks (``pool`` is
+    rank 0's: its dtype and page size)."""
+    return HeadLayout.tensor_parallel(text.num_key_value_heads, tp_size,
+                                      head_dim=text.head_dim, dtype=dtype_name(pool.dtype),
+                                      page_size=pool.page_size)
+
+
+@dataclass(frozen=True)
+class PrefillRankTransfer:
+    """The attach hook of a prefill's TP ranks (:data:`engine.tp_rank.RankAttach`): a KV
+    manager of ``backend`` on ``hostname`` with the rank's pool and a staging buffer registered,
+    and the agent that writes on rank 0's word (``authkey`` proves rank 0); returns the rank's
+    :class:`~transfer.messages.RankBuffers`, encoded. Both live until the process exits."""
+
+    backend: str
+    hostname: str
+    hidden_size: int
+    authkey: bytes = field(repr=False)
+
+    def __call__(self, pool: KVPool, rank: int) -> bytes:
+        manager = prefill_manager(self.backend, pool, pool.buffer_infos(),
+                                  hidden_size=self.hidden_size, hostname=self.hostname)
+        agent = RankAgent(manager, self.authkey)
+        keep_until_exit(agent)
+        return encode(agent.buffers())
+
+
+def remote_ranks(payloads: list[bytes], authkey: bytes) -> list[RemoteRank]:
+    """Rank 0's stand-ins for ranks ``1..``, from what their hooks returned, connected."""
+    out = []
+    for rank, payload in enumerate(payloads, 1):
+        buffers = decode(payload)
+        if not isinstance(buffers, RankBuffers):
+            raise TransferError(f"prefill rank {rank} reported no registration of its KV")
+        out.append(RemoteRank(rank, buffers, authkey))
+    return out

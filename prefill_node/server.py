@@ -4,14 +4,21 @@ bootstrap endpoint)."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.draft_runner import DraftRunner
+from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
-from prefill_node.kv_transfer import prefill_heads, prefill_manager
+from prefill_node.kv_transfer import (
+    PrefillRankTransfer,
+    prefill_heads,
+    prefill_manager,
+    remote_ranks,
+)
 from prefill_node.loop import PrefillLoop
 from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2_grpc
@@ -39,8 +46,12 @@ async def serve_prefill(
     (:mod:`prefill_node.pipeline.server`: the first stage or a later one); ``pp_next`` is the
     next stage's gRPC address; ``draft`` goes to the last stage only. ``max_waiting`` bounds
     the rooms waiting here (see :mod:`prefill_node.service`); ``bootstrap_config`` sets the
-    handshake timeouts of its bootstrap endpoint.
+    handshake timeouts of its bootstrap endpoint. With ``config.tp_size`` above 1 the engine's
+    other ranks run in their own processes, each writing its KV heads on this one's word
+    (:mod:`prefill_node.kv_transfer`); not with pipeline stages or a draft yet.
     """
+    if config.tp_size > 1 and (draft is not None or pp_size > 1 or pp_next):
+        raise ConfigError("--tp-size above 1 runs without --draft and --pp-size on a prefill")
     if pp_size > 1 or pp_next:
         from prefill_node.pipeline.layout import StageLayout
         from prefill_node.pipeline.server import StageArgs, serve_first_stage, serve_later_stage
@@ -53,7 +64,10 @@ async def serve_prefill(
                          metrics_port=metrics_port, draft=draft)
         await (serve_first_stage(args) if layout.is_first else serve_later_stage(args))
         return
-    engine = LLMEngine(model_dir, config)
+    text = ModelConfig.from_dir(model_dir).text
+    authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
+    engine = LLMEngine(model_dir, config, rank_attach=PrefillRankTransfer(
+        transfer_backend, advertise_host, text.hidden_size, authkey))
     drafter = None
     buffers = engine.pool.buffer_infos()
     if draft is not None:  # the draft's prompt KV is computed here and travels in its band
@@ -64,10 +78,11 @@ async def serve_prefill(
                               hidden_size=engine.model_config.text.hidden_size,
                               hostname=advertise_host)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
-                             engine.model_config.text.num_hidden_layers,
-                             heads=prefill_heads(engine.pool))
+                             text.num_hidden_layers,
+                             heads=prefill_heads(text, engine.pool, config.tp_size))
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
-                                       config=bootstrap_config)
+                                       config=bootstrap_config,
+                                       ranks=remote_ranks(engine.rank_payloads, authkey))
     service = PrefillService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
     loop = PrefillLoop(engine, bootstrap, service.on_done, drafter)
@@ -78,5 +93,5 @@ async def serve_prefill(
         role="prefill", stats=service.stats, security=security,
         metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager),
     )
-    await serve_until_signal(server, bound, loop.stop, bootstrap.close,
+    await serve_until_signal(server, bound, loop.stop, bootstrap.close, engine.close,
                              on_signal=hub.close if hub is not None else None)

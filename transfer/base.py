@@ -74,6 +74,11 @@ class KVManager(ABC):
         self.on_send: Callable[[int, float, bool], None] | None = None
 
     @property
+    def has_staging(self) -> bool:
+        """Whether a staging buffer is registered (head-sliced sends gather into it)."""
+        return self.staging is not None
+
+    @property
     @abstractmethod
     def session_id(self) -> str:
         """This manager's engine address as peers name it (``host:port``)."""

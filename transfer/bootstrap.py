@@ -23,11 +23,14 @@ Implementations: :mod:`transfer.bootstrap_prefill` and :mod:`transfer.bootstrap_
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from transfer.base import KVManager
+from transfer.aux import AuxBuffer
+from transfer.base import SendResult
 from transfer.errors import (
     HeadLayoutError,
     IncompatiblePeerError,
@@ -36,7 +39,7 @@ from transfer.errors import (
 )
 from transfer.faults import FaultConfig
 from transfer.head_blocks import head_geometry
-from transfer.heads import HeadCopy, HeadLayout, plan_head_copies
+from transfer.heads import HeadCopy, HeadLayout, plan_head_copies, receivers
 from transfer.layers import check_bytes_per_page, pair_entries
 from transfer.messages import Registration
 
@@ -93,6 +96,38 @@ class ModelIdentity:
     tp_rank: int = 0
 
 
+class SourceRank(Protocol):
+    """What the handshake checks of one prefill rank's registered buffers: its
+    :class:`~transfer.base.KVManager`, or another TP rank's description
+    (:class:`transfer.rank_agent.RemoteRank`)."""
+
+    @property
+    def kv_layer_ids(self) -> list[int] | None: ...
+
+    @property
+    def kv_ptrs(self) -> list[int]: ...
+
+    @property
+    def kv_bytes_per_page(self) -> list[int]: ...
+
+    @property
+    def has_staging(self) -> bool: ...
+
+    @property
+    def aux(self) -> AuxBuffer | None: ...
+
+
+class RankSender(SourceRank, Protocol):
+    """A prefill rank the bootstrap server writes through: its own manager, or another rank's
+    stand-in on rank 0 (:class:`transfer.rank_agent.RemoteRank`)."""
+
+    def send_kvcache(
+        self, session: str, src_pages: Sequence[int], dst_ptrs: Sequence[int],
+        dst_pages: Sequence[int], *, dst_layer_ids: Sequence[int] | None = None,
+        dst_bytes_per_page: Sequence[int] | None = None, dst_heads: HeadCopy | None = None,
+    ) -> SendResult: ...
+
+
 def check_token(secret: str | None, reg: Registration) -> None:
     """Raise :class:`PeerAuthError` unless ``reg`` carries ``secret`` (any token when None).
 
@@ -102,7 +137,7 @@ def check_token(secret: str | None, reg: Registration) -> None:
 
 
 def check_compatible(
-    identity: ModelIdentity, manager: KVManager, reg: Registration
+    identity: ModelIdentity, manager: SourceRank, reg: Registration
 ) -> HeadCopy | None:
     """Raise :class:`IncompatiblePeerError` unless the decode's registration fits this prefill;
     return the head slice this prefill rank writes into that decode rank (None: whole pages).
@@ -161,7 +196,7 @@ def decode_heads(reg: Registration) -> HeadLayout | None:
     return HeadLayout(reg.num_kv_heads, reg.head_dim, reg.dtype, reg.page_size, ranges)
 
 
-def check_heads(identity: ModelIdentity, manager: KVManager, reg: Registration) -> HeadCopy | None:
+def check_heads(identity: ModelIdentity, manager: SourceRank, reg: Registration) -> HeadCopy | None:
     """The head slice this prefill rank writes into the registering decode rank: None when
     neither side describes its heads or both hold the same ones (a plain page copy). With
     landing entries in the registration, the slice goes as whole pages into them
@@ -199,7 +234,7 @@ def check_heads(identity: ModelIdentity, manager: KVManager, reg: Registration) 
         return None
     if reg.landing_ptrs:
         check_landing(manager, reg, copy)
-    elif copy.dst_contiguous and manager.staging is None:
+    elif copy.dst_contiguous and not manager.has_staging:
         raise IncompatiblePeerError(
             f"prefill rank {identity.tp_rank} sends {copy.count} of its {copy.src_heads} KV "
             "heads into each page and registered no staging buffer to gather them"
@@ -236,7 +271,7 @@ def _describe_draft(band: list[int]) -> str:
     return f"a draft (KV layer ids {band})" if band else "no draft"
 
 
-def check_landing(manager: KVManager, reg: Registration, copy: HeadCopy) -> None:
+def check_landing(manager: SourceRank, reg: Registration, copy: HeadCopy) -> None:
     """Raise :class:`IncompatiblePeerError` unless the decode's landing entries take this
     prefill rank's pages whole: its slice must be all of its heads, one landing entry per
     decode entry, each with this rank's bytes per page."""
@@ -257,3 +292,32 @@ def check_landing(manager: KVManager, reg: Registration, copy: HeadCopy) -> None
         check_bytes_per_page(pairs, manager.kv_bytes_per_page, reg.landing_bytes_per_page)
     except LayerPairingError as exc:
         raise IncompatiblePeerError(f"landing entries do not match: {exc}") from exc
+
+
+def plan_sends(identity: ModelIdentity, ranks: Sequence[SourceRank],
+               reg: Registration) -> list[tuple[int, HeadCopy | None]]:
+    """What every rank of a tensor-parallel prefill (``ranks[i]`` is rank ``i``; ``identity``
+    is the node's, its heads over all of them) writes into the registering decode rank: the
+    ``(index in ranks, head slice)`` of each rank that holds some of its heads (the slice None:
+    whole pages), each checked by :func:`check_compatible`. Raises
+    :class:`IncompatiblePeerError` as it does. With one entry in ``ranks`` it is the rank
+    ``identity.tp_rank`` names (a process that serves its own rank only): ``[(0, copy)]``."""
+    if len(ranks) == 1:
+        return [(0, check_compatible(identity, ranks[0], reg))]
+    src, dst = identity.heads, decode_heads(reg)
+    if src is None or dst is None or src.tp_size != len(ranks):
+        raise IncompatiblePeerError(
+            f"a prefill of {len(ranks)} TP ranks must describe its heads over them, and the "
+            "decode its own")
+    if not 0 <= reg.tp_rank < dst.tp_size:
+        raise IncompatiblePeerError(f"decode rank {reg.tp_rank} is outside its TP {dst.tp_size}")
+    try:
+        writers = [r for r, _ in receivers(src, dst)[reg.tp_rank]]
+    except HeadLayoutError as exc:
+        raise IncompatiblePeerError(f"KV heads cannot be paired: {exc}") from exc
+    if reg.landing_ptrs and len(writers) > 1:
+        raise IncompatiblePeerError(
+            f"decode rank {reg.tp_rank} offers one landing slot, but prefill ranks {writers} "
+            "each write part of its heads: register without a landing buffer")
+    return [(r, check_compatible(dataclasses.replace(identity, tp_rank=r), ranks[r], reg))
+            for r in writers]

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 
 from transfer.aux import AuxRow
 from transfer.base import KVManager
-from transfer.bootstrap import BootstrapConfig, ModelIdentity, check_compatible, check_token
+from transfer.bootstrap import (
+    BootstrapConfig,
+    ModelIdentity,
+    RankSender,
+    check_token,
+    plan_sends,
+)
 from transfer.errors import EngineCallError, MessageError, TransferError
 from transfer.faults import make_injector
 from transfer.heads import HeadCopy
@@ -51,18 +57,20 @@ NO_AUX_SLOT = -1  # Destination.aux_slot of a room this prefill finishes without
 
 @dataclass(eq=False)
 class _Conn:
-    """One registered decode connection (one rank of the decode)."""
+    """One registered decode connection (one rank of the decode) and what each prefill rank
+    writes into it: ``(rank, head slice)``, the slice None for whole pages."""
 
     sock: FramedSocket
     reg: Registration
     last_seen: float
-    heads: HeadCopy | None = None  # the head slice written into this decode rank; None: whole
+    sends: list[tuple[RankSender, HeadCopy | None]] = field(default_factory=list)
     alive: bool = True
 
     @property
     def lands(self) -> bool:
-        """Pages go whole into the decode's landing entries (``Destination.landing_pages``)."""
-        return bool(self.reg.landing_ptrs) and self.heads is not None
+        """Pages go whole into the decode's landing entries (``Destination.landing_pages``):
+        one prefill rank writes a slice of the rank's heads (:func:`plan_sends`)."""
+        return bool(self.reg.landing_ptrs) and any(c is not None for _, c in self.sends)
 
     @property
     def decode_tp(self) -> int:
@@ -108,7 +116,11 @@ class _Room:
 
 
 class PrefillBootstrapServer:
-    """Bootstrap endpoint of a prefill node, bound to ``host:port`` (port 0: any free port)."""
+    """Bootstrap endpoint of a prefill node, bound to ``host:port`` (port 0: any free port).
+
+    ``ranks``: a tensor-parallel prefill's other ranks, ``ranks[i]`` is rank ``i + 1``
+    (:class:`transfer.rank_agent.RemoteRank`); each writes its heads into the decode ranks that
+    hold them (:func:`transfer.bootstrap.plan_sends`), ``manager`` (rank 0) the aux rows."""
 
     def __init__(
         self,
@@ -118,9 +130,11 @@ class PrefillBootstrapServer:
         host: str = "127.0.0.1",
         port: int = 0,
         config: BootstrapConfig | None = None,
+        ranks: Sequence[RankSender] = (),
     ) -> None:
         self.manager = manager
         self.identity = identity
+        self._ranks: list[RankSender] = [manager, *ranks]
         self.config = config or BootstrapConfig()
         if manager.faults is None:  # the manager's writes and this endpoint's sends share it
             manager.faults = make_injector(self.config.faults)
@@ -236,19 +250,20 @@ class PrefillBootstrapServer:
         """Write ``src`` into one decode rank: its destination pages from ``cursor`` on, or
         its landing pages (whole pages of this rank's heads, a plain page copy)."""
         reg = conn.reg
-        if conn.lands:
-            self.manager.send_kvcache(
-                reg.session_id, src, reg.landing_ptrs,
-                dest.landing_pages[cursor : cursor + len(src)],
-                dst_layer_ids=reg.kv_layer_ids or None,
-                dst_bytes_per_page=reg.landing_bytes_per_page,
-            )
-        else:
-            self.manager.send_kvcache(
-                reg.session_id, src, reg.kv_ptrs, dest.pages[cursor : cursor + len(src)],
-                dst_layer_ids=reg.kv_layer_ids or None,
-                dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=conn.heads,
-            )
+        for sender, heads in conn.sends:
+            if conn.lands:
+                sender.send_kvcache(
+                    reg.session_id, src, reg.landing_ptrs,
+                    dest.landing_pages[cursor : cursor + len(src)],
+                    dst_layer_ids=reg.kv_layer_ids or None,
+                    dst_bytes_per_page=reg.landing_bytes_per_page,
+                )
+            else:
+                sender.send_kvcache(
+                    reg.session_id, src, reg.kv_ptrs, dest.pages[cursor : cursor + len(src)],
+                    dst_layer_ids=reg.kv_layer_ids or None,
+                    dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=heads,
+                )
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
         """Fail ``room``; the decode hears ``Abort`` once no write into it is in flight."""
@@ -357,7 +372,7 @@ class PrefillBootstrapServer:
             if not isinstance(reg, Registration):
                 raise MessageError(f"expected Registration, got {type(reg).__name__}")
             check_token(self.config.secret, reg)
-            heads = check_compatible(self.identity, self.manager, reg)
+            plan = plan_sends(self.identity, self._ranks, reg)
             fs.send(RegisterReply(True, ""))
             sock.settimeout(None)
         except (OSError, TransferError) as exc:
@@ -369,7 +384,7 @@ class PrefillBootstrapServer:
                 pass
             fs.close()
             return
-        conn = _Conn(fs, reg, time.monotonic(), heads)
+        conn = _Conn(fs, reg, time.monotonic(), [(self._ranks[r], c) for r, c in plan])
         with self._lock:
             self._conns.append(conn)
         try:

@@ -126,13 +126,59 @@ class HeartbeatAck:
     seq: int
 
 
+@dataclass(frozen=True)
+class RankBuffers:
+    """Within a tensor-parallel prefill: what another rank's process registered (its engine's
+    address, its KV entries, whether it has a staging buffer) and the port of its send agent
+    (:mod:`transfer.rank_agent`), reported to rank 0 once."""
+
+    session_id: str
+    kv_ptrs: list[int]
+    kv_bytes_per_page: list[int]
+    kv_layer_ids: list[int]
+    num_pages: int
+    has_staging: bool
+    agent_port: int
+
+
+@dataclass(frozen=True)
+class SendOrder:
+    """Rank 0 of a tensor-parallel prefill to another rank: make this ``send_kvcache`` call
+    (``dst_layer_ids`` empty: positional pairing; ``heads`` empty: whole pages, else the
+    :class:`~transfer.heads.HeadCopy` fields in order)."""
+
+    session_id: str
+    src_pages: list[int]
+    dst_ptrs: list[int]
+    dst_pages: list[int]
+    dst_layer_ids: list[int]
+    dst_bytes_per_page: list[int]
+    heads: list[int]
+
+
+@dataclass(frozen=True)
+class SendReply:
+    """The rank's answer to a :class:`SendOrder`: what moved, or why not (``error``: the
+    :mod:`transfer.errors` class its manager raised, ``EngineCallError`` when bytes may have
+    landed)."""
+
+    ok: bool
+    error: str
+    reason: str
+    blocks: int
+    batches: int
+    nbytes: int
+
+
 Message = typing.Union[  # noqa: UP007 (a runtime alias)
-    Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck
+    Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck,
+    RankBuffers, SendOrder, SendReply,
 ]
 _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
-        Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck
+        Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck,
+        RankBuffers, SendOrder, SendReply,
     )
 }
 

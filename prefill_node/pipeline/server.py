@@ -142,7 +142,8 @@ async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
         band, later = tuple(info.draft_layer_ids), "," + info.bootstrap
     identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
                              args.config.dtype, text.num_hidden_layers,
-                             pipeline_draft_band=band, heads=prefill_heads(pool))
+                             pipeline_draft_band=band,
+                             heads=prefill_heads(text, pool))
     manager = prefill_manager(args.transfer_backend, pool, buffers,
                               hidden_size=text.hidden_size, hostname=args.advertise_host)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,

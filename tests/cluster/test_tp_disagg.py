@@ -1,17 +1,22 @@
-"""Different tensor-parallel sizes on the two sides of a disaggregated cluster: a decode with
-``--tp-size 2`` (two processes, gloo, each rank with its own transfer engine) fed by a prefill
-with every head in one process (P TP1 -> D TP2) and by a prefill in two pipeline stages
-(P PP2 -> D TP2), through routers, over real Mooncake TCP.
+"""Different tensor-parallel sizes on the two sides of a disaggregated cluster, through routers,
+over real Mooncake TCP (every rank in its own process, gloo, with its own transfer engine):
 
-The prefill gathers each decode rank's KV head into its staging buffer and writes that rank
-whole pages (:mod:`transfer.heads`). Greedy streams equal transformers' ``generate`` (the
-oracle of tests/engine/test_generation_vs_transformers.py) for text and image prompts, sent
-together; sent again, the decode's prefix cache holds their prompt pages and the prefill sends
-only the rest to both ranks. Every node ends idle (the leak check).
+- P TP1 -> D TP2 and P PP2 -> D TP2: the prefill gathers each decode rank's KV head into its
+  staging buffer and writes that rank whole pages;
+- P TP2 -> D TP1: each prefill rank writes its head into the decode's pages, one block per
+  token (the decode registers no landing buffer yet);
+- P TP2 -> D TP2: each prefill rank writes its decode rank whole pages.
+
+Greedy streams equal transformers' ``generate`` (the oracle of
+tests/engine/test_generation_vs_transformers.py) for text and image prompts, sent together;
+sent again, the decode's prefix cache holds their prompt pages and the prefill sends only the
+rest. No request is retried or recomputed, and every node ends idle (the leak check).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +27,7 @@ import pytest
 from engine.llm_engine import Prompt
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
-from tests.cluster.harness import Node
+from tests.cluster.harness import ROOT, Node, _env
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all
 from tests.cluster.test_qwen2_5_cluster import request
@@ -41,15 +46,20 @@ def nodes(hf_dir: Path) -> Iterator[dict[str, Node]]:
     started: list[Node] = []
     try:
         started += start_all([[*pp, "--pp-rank", "1"], ["prefill", *model, *NODE],
-                              ["decode", *model, *NODE, "--tp-size", "2"]])
-        last, prefill, decode = started
+                              ["prefill", *model, *NODE, "--tp-size", "2"],
+                              ["decode", *model, *NODE, "--tp-size", "2"],
+                              ["decode", *model, *NODE]])
+        last, prefill, prefill2, decode2, decode = started
         started += start_all([[*pp, "--pp-rank", "0", "--pp-next", last.address]])
         first = started[-1]
-        router = ["router", *model, "--port", "0", "--decode", decode.address]
-        started += start_all([[*router, "--prefill", prefill.address],
-                              [*router, "--prefill", first.address]])
-        yield {"tp1_to_tp2": started[-2], "pp2_to_tp2": started[-1], "prefill": prefill,
-               "first": first, "last": last, "decode": decode}
+        router = ["router", *model, "--port", "0"]
+        pairs = {"tp1_to_tp2": (prefill, decode2), "pp2_to_tp2": (first, decode2),
+                 "tp2_to_tp1": (prefill2, decode), "tp2_to_tp2": (prefill2, decode2)}
+        started += start_all([[*router, "--prefill", p.address, "--decode", d.address]
+                              for p, d in pairs.values()])
+        yield {**dict(zip(pairs, started[-len(pairs):], strict=True)), "prefill": prefill,
+               "prefill2": prefill2, "first": first, "last": last, "decode2": decode2,
+               "decode": decode}
     finally:
         stop_all(started)
 
@@ -69,11 +79,15 @@ def stream_all(router: Node) -> list[list[gpb.GenerateResponse]]:
             return list(pool.map(lambda r: list(stub.Generate(r, timeout=120)), reqs))
 
 
-@pytest.mark.parametrize("path", ["tp1_to_tp2", "pp2_to_tp2"])
+PAIRS = {"tp1_to_tp2": "decode2", "pp2_to_tp2": "decode2", "tp2_to_tp1": "decode",
+         "tp2_to_tp2": "decode2"}
+
+
+@pytest.mark.parametrize("path", list(PAIRS))
 def test_streams_equal_transformers_and_cached_prompts_skip_their_pages(
     path: str, nodes: dict[str, Node], want: list[list[int]]
 ) -> None:
-    decode = nodes["decode"].address
+    decode = nodes[PAIRS[path]].address
     for attempt in ("first", "cached"):
         before = get_stats(decode).kv_pages_not_sent
         streams = stream_all(nodes[path])
@@ -85,3 +99,18 @@ def test_streams_equal_transformers_and_cached_prompts_skip_their_pages(
         assert_all_idle([n.address for n in nodes.values()])
     router = get_stats(nodes[path].address)  # every prompt's KV came over the transfer
     assert (router.kv_retries, router.kv_recomputes, router.transfers_failed) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--pp-size", "2", "--pp-rank", "1"], "--tp-size does not run with --pp-size > 1 yet"),
+    (["--draft", "nowhere"], "--draft does not run with --tp-size > 1 yet"),
+])
+def test_a_tp_prefill_refuses_stages_and_drafts_with_one_error_line(
+    tiny_dir: Path, extra: list[str], message: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "prefill", "--model", str(tiny_dir), "--port", "0",
+         "--device", "cpu", "--tp-size", "2", *extra], cwd=ROOT, env=_env(),
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
