@@ -54,9 +54,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-resources", default="{}", metavar="JSON",
                    help='custom Ray resources per prefill worker, e.g. \'{"NPU": 1}\'')
     p.add_argument("--decode-resources", default="{}", metavar="JSON")
+    p.add_argument("--prefill-tp-size", type=int, default=1, metavar="N",
+                   help="tensor-parallel processes of every prefill worker (its "
+                        "--prefill-gpus cover them all)")
     p.add_argument("--decode-tp-size", type=int, default=1, metavar="N",
-                   help="tensor-parallel processes of every decode worker (its --decode-gpus "
-                        "cover them all); prefills send each rank its KV heads")
+                   help="tensor-parallel processes of every decode worker; the two sizes may "
+                        "differ: each prefill rank sends each decode rank its KV heads")
     p.add_argument("--worker-args", default="", metavar="'FLAGS'",
                    help="engine flags passed to every worker, e.g. '--num-pages 512'")
     add_device_args(p)  # passed to every worker as given: each resolves auto on its own node
@@ -85,7 +88,8 @@ def run_launch(args: argparse.Namespace) -> int:
         port=args.port, address=args.address, prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus, prefill_resources=_resources(args.prefill_resources),
         decode_resources=_resources(args.decode_resources),
-        worker_args=args.worker_args.split(), decode_tp=args.decode_tp_size,
+        worker_args=args.worker_args.split(), prefill_tp=args.prefill_tp_size,
+        decode_tp=args.decode_tp_size,
         detached=args.detach,
         draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
         draft_topk=args.draft_topk, draft_steps=args.draft_steps,

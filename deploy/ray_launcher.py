@@ -127,6 +127,7 @@ class LaunchOptions:
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)  # engine flags for both worker roles
+    prefill_tp: int = 1  # --tp-size of every prefill worker (prefill_gpus covers its processes)
     decode_tp: int = 1  # --tp-size of every decode worker (its processes; decode_gpus covers all)
     draft: str | None = None  # EAGLE draft directory for both roles
     num_draft_tokens: int = 3
@@ -234,9 +235,10 @@ def actor_name(cluster: str, label: str) -> str:
 
 def worker_argv(role: str, opts: LaunchOptions) -> list[str]:
     """The ``pdserve ROLE`` flags of a worker (its server flags come from :class:`ServerActor`):
-    model, device flags, a decode's ``--tp-size``, then ``worker_args`` (so a flag given there
+    model, device flags, the role's ``--tp-size``, then ``worker_args`` (so a flag given there
     wins), then the draft's."""
-    tp = ["--tp-size", str(opts.decode_tp)] if role == "decode" and opts.decode_tp > 1 else []
+    size = opts.decode_tp if role == "decode" else opts.prefill_tp
+    tp = ["--tp-size", str(size)] if size > 1 else []
     return ["--model", opts.model, *device_args(opts), *tp, *opts.worker_args,
             *draft_args(role, opts)]
 

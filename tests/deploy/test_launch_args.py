@@ -44,10 +44,14 @@ def test_launch_draft_tree_flags_reach_the_decode(flags: list[str],
     assert (worker.num_draft_tokens, worker.draft_topk, worker.draft_steps) == tree
 
 
-@pytest.mark.parametrize("n", [1, 2])
-def test_launch_decode_tp_size_reaches_the_decodes_only(n: int) -> None:
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 1), (1, 4)])
+def test_launch_tp_sizes_reach_their_roles(prefill: int, decode: int) -> None:
     parser = build_parser()
-    launch = parser.parse_args(["launch", *(["--decode-tp-size", str(n)] if n > 1 else [])])
-    opts = LaunchOptions(model="m", decode_tp=launch.decode_tp_size)
-    assert parser.parse_args(["decode", *worker_argv("decode", opts)]).tp_size == n
-    assert "--tp-size" not in worker_argv("prefill", opts)
+    launch = parser.parse_args(["launch", "--prefill-tp-size", str(prefill),
+                                "--decode-tp-size", str(decode)])
+    opts = LaunchOptions(model="m", prefill_tp=launch.prefill_tp_size,
+                         decode_tp=launch.decode_tp_size)
+    for role, n in (("prefill", prefill), ("decode", decode)):
+        argv = worker_argv(role, opts)
+        assert parser.parse_args([role, *argv]).tp_size == n
+        assert ("--tp-size" in argv) == (n > 1)
