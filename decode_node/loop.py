@@ -11,11 +11,11 @@ leave the transfer queues are emitted as they are polled, on every pass.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decode_node.remote import RemoteQueues, RemoteRoom, RoomOutcome
 from decode_node.spec.eagle_engine import EagleEngine
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, TensorParallelError
 from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, Request, SamplingParams
@@ -34,6 +34,7 @@ class TokenEvent:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    prefill_side: bool = True  # ``error`` is the prefill's side of a transfer (else this node's)
     drafted: int = 0  # speculative decoding: draft tokens proposed / accepted so far
     accepted: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held (Request.num_cached_tokens)
@@ -145,10 +146,18 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
 
     def fail_all(self, reason: str) -> list[TokenEvent]:
         """Abort every scheduled request: each ends with ``finish_reason`` abort (the reason
-        is only logged)."""
+        is only logged), or, when the engine is :attr:`dead`, with this node's error (the
+        router recovers the request elsewhere)."""
         sched = self.engine.scheduler
-        reqs = [sched.abort(rid) for rid in sched.request_ids()]
-        return [_event(r, 0) for r in reqs if r is not None]
+        reqs = [r for r in (sched.abort(rid) for rid in sched.request_ids()) if r is not None]
+        if self.dead is None:
+            return [_event(r, 0) for r in reqs]
+        error = f"{reason}: {self.dead}"
+        return [replace(_event(r, 0), error=error, prefill_side=False) for r in reqs]
+
+    def fatal(self, exc: Exception) -> bool:
+        """A tensor-parallel rank died: the engine cannot step again."""
+        return isinstance(exc, TensorParallelError)
 
     def publish(self, out: list[TokenEvent]) -> None:
         if out:

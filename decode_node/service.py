@@ -86,7 +86,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
-            if ev.error is not None:
+            if ev.error is not None and ev.prefill_side:
                 self.counters["transfers_failed"] += 1
             queue = self._streams.get(ev.request_id)
             if queue is not None:
@@ -120,10 +120,12 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 events = [await queue.get()]
                 while not queue.empty():
                     events.append(queue.get_nowait())
-                if events[-1].error is not None:  # the room's transfer failed
+                last = events[-1]
+                if last.error is not None:  # the room's transfer failed, or this node did
                     finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, events[-1].error,
-                                        trailing_metadata=PREFILL_SIDE)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, last.error,
+                                        trailing_metadata=PREFILL_SIDE if last.prefill_side
+                                        else ())
                 msg = merge_events(req.request_id, events)
                 finished = msg.finished
                 yield msg

@@ -26,6 +26,7 @@ from dataclasses import replace
 import torch
 
 from engine.draft_runner import DraftRunner
+from engine.errors import TensorParallelError
 from engine.inputs import ImageInput, RequestState, VideoInput
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
@@ -86,6 +87,10 @@ class PrefillThread(EngineThread[None]):
 
     def fail_all(self, reason: str) -> None:
         self.rooms.finish_all(reason)
+
+    def fatal(self, exc: Exception) -> bool:
+        """A tensor-parallel rank died: the engine cannot step again."""
+        return isinstance(exc, TensorParallelError)
 
 
 class PrefillLoop(PrefillThread):

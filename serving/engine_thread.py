@@ -16,6 +16,11 @@ One pass of the thread, every hook but :meth:`EngineThread.publish` called with 
 4. :meth:`EngineThread.step`; if it raises, the exception is logged and
    :meth:`EngineThread.fail_all` ends every request: a bug fails the requests, never hangs them;
 5. release the lock and :meth:`EngineThread.publish` what the step (or ``fail_all``) returned.
+
+An exception :meth:`EngineThread.fatal` names (the engine cannot step again: a tensor-parallel
+rank died) is recorded in :attr:`EngineThread.dead` before ``fail_all`` runs (which may then
+fail requests differently), stops the thread and ends the process as a failure
+(:func:`serving.process_exit.end_with_failure`) once the failed requests are published.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from typing import Generic, TypeVar
+
+from serving.process_exit import end_with_failure
 
 log = logging.getLogger(__name__)
 Out = TypeVar("Out")
@@ -41,6 +48,7 @@ class EngineThread(ABC, Generic[Out]):
         self.failure = failure
         self.lock = threading.Condition(threading.Lock())
         self._stopping = False
+        self.dead: str | None = None  # why the engine cannot step again (see fatal)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -77,6 +85,11 @@ class EngineThread(ABC, Generic[Out]):
     def publish(self, out: Out) -> None:  # noqa: B027 - a hook that does nothing by default
         """Hand on what :meth:`step` or :meth:`fail_all` returned, with the lock released."""
 
+    def fatal(self, exc: Exception) -> bool:
+        """Whether ``exc``, raised by a step, leaves an engine that cannot step again; False by
+        default."""
+        return False
+
     # ---- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -94,9 +107,14 @@ class EngineThread(ABC, Generic[Out]):
                 return True
             try:
                 out = self.step()
-            except Exception:  # a bug must fail the step's requests, not hang them
+            except Exception as exc:  # a bug must fail the step's requests, not hang them
                 log.exception("%s: step failed; failing every request (%s)", self.name,
                               self.failure)
+                if self.fatal(exc):
+                    self.dead, self._stopping = f"{type(exc).__name__}: {exc}", True
                 out = self.fail_all(self.failure)
         self.publish(out)
+        if self.dead is not None:
+            end_with_failure(f"{self.name}: {self.dead}")
+            return False
         return True

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transfer.aux import AuxRow
@@ -63,7 +64,7 @@ class _Conn:
     sock: FramedSocket
     reg: Registration
     last_seen: float
-    sends: list[tuple[RankSender, HeadCopy | None]] = field(default_factory=list)
+    sends: list[tuple[int, HeadCopy | None]] = field(default_factory=list)
     alive: bool = True
 
     @property
@@ -135,6 +136,7 @@ class PrefillBootstrapServer:
         self.manager = manager
         self.identity = identity
         self._ranks: list[RankSender] = [manager, *ranks]
+        self._writers: ThreadPoolExecutor | None = None  # the ranks' writes of one chunk
         self.config = config or BootstrapConfig()
         if manager.faults is None:  # the manager's writes and this endpoint's sends share it
             manager.faults = make_injector(self.config.faults)
@@ -230,8 +232,7 @@ class PrefillBootstrapServer:
         error: TransferError | None = None
         try:
             if src:
-                for conn, d, cursor in writes:
-                    self._send_pages(conn, src, d, cursor)
+                self._write_ranks(writes, src)
             if last is not None:
                 aux = _dest(aux_to[0])
                 self._send_aux(aux_to[0].conn.reg, aux.aux_slot,
@@ -246,11 +247,34 @@ class PrefillBootstrapServer:
                 r.status = advance(r.status, KVPoll.Success)
             return self._finish_locked(r)
 
-    def _send_pages(self, conn: _Conn, src: list[int], dest: Destination, cursor: int) -> None:
-        """Write ``src`` into one decode rank: its destination pages from ``cursor`` on, or
-        its landing pages (whole pages of this rank's heads, a plain page copy)."""
-        reg = conn.reg
-        for sender, heads in conn.sends:
+    def _write_ranks(self, writes: list[tuple[_Conn, Destination, int]], src: list[int]) -> None:
+        """Write ``src`` into every decode rank of ``writes`` (its connection, destination and
+        the room's cursor), each prefill rank's share on a thread of its own when several
+        write; returns once every write returned, raising the first error (an
+        :class:`EngineCallError` first: bytes may have landed)."""
+        jobs: dict[int, list[tuple[_Conn, Destination, int, HeadCopy | None]]] = {}
+        for conn, dest, cursor in writes:
+            for rank, heads in conn.sends:
+                jobs.setdefault(rank, []).append((conn, dest, cursor, heads))
+        if len(jobs) == 1:
+            ((rank, mine),) = jobs.items()
+            self._write_rank(rank, mine, src)
+            return
+        if self._writers is None:
+            self._writers = ThreadPoolExecutor(len(self._ranks), "bootstrap-rank-write")
+        futures = [self._writers.submit(self._write_rank, rank, mine, src)
+                   for rank, mine in jobs.items()]
+        failures = [exc for exc in (f.exception() for f in futures) if exc is not None]
+        if failures:
+            raise next((e for e in failures if isinstance(e, EngineCallError)), failures[0])
+
+    def _write_rank(self, rank: int, jobs: list[tuple[_Conn, Destination, int, HeadCopy | None]],
+                    src: list[int]) -> None:
+        """Prefill rank ``rank``'s writes of ``src`` into decode ranks: their destination pages
+        from the cursor on, or their landing pages (whole pages of its heads, a plain copy)."""
+        sender = self._ranks[rank]
+        for conn, dest, cursor, heads in jobs:
+            reg = conn.reg
             if conn.lands:
                 sender.send_kvcache(
                     reg.session_id, src, reg.landing_ptrs,
@@ -293,6 +317,8 @@ class PrefillBootstrapServer:
             c.sock.close()
         for t in self._threads:
             t.join(timeout=2)
+        if self._writers is not None:
+            self._writers.shutdown(wait=True)
 
     # ---- internals (call with the lock held unless named otherwise) ----------------------
 
@@ -384,7 +410,7 @@ class PrefillBootstrapServer:
                 pass
             fs.close()
             return
-        conn = _Conn(fs, reg, time.monotonic(), [(self._ranks[r], c) for r, c in plan])
+        conn = _Conn(fs, reg, time.monotonic(), plan)
         with self._lock:
             self._conns.append(conn)
         try:

@@ -1,0 +1,114 @@
+"""A tensor-parallel rank killed mid-request (``kill -9`` of that rank's process): its worker
+cannot step again, so it fails what it holds, ends itself with status 1 (a supervisor sees a
+failed worker rather than a live one failing every request), and the router recovers as for a
+dead worker: a prompt whose prefill rank died is computed on the decode and completes equal to
+the engine; a request whose only decode lost a rank ends UNAVAILABLE within a bound. The
+survivors end holding nothing, and the worker restarted on its ports is used again.
+
+Cluster: a prefill with ``--tp-size 2``, a decode with ``--tp-size 2``, one router; handshake
+timeouts small, a long prompt in small chunks so the prefill is still sending when killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, Prompt
+from engine.request import SamplingParams
+from proto.pdserve.v1 import admin_pb2, generate_pb2_grpc
+from tests.cluster.harness import free_port
+from tests.cluster.stats import assert_all_idle, get_stats
+from tests.cluster.streams import Stream, wait_for
+from tests.cluster.test_cluster import start_all, stop_all
+from tests.cluster.test_decode_tp import rank_processes
+from tests.cluster.test_faults import (
+    FAIL_WITHIN_S,
+    FAST_FAIL,
+    LONG,
+    Cluster,
+    _req,
+    _serves_again,
+    _started_on,
+)
+
+pytestmark = pytest.mark.slow
+EXIT_WITHIN_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    model = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "512", "--tp-size", "2",
+             *FAST_FAIL]
+    pport, bport, dport = free_port(), free_port(), free_port()
+    commands = {
+        "prefill": ["prefill", *model, "--port", str(pport), "--bootstrap-port", str(bport),
+                    "--max-num-batched-tokens", "16"],
+        "decode": ["decode", *model, "--port", str(dport)],
+        "router": ["router", "--model", str(tiny_dir), "--port", "0", "--prefill",
+                   f"127.0.0.1:{pport}", "--decode", f"127.0.0.1:{dport}"],
+    }
+    c = Cluster(commands, {})
+    try:
+        p, d = start_all([commands["prefill"], commands["decode"]])
+        c.nodes.update(prefill=p, decode=d)
+        [c.nodes["router"]] = start_all([commands["router"]])
+        yield c
+    finally:
+        stop_all(list(c.nodes.values()))
+
+
+def kill_rank_1(cluster: Cluster, name: str) -> None:
+    """``kill -9`` rank 1's process of worker ``name``, then wait for the worker to end itself
+    with status 1."""
+    node = cluster.nodes[name]
+    [rank1] = rank_processes(node.proc.pid)
+    os.kill(rank1, signal.SIGKILL)
+    assert node.proc.wait(EXIT_WITHIN_S) == 1
+
+
+def test_a_prefill_rank_killed_mid_transfer_ends_its_worker_and_the_prompt_is_recomputed(
+    cluster: Cluster, tiny_dir: Path
+) -> None:
+    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=512, page_size=8))
+    [want] = engine.generate([Prompt(token_ids=LONG)],
+                             SamplingParams(max_new_tokens=8, ignore_eos=True))
+    with grpc.insecure_channel(cluster.address("router")) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        admin = cluster.admin("prefill")
+        admin.GetStats(admin_pb2.GetStatsRequest(), timeout=5)
+        stream = Stream(stub, _req(LONG, 8))
+        wait_for(lambda: _started_on(stream, admin), "the prefill never started the room")
+        kill_rank_1(cluster, "prefill")
+        stream.join(60.0)
+        assert stream.error is None and stream.tokens == want.token_ids, stream.error
+        assert get_stats(cluster.address("router")).kv_recomputes >= 1
+        assert_all_idle([cluster.address("decode"), cluster.address("router")], 15.0)
+        cluster.restart("prefill")
+        before = get_stats(cluster.address("prefill")).requests_total
+        _serves_again(stub)
+        assert get_stats(cluster.address("prefill")).requests_total > before
+    assert_all_idle(cluster.addresses)
+
+
+def test_a_decode_rank_killed_mid_stream_ends_its_worker_and_the_request(
+    cluster: Cluster,
+) -> None:
+    with grpc.insecure_channel(cluster.address("router")) as ch:
+        stub = generate_pb2_grpc.GenerationStub(ch)
+        stream = Stream(stub, _req([3, 1, 4, 1, 5], 2000))
+        wait_for(lambda: bool(stream.tokens), "no token arrived")
+        kill_rank_1(cluster, "decode")
+        stream.join(FAIL_WITHIN_S)
+        assert stream.error is not None
+        assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
+        assert_all_idle([cluster.address("prefill"), cluster.address("router")], 15.0)
+        cluster.restart("decode")
+        _serves_again(stub)
+    assert_all_idle(cluster.addresses)
