@@ -11,7 +11,8 @@ prompt is long with a small prefill chunk, so the prefill is still pushing KV wh
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,9 +61,11 @@ class Cluster:
         [self.nodes[name]] = start_all([self.commands[name]])
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_dir: Path) -> Iterator[Cluster]:
-    model = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "512", *FAST_FAIL]
+@contextmanager
+def one_of_each(tiny_dir: Path, worker_flags: Sequence[str] = ()) -> Iterator[Cluster]:
+    """A prefill, a decode (both with ``worker_flags``) and a router, on fixed ports."""
+    model = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "512", *FAST_FAIL,
+             *worker_flags]
     pport, bport, dport = free_port(), free_port(), free_port()
     commands = {
         "prefill": ["prefill", *model, "--port", str(pport), "--bootstrap-port", str(bport),
@@ -79,6 +82,12 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
         yield c
     finally:
         stop_all(list(c.nodes.values()))
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    with one_of_each(tiny_dir) as c:
+        yield c
 
 
 def _req(ids: Sequence[int], new: int) -> gpb.GenerateRequest:
@@ -134,11 +143,17 @@ def test_prefill_killed_mid_transfer_is_recomputed(cluster: Cluster, tiny_dir: P
 
 
 def test_decode_killed_mid_stream(cluster: Cluster) -> None:
+    only_decode_dies_mid_stream(cluster, lambda: cluster.kill("decode"))
+
+
+def only_decode_dies_mid_stream(cluster: Cluster, kill: Callable[[], None]) -> None:
+    """A long stream whose only decode dies (``kill``) ends ``UNAVAILABLE`` within
+    :data:`FAIL_WITHIN_S`; the prefill and the router end idle; a restarted decode serves."""
     with grpc.insecure_channel(cluster.address("router")) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         stream = Stream(stub, _req([3, 1, 4, 1, 5], 2000))
         wait_for(lambda: bool(stream.tokens), "no token arrived")
-        cluster.kill("decode")
+        kill()
         stream.join(FAIL_WITHIN_S)
         assert stream.error is not None
         assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error

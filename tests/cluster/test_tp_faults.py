@@ -23,19 +23,17 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
 from proto.pdserve.v1 import admin_pb2, generate_pb2_grpc
-from tests.cluster.harness import free_port
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.streams import Stream, wait_for
-from tests.cluster.test_cluster import start_all, stop_all
 from tests.cluster.test_decode_tp import rank_processes
 from tests.cluster.test_faults import (
-    FAIL_WITHIN_S,
-    FAST_FAIL,
     LONG,
     Cluster,
     _req,
     _serves_again,
     _started_on,
+    one_of_each,
+    only_decode_dies_mid_stream,
 )
 
 pytestmark = pytest.mark.slow
@@ -44,24 +42,8 @@ EXIT_WITHIN_S = 30.0
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir: Path) -> Iterator[Cluster]:
-    model = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "512", "--tp-size", "2",
-             *FAST_FAIL]
-    pport, bport, dport = free_port(), free_port(), free_port()
-    commands = {
-        "prefill": ["prefill", *model, "--port", str(pport), "--bootstrap-port", str(bport),
-                    "--max-num-batched-tokens", "16"],
-        "decode": ["decode", *model, "--port", str(dport)],
-        "router": ["router", "--model", str(tiny_dir), "--port", "0", "--prefill",
-                   f"127.0.0.1:{pport}", "--decode", f"127.0.0.1:{dport}"],
-    }
-    c = Cluster(commands, {})
-    try:
-        p, d = start_all([commands["prefill"], commands["decode"]])
-        c.nodes.update(prefill=p, decode=d)
-        [c.nodes["router"]] = start_all([commands["router"]])
+    with one_of_each(tiny_dir, ["--tp-size", "2"]) as c:
         yield c
-    finally:
-        stop_all(list(c.nodes.values()))
 
 
 def kill_rank_1(cluster: Cluster, name: str) -> None:
@@ -100,15 +82,4 @@ def test_a_prefill_rank_killed_mid_transfer_ends_its_worker_and_the_prompt_is_re
 def test_a_decode_rank_killed_mid_stream_ends_its_worker_and_the_request(
     cluster: Cluster,
 ) -> None:
-    with grpc.insecure_channel(cluster.address("router")) as ch:
-        stub = generate_pb2_grpc.GenerationStub(ch)
-        stream = Stream(stub, _req([3, 1, 4, 1, 5], 2000))
-        wait_for(lambda: bool(stream.tokens), "no token arrived")
-        kill_rank_1(cluster, "decode")
-        stream.join(FAIL_WITHIN_S)
-        assert stream.error is not None
-        assert stream.error.code() == grpc.StatusCode.UNAVAILABLE, stream.error
-        assert_all_idle([cluster.address("prefill"), cluster.address("router")], 15.0)
-        cluster.restart("decode")
-        _serves_again(stub)
-    assert_all_idle(cluster.addresses)
+    only_decode_dies_mid_stream(cluster, lambda: kill_rank_1(cluster, "decode"))
