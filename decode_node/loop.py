@@ -78,8 +78,9 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
     ) -> None:
         """Queue a room whose prompt a prefill node computes; raises ``InvalidRequestError``.
 
-        ``client`` is the prefill's bootstrap client, or one client per pipeline stage in stage
-        order (the last stage sends the aux row). ``images`` and ``videos`` are the prompt's:
+        ``client`` is the prefill's bootstrap client, or the clients of every pipeline stage
+        and TP rank in stage order (:meth:`decode_node.service.DecodeService._connect`; the
+        last holds the aux slot). ``images`` and ``videos`` are the prompt's:
         the prefix cache keys its blocks by their content too."""
         clients = client if isinstance(client, list) else [client]
         req = self.engine.new_request(token_ids, images, sampling, request_id=str(room),

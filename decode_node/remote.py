@@ -20,7 +20,9 @@ A remote room moves through:
   into them (through :meth:`RemoteQueues.free_later`, drained by the engine thread).
 
 A room prefilled by a pipeline (several prefill stages, one client each, in stage order) sends
-the same destination pages to every stage; only the last stage's client holds the aux slot. The
+the same destination pages to every stage; only the last stage's client holds the aux slot. A
+decode with TP ranks has one client per rank and stage (rank 0's last in each stage), each
+taking the same pages, as stages do. The
 room succeeds when every stage says ``Success`` and fails when any stage fails (the others are
 aborted). Its pages are freed once, after every stage that took them is quiet: the clients each
 hand them back through :meth:`free_later`, counted in ``_shares``.
@@ -49,7 +51,9 @@ from transfer.status import KVPoll
 class RemoteRoom:
     room: int
     request: Request  # prompt and sampling; no pages until prealloc
-    clients: list[DecodeBootstrapClient]  # one per prefill stage; the last one sends the aux row
+    # one per prefill stage and TP rank of this decode (decode_node.clients), in stage order;
+    # the last one holds the aux slot
+    clients: list[DecodeBootstrapClient]
     pages: list[int] | None = None  # the transfer's destination pages
     cached: list[int] = field(default_factory=list)  # pinned prefix-cache pages before them
     holding: list[DecodeBootstrapClient] = field(default_factory=list)  # took the pages

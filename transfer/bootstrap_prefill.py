@@ -9,8 +9,8 @@ A decode with tensor-parallel ranks registers once per rank (one connection each
 ``Registration.tp_rank``) and sends each room's destination over every one of them: the same
 pages, the aux slot on rank 0's only. A room here has one *target* per decode rank and is
 ``WaitingForInput`` once every rank's destination arrived; each chunk goes into every target
-(the head slice this prefill writes into that rank, :func:`transfer.bootstrap.check_heads`), the
-aux row into the target holding the slot.
+(from each prefill rank that holds some of that rank's heads, its slice of them:
+:func:`transfer.bootstrap.plan_sends`), the aux row into the target holding the slot.
 
 Invariants: the final word on a room (``Status``, ``Abort`` or ``AbortAck``) is sent to each
 target exactly once and only when no write into the room is in flight; a room that failed cannot
