@@ -36,7 +36,8 @@ RankAttach = Callable[[KVPool, int], bytes]
 """A node's hook run in a rank's process once its pool is built, given the pool and the rank:
 what it returns reaches rank 0 with the ready report (:attr:`engine.tp_driver.TPDriver.payloads`)
 and what it builds (a transfer engine with the pool registered) lives as long as the process.
-It crosses into a spawned process, so it must pickle (a module-level function or class)."""
+It crosses into a spawned process by reference, so it must be a module-level function or an
+instance of a module-level class."""
 
 
 @dataclass(frozen=True)
