@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
+from decode_node.landing import Landings
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_decode import DecodeBootstrapClient
@@ -30,7 +31,10 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class BootstrapClients:
-    """``ranks``: the registrations of this decode's TP ranks ``1..`` (empty with one rank)."""
+    """``ranks``: the registrations of this decode's TP ranks ``1..`` (empty with one rank).
+    ``landings``: rank 0's landing buffers (:mod:`decode_node.landing`); with them, rank 0
+    registers again with a prefill whose ranks each fill a slice of its heads, taking a
+    landing slot per such rank (the first registration told it the prefill's layout)."""
 
     def __init__(
         self,
@@ -39,8 +43,10 @@ class BootstrapClients:
         free_pages: Callable[[list[int]], None],
         config: BootstrapConfig | None = None,
         ranks: Sequence[Registration] = (),
+        landings: Landings | None = None,
     ) -> None:
         self.manager = manager
+        self._landings = landings
         self.identity = identity
         self.config = config or BootstrapConfig()
         self._ranks = list(ranks)
@@ -69,6 +75,14 @@ class BootstrapClients:
                                                        rank=reg))
                 group.append(DecodeBootstrapClient(self.manager, self.identity, host,
                                                    self._free_pages, config=self.config))
+                landing = (self._landings.for_prefill(group[-1].prefill_ranges)
+                           if self._landings is not None else None)
+                if landing is not None:  # register rank 0 again, with its landing slots
+                    group.pop().close()
+                    buffer, pages = landing
+                    group.append(DecodeBootstrapClient(
+                        self.manager, self.identity, host, self._free_pages, config=self.config,
+                        landing=(buffer, None), landing_pages=pages))
             except BaseException:
                 for c in group:
                     c.close()

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from decode_node.clients import BootstrapClients
+from decode_node.landing import Landings
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
@@ -74,8 +75,12 @@ async def serve_decode(
     service = DecodeService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
     loop = DecodeLoop(engine, service.emit, spec)
+    landings = None
+    if spec is None:  # a draft's band has no landing slot: its prefill's TP equals this one's
+        longest = -(-engine.scheduler.config.max_model_len // config.page_size)
+        landings = Landings(engine.pool, manager, heads, min(engine.scratch_page, longest))
     clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config,
-                               rank_registrations(engine.rank_payloads, identity))
+                               rank_registrations(engine.rank_payloads, identity), landings)
     service.bind(loop, asyncio.get_running_loop(), clients)
     loop.start()
     server, bound, _ = await start_server(

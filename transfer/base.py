@@ -128,6 +128,13 @@ class KVManager(ABC):
         self.staging = staging
         self._registered = True
 
+    def register_landing(self, landing: Sequence[BufferInfo]) -> None:
+        """Register landing entries (:mod:`transfer.heads`) after :meth:`register`: a decode
+        sizes them once it knows a prefill's TP layout."""
+        if not self._registered:
+            raise TransferError("register() the KV buffers before landing entries")
+        self._register_ranges([MemoryRange(b.ptr, b.nbytes, b.device) for b in landing])
+
     def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,
                      auth_token: str = "", heads: HeadLayout | None = None,
                      tp_rank: int = 0, landing: Sequence[BufferInfo] = ()) -> Registration:

@@ -299,7 +299,8 @@ def plan_sends(identity: ModelIdentity, ranks: Sequence[SourceRank],
     """What every rank of a tensor-parallel prefill (``ranks[i]`` is rank ``i``; ``identity``
     is the node's, its heads over all of them) writes into the registering decode rank: the
     ``(index in ranks, head slice)`` of each rank that holds some of its heads (the slice None:
-    whole pages), each checked by :func:`check_compatible`. Raises
+    whole pages), each checked by :func:`check_compatible`; with landing entries, the ``k``-th
+    of them writes whole pages into landing slot ``k`` (:func:`landing_slot`). Raises
     :class:`IncompatiblePeerError` as it does. With one entry in ``ranks`` it is the rank
     ``identity.tp_rank`` names (a process that serves its own rank only): ``[(0, copy)]``."""
     if len(ranks) == 1:
@@ -315,9 +316,21 @@ def plan_sends(identity: ModelIdentity, ranks: Sequence[SourceRank],
         writers = [r for r, _ in receivers(src, dst)[reg.tp_rank]]
     except HeadLayoutError as exc:
         raise IncompatiblePeerError(f"KV heads cannot be paired: {exc}") from exc
-    if reg.landing_ptrs and len(writers) > 1:
+    entries = len(reg.kv_ptrs)
+    if reg.landing_ptrs and len(reg.landing_ptrs) != len(writers) * entries:
         raise IncompatiblePeerError(
-            f"decode rank {reg.tp_rank} offers one landing slot, but prefill ranks {writers} "
-            "each write part of its heads: register without a landing buffer")
-    return [(r, check_compatible(dataclasses.replace(identity, tp_rank=r), ranks[r], reg))
-            for r in writers]
+            f"decode rank {reg.tp_rank} offers {len(reg.landing_ptrs)} landing entries; prefill "
+            f"ranks {writers} each write part of its heads, which takes {len(writers)} slots of "
+            f"{entries}")
+    return [(r, check_compatible(dataclasses.replace(identity, tp_rank=r), ranks[r],
+                                 landing_slot(reg, slot)))
+            for slot, r in enumerate(writers)]
+
+
+def landing_slot(reg: Registration, slot: int) -> Registration:
+    """``reg`` with only landing slot ``slot``'s entries (unchanged without landing entries)."""
+    if not reg.landing_ptrs:
+        return reg
+    part = slice(slot * len(reg.kv_ptrs), (slot + 1) * len(reg.kv_ptrs))
+    return dataclasses.replace(reg, landing_ptrs=reg.landing_ptrs[part],
+                               landing_bytes_per_page=reg.landing_bytes_per_page[part])

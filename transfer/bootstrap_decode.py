@@ -11,11 +11,14 @@ room's pages and aux slot. A released failed room's pages go back through ``free
 once the prefill has said it will write no more (a quiesced ``Status``, ``Abort`` or
 ``AbortAck``), or after ``quarantine_s`` without such word.
 
-Landing (``landing=(buffer, slot)``, :mod:`transfer.heads`): the prefill holds exactly a slice
-of this rank's heads, so it writes whole pages into the landing entries of ``slot``. The client
-owns that slot's landing pages: it takes one per destination page in ``send_destination``,
-scatters them into the room's pages when ``Success`` arrives (no write is in flight then) and
-frees them at once; a failed room's landing pages are freed with its pages.
+Landing (``landing=(buffer, slot)``, :mod:`transfer.heads`): the prefill ranks each hold
+exactly a slice of this rank's heads, so they write whole pages into landing entries: those of
+``slot`` (a prefill process serving one rank), or, with ``slot`` None, one slot per prefill rank
+that writes here (a TP prefill behind one endpoint; the registration carries every slot). The
+client takes one landing page per destination page in ``send_destination`` (from
+``landing_pages`` when clients share the buffer), scatters them into the room's pages when
+``Success`` arrives (no write is in flight then) and frees them at once; a failed room's landing
+pages are freed with its pages.
 
 Tensor-parallel decode (``rank``): every rank's KV lives in its own process and its own transfer
 engine, but rank 0 runs every handshake. It registers each other rank with a client of its own,
@@ -50,7 +53,7 @@ from transfer.messages import (
     Registration,
     Status,
 )
-from transfer.staging import HeadLanding
+from transfer.staging import HeadLanding, LandingPages
 from transfer.status import KVPoll, advance
 from transfer.wire import FramedSocket
 
@@ -84,14 +87,18 @@ class DecodeBootstrapClient:
         free_pages: Callable[[list[int]], None],
         *,
         config: BootstrapConfig | None = None,
-        landing: tuple[HeadLanding, int] | None = None,
+        landing: tuple[HeadLanding, int | None] | None = None,
         rank: Registration | None = None,
+        landing_pages: LandingPages | None = None,
     ) -> None:
         """Connect and register; raises :class:`IncompatiblePeerError` if refused.
 
-        ``landing``: the landing buffer and the slot this prefill's slice lands in (see the
-        module docstring); None when the prefill writes into the pool pages. ``rank``: another
-        TP rank's registration, sent instead of ``manager``'s (see the module docstring)."""
+        ``landing``: the landing buffer and the slot this prefill's slice lands in, or None for
+        every slot (one per prefill rank that fills a slice of this rank's heads, see the
+        module docstring); None when the prefill writes into the pool pages. ``landing_pages``:
+        the buffer's free pages when other clients share them (default: this client's own).
+        ``rank``: another TP rank's registration, sent instead of ``manager``'s (see the module
+        docstring)."""
         self.manager = manager
         self.config = config or BootstrapConfig()
         if manager.faults is None:  # one injector per manager, shared by its clients
@@ -108,7 +115,8 @@ class DecodeBootstrapClient:
             raise TransferError("the decode manager has no aux buffer")
         self._aux: AuxBuffer = aux
         self._landing = landing
-        self._landing_free = list(range(landing[0].num_pages)) if landing is not None else []
+        self._landing_pages = landing_pages or LandingPages(
+            landing[0].num_pages if landing is not None else 0)
         sock = socket.create_connection(prefill_address, timeout=self.config.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = FramedSocket(sock)
@@ -135,6 +143,9 @@ class DecodeBootstrapClient:
             self._sock.close()
             reason = reply.reason if isinstance(reply, RegisterReply) else type(reply).__name__
             raise IncompatiblePeerError(f"prefill refused the registration: {reason}")
+        flat = reply.prefill_head_ranges
+        # the prefill's KV heads over its TP ranks, as (start, count) (empty: it says nothing)
+        self.prefill_ranges = tuple((flat[k], flat[k + 1]) for k in range(0, len(flat) - 1, 2))
         sock.settimeout(None)
         self._threads = [
             threading.Thread(target=self._read_loop, name="bootstrap-read", daemon=True),
@@ -152,9 +163,8 @@ class DecodeBootstrapClient:
 
     @property
     def free_landing_pages(self) -> list[int]:
-        """The landing pages of this client's slot no room holds (empty without landing)."""
-        with self._lock:
-            return sorted(self._landing_free)
+        """The landing pages no room holds (empty without landing)."""
+        return self._landing_pages.free
 
     @property
     def alive(self) -> bool:
@@ -195,16 +205,19 @@ class DecodeBootstrapClient:
             r = self._room(room)
             if r.pages is not None or r.status is not KVPoll.Bootstrapping:
                 raise TransferError(f"room {room} is {r.status.name}; cannot send a destination")
-            if self._landing is not None and len(page_list) > len(self._landing_free):
-                raise TransferError(f"{len(page_list)} pages but {len(self._landing_free)} free "
-                                    "landing pages on the decode")
+            landing = None
+            if self._landing is not None:
+                landing = self._landing_pages.take(len(page_list))
+                if landing is None:
+                    raise TransferError(f"{len(page_list)} pages but fewer free landing pages "
+                                        "on the decode")
             slot = self._aux.alloc() if aux else NO_AUX_SLOT
             if slot is None:
+                if landing:
+                    self._landing_pages.give(landing)
                 raise TransferError("no free aux slot on the decode")
             r.pages, r.aux_slot, r.expects_aux = page_list, (slot if aux else None), aux
-            if self._landing is not None:
-                r.landing = self._landing_free[: len(page_list)]
-                del self._landing_free[: len(page_list)]
+            r.landing = landing
             r.sent_at = time.monotonic()
             r.status = advance(r.status, KVPoll.WaitingForInput)
             msg = Destination(room, list(r.pages), slot, cached_pages, list(r.landing or []))
@@ -296,7 +309,7 @@ class DecodeBootstrapClient:
 
     def _free_landing(self, r: _Room) -> None:
         if r.landing:
-            self._landing_free.extend(r.landing)
+            self._landing_pages.give(r.landing)
         r.landing = None
 
     def _land(self, r: _Room) -> None:

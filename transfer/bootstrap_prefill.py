@@ -34,6 +34,7 @@ from transfer.bootstrap import (
     ModelIdentity,
     RankSender,
     check_token,
+    landing_slot,
     plan_sends,
 )
 from transfer.errors import EngineCallError, MessageError, TransferError
@@ -252,10 +253,10 @@ class PrefillBootstrapServer:
         the room's cursor), each prefill rank's share on a thread of its own when several
         write; returns once every write returned, raising the first error (an
         :class:`EngineCallError` first: bytes may have landed)."""
-        jobs: dict[int, list[tuple[_Conn, Destination, int, HeadCopy | None]]] = {}
+        jobs: dict[int, list[tuple[_Conn, Destination, int, int]]] = {}
         for conn, dest, cursor in writes:
-            for rank, heads in conn.sends:
-                jobs.setdefault(rank, []).append((conn, dest, cursor, heads))
+            for slot, (rank, _) in enumerate(conn.sends):
+                jobs.setdefault(rank, []).append((conn, dest, cursor, slot))
         if len(jobs) == 1:
             ((rank, mine),) = jobs.items()
             self._write_rank(rank, mine, src)
@@ -268,19 +269,22 @@ class PrefillBootstrapServer:
         if failures:
             raise next((e for e in failures if isinstance(e, EngineCallError)), failures[0])
 
-    def _write_rank(self, rank: int, jobs: list[tuple[_Conn, Destination, int, HeadCopy | None]],
+    def _write_rank(self, rank: int, jobs: list[tuple[_Conn, Destination, int, int]],
                     src: list[int]) -> None:
-        """Prefill rank ``rank``'s writes of ``src`` into decode ranks: their destination pages
-        from the cursor on, or their landing pages (whole pages of its heads, a plain copy)."""
+        """Prefill rank ``rank``'s writes of ``src`` into decode ranks (each with the index of
+        its send there): their destination pages from the cursor on, or the pages of its
+        landing slot (whole pages of its heads, a plain copy)."""
         sender = self._ranks[rank]
-        for conn, dest, cursor, heads in jobs:
+        for conn, dest, cursor, slot in jobs:
             reg = conn.reg
+            heads = conn.sends[slot][1]
             if conn.lands:
+                land = landing_slot(reg, slot)
                 sender.send_kvcache(
-                    reg.session_id, src, reg.landing_ptrs,
+                    reg.session_id, src, land.landing_ptrs,
                     dest.landing_pages[cursor : cursor + len(src)],
                     dst_layer_ids=reg.kv_layer_ids or None,
-                    dst_bytes_per_page=reg.landing_bytes_per_page,
+                    dst_bytes_per_page=land.landing_bytes_per_page,
                 )
             else:
                 sender.send_kvcache(
@@ -399,7 +403,9 @@ class PrefillBootstrapServer:
                 raise MessageError(f"expected Registration, got {type(reg).__name__}")
             check_token(self.config.secret, reg)
             plan = plan_sends(self.identity, self._ranks, reg)
-            fs.send(RegisterReply(True, ""))
+            mine = self.identity.heads
+            fs.send(RegisterReply(True, "", [x for pair in mine.ranges for x in pair]
+                                  if mine is not None else []))
             sock.settimeout(None)
         except (OSError, TransferError) as exc:
             with self._lock:

@@ -18,7 +18,7 @@ import msgpack
 from transfer.errors import MessageError
 from transfer.status import KVPoll
 
-VERSION = 3
+VERSION = 4
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -37,8 +37,9 @@ class Registration:
     flattened (``[start_0, count_0, start_1, count_1, ...]``), of ``num_kv_heads`` heads of
     ``head_dim``; empty ranges (and zeros) mean a decode that holds every head and says nothing
     about them. ``landing_ptrs`` / ``landing_bytes_per_page``: this decode rank's landing
-    entries for the prefill rank it registers with (parallel to ``kv_layer_ids``, each of
-    ``landing_num_pages`` pages; empty when that prefill rank writes into the pool itself).
+    entries, one slot per prefill rank that writes a slice of its heads (those ranks in rank
+    order), each slot's entries parallel to ``kv_layer_ids``, each of ``landing_num_pages``
+    pages; empty when the prefill writes into the pool itself.
     """
 
     session_id: str  # transfer engine address of the decode, "host:rpc_port"
@@ -64,10 +65,16 @@ class Registration:
 
 @dataclass(frozen=True)
 class RegisterReply:
-    """The prefill's answer to a registration; ``ok=False`` carries the refusal reason."""
+    """The prefill's answer to a registration; ``ok=False`` carries the refusal reason.
+
+    ``prefill_head_ranges``: the prefill's KV heads over its TP ranks, flattened as
+    ``Registration.kv_head_ranges`` (empty: it describes none). A decode rank that several
+    prefill ranks each fill a slice of learns here how to register with a landing slot per
+    rank (:mod:`transfer.heads`)."""
 
     ok: bool
     reason: str
+    prefill_head_ranges: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ each slice page ``page_size * count * head_bytes`` bytes, token-major inside lik
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -56,3 +57,29 @@ class HeadLanding(Protocol):
     def scatter(self, landing_pages: Sequence[int], pages: Sequence[int],
                 slot: int | None = None) -> None:
         """Landing pages of ``slot`` (every slot when None) into their heads of pool ``pages``."""
+
+
+class LandingPages:
+    """The free pages of one landing buffer, shared by the bootstrap clients that land into it
+    (a prefill's client and the one that replaces it after a restart); thread-safe."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._free = list(range(num_pages))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int] | None:
+        """``n`` free pages, or None (none taken) when fewer are free."""
+        with self._lock:
+            if n > len(self._free):
+                return None
+            out, self._free = self._free[:n], self._free[n:]
+            return out
+
+    def give(self, pages: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(pages)
+
+    @property
+    def free(self) -> list[int]:
+        with self._lock:
+            return sorted(self._free)

@@ -9,17 +9,22 @@ Over loopback Mooncake TCP, both ranks in this process (the agent serves on its 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from multiprocessing import AuthenticationError
 
 import pytest
 import torch
-from test_xfer_heads_handshake import KV, _layout, _spec
-from xfer_peer import Node
+from test_xfer_handshake import CFG, ROOM, ROW, wait_for
+from test_xfer_heads_handshake import KV, NUM_PAGES, _layout, _spec
+from xfer_peer import FreeList, Node
 
 from transfer.bootstrap import plan_sends
+from transfer.bootstrap_decode import DecodeBootstrapClient
+from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.errors import EngineCallError, IncompatiblePeerError, PageListError
-from transfer.heads import plan_head_copies
+from transfer.heads import landing_slices, plan_head_copies
 from transfer.rank_agent import RankAgent, RemoteRank
+from transfer.status import KVPoll
 
 pytestmark = pytest.mark.slow
 KEY = b"k" * 32
@@ -74,7 +79,7 @@ def test_a_peer_without_the_key_is_refused_and_rank_0_still_connects() -> None:
     remote.close()
 
 
-def test_every_decode_rank_gets_its_writers_and_a_shared_landing_slot_is_refused() -> None:
+def test_every_decode_rank_gets_its_writers_and_landing_takes_a_slot_per_writer() -> None:
     ranks = [Node(_spec(KV // 2, (KV, 2, r))) for r in range(2)]
     managers = [n.manager for n in ranks]
     ident = ranks[0].spec.identity
@@ -83,8 +88,48 @@ def test_every_decode_rank_gets_its_writers_and_a_shared_landing_slot_is_refused
             reg = Node(_spec(KV // dst_tp, (KV, dst_tp, j))).registration()
             assert [r for r, _ in plan_sends(ident, managers, reg)] == want[j], (dst_tp, j)
     decode = Node(_spec(KV, (KV, 1, 0), landing=[(0, 2), (2, 2)]))
-    reg = decode.manager.registration(
+    assert decode.landing is not None
+    one_slot = decode.manager.registration(
         page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint,
-        heads=_layout(1), landing=decode.landing.buffer_infos(0))  # type: ignore[union-attr]
+        heads=_layout(1), landing=decode.landing.buffer_infos(0))
     with pytest.raises(IncompatiblePeerError, match=r"prefill ranks \[0, 1\] each write part"):
-        plan_sends(ident, managers, reg)
+        plan_sends(ident, managers, one_slot)
+    both = replace(one_slot, landing_ptrs=[b.ptr for b in decode.landing.buffer_infos()],
+                   landing_bytes_per_page=[b.bytes_per_page
+                                           for b in decode.landing.buffer_infos()])
+    assert [r for r, _ in plan_sends(ident, managers, both)] == [0, 1]
+
+
+def test_a_tp_prefill_lands_every_rank_slice_in_its_slot() -> None:
+    """P TP 2 (rank 1 behind its agent) into a TP 1 decode with a landing slot per prefill rank:
+    each rank writes whole pages of its heads into its slot, the client scatters them on
+    Success, and the pool holds every head; the landing pages come back."""
+    ranks = [Node(_spec(KV // 2, (KV, 2, r)), fill_seed=11 + r) for r in range(2)]
+    agent = RankAgent(ranks[1].manager, KEY)
+    remote = RemoteRank(1, agent.buffers(), KEY)
+    server = PrefillBootstrapServer(ranks[0].manager, ranks[0].spec.identity, config=CFG,
+                                    ranks=[remote])
+    spec = _spec(KV, (KV, 1, 0), landing=landing_slices(_layout(2), _layout(1), 0))
+    decode, pages = Node(spec), FreeList(NUM_PAGES)
+    assert decode.landing is not None
+    client = DecodeBootstrapClient(decode.manager, spec.identity, server.address, pages.give,
+                                   config=CFG, landing=(decode.landing, None))
+    assert client.prefill_ranges == ((0, 2), (2, 2))
+    server.add_room(ROOM)
+    client.add_room(ROOM)
+    dst, src = pages.take(3), [2, 5, 8]
+    client.send_destination(ROOM, dst)
+    wait_for(lambda: server.poll(ROOM) is KVPoll.WaitingForInput, 2)
+    assert server.send_chunk(ROOM, src, last=ROW) is KVPoll.Success
+    wait_for(lambda: client.poll(ROOM) is KVPoll.Success, 2)
+    client.commit(ROOM)
+    for e, entry in enumerate(decode.entries()):
+        for r, node in enumerate(ranks):
+            got = entry[dst][:, :, 2 * r : 2 * r + 2]
+            assert torch.equal(got, node.entries()[e][src]), (e, r)
+    assert client.free_landing_pages == list(range(NUM_PAGES))
+    server.release(ROOM)
+    assert server.num_rooms == 0 and client.num_rooms == 0
+    client.close()
+    server.close()
+    remote.close()
