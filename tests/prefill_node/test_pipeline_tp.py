@@ -1,0 +1,115 @@
+"""A two-stage prefill with two tensor-parallel ranks on each stage (CPU processes, gloo) equals
+the same pipeline in one process per stage: the first stage's hidden states, the last stage's
+first tokens, and each stage's KV of rank 0's heads in the pages it pushed. Both stages' other
+ranks hold a layer range (the last one not starting at layer 0) and end with their stage."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.kv_cache import KVPool
+from engine.llm_engine import LLMEngine
+from prefill_node.pipeline.first_runner import first_stage_runner
+from prefill_node.pipeline.later import LaterStage
+from prefill_node.pipeline.layout import StageLayout, load_later_stage
+from prefill_node.pipeline.link import pack_step_tensors
+from proto.pdserve.v1 import worker_pb2 as wpb
+from tests.engine.test_generation_vs_transformers import cases
+from tests.prefill_node.test_pipeline_draft import PAGE, RecordingBootstrap, announce, config
+from transfer.bootstrap_prefill import PrefillBootstrapServer
+
+pytestmark = pytest.mark.slow  # each TP stage starts a rank's process
+
+ROOMS = {31: cases()["text_only"], 32: cases()["one_image"]}
+
+
+@dataclass
+class Run:
+    hidden: list[torch.Tensor]  # the first stage's output, per step
+    samples: list[tuple[int, float]]
+    kv: list[torch.Tensor]  # per stage, layer, K then V: the pushed pages, rank 0's heads
+
+
+def pushed_kv(pool: KVPool, pages: list[int], heads: int) -> list[torch.Tensor]:
+    return [buf[pages][:, :, :heads] for layer in range(len(pool.k))
+            for buf in (pool.k[layer], pool.v[layer])]
+
+
+def run_first(model_dir: Path, tp_size: int, run: Run) -> list[wpb.StageStep]:
+    """The first stage over every room; the steps it sends on. A process joins one
+    tensor-parallel group at a time, so the stages run one after the other: each room asks for
+    one token, so what the first stage schedules does not depend on the samples."""
+    first = LLMEngine(model_dir, config(layers=range(0, 1), tp_size=tp_size))
+    try:
+        first.disable_prefix_cache()
+        runner = first_stage_runner(first)
+        new = [announce(first, room, ids, ims) for room, (ids, ims) in ROOMS.items()]
+        steps, pages = [], []
+        while first.scheduler.has_unfinished():
+            out = first.scheduler.schedule()
+            hidden, mrope = runner.execute(out)
+            run.hidden.append(hidden.clone())
+            pages += [p for it in out.items for p in it.request.page_ids if p not in pages]
+            items = [wpb.StageItem(room=int(it.request.request_id), start=it.start,
+                                   num_tokens=it.num_tokens, needs_sample=it.needs_sample)
+                     for it in out.items]
+            packed = pack_step_tensors(hidden, mrope)
+            steps.append(wpb.StageStep(new_rooms=new, items=items, hidden=packed[0],
+                                       mrope_positions=packed[1]))
+            new = []
+            first.scheduler.update(out, [(0, 0.0)] * sum(it.needs_sample for it in out.items))
+        run.kv += pushed_kv(first.pool, pages, first.pool.num_kv_heads)
+        return steps
+    finally:
+        first.close()
+
+
+def run_pipeline(model_dir: Path, tp_size: int) -> Run:
+    run = Run([], [], [])
+    steps = run_first(model_dir, tp_size, run)
+    share = load_later_stage(model_dir, config(tp_size=tp_size), StageLayout(2, 1))
+    try:
+        assert share.layers == range(1, 3)
+        bootstrap = RecordingBootstrap()
+        stage = LaterStage(share, cast(PrefillBootstrapServer, bootstrap), PAGE, None)
+        for step in steps:
+            reply = stage.run_step(step)
+            assert not reply.failed
+            run.samples += [(s.token, s.logprob) for s in reply.samples]
+        pages = sorted({p for ps in bootstrap.pages.values() for p in ps})
+        run.kv += pushed_kv(share.pool, pages, share.pool.num_kv_heads)
+        assert stage.stats()["kv_pages_used"] == 0
+        return run
+    finally:
+        share.close()
+
+
+def test_a_tp2_pipeline_equals_the_one_process_pipeline(hf_dir: Path) -> None:
+    want = run_pipeline(hf_dir, 1)
+    got = run_pipeline(hf_dir, 2)
+    assert not mp.active_children(), "a rank's process outlived its stage"
+    assert len(got.hidden) == len(want.hidden) > 2  # chunked prompts
+    for mine, ref in zip(got.hidden, want.hidden, strict=True):
+        torch.testing.assert_close(mine, ref, atol=1e-4, rtol=1e-4)
+    assert [t for t, _ in got.samples] == [t for t, _ in want.samples]
+    torch.testing.assert_close([lp for _, lp in got.samples], [lp for _, lp in want.samples],
+                               atol=1e-4, rtol=1e-4)
+    assert len(got.kv) == len(want.kv) == 2 * 3
+    for mine, ref in zip(got.kv, want.kv, strict=True):
+        assert mine.shape[2] == 1  # 2 KV heads over 2 ranks: rank 0 holds one
+        torch.testing.assert_close(mine, ref[:, :, :1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_tp_later_stage_refuses_a_draft(hf_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="--draft does not run with --tp-size"):
+        load_later_stage(hf_dir, EngineConfig(num_pages=8, tp_size=2), StageLayout(2, 1),
+                         hf_dir / "draft")
+    assert not mp.active_children()
