@@ -1,22 +1,26 @@
 """A two-stage prefill with two tensor-parallel ranks on each stage (CPU processes, gloo) equals
 the same pipeline in one process per stage: the first stage's hidden states, the last stage's
 first tokens, and each stage's KV of rank 0's heads in the pages it pushed. Both stages' other
-ranks hold a layer range (the last one not starting at layer 0) and end with their stage."""
+ranks hold a layer range (the last one not starting at layer 0) and end with their stage. A
+later stage whose rank died fails the step ``UNAVAILABLE`` and ends itself."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
+import grpc
 import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, TensorParallelError
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
+from prefill_node.pipeline import service
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage
 from prefill_node.pipeline.layout import StageLayout, load_later_stage
@@ -113,3 +117,35 @@ def test_a_tp_later_stage_refuses_a_draft(hf_dir: Path) -> None:
         load_later_stage(hf_dir, EngineConfig(num_pages=8, tp_size=2), StageLayout(2, 1),
                          hf_dir / "draft")
     assert not mp.active_children()
+
+
+class Aborted(Exception):
+    pass
+
+
+class AbortingContext:
+    def __init__(self) -> None:
+        self.code: grpc.StatusCode | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str, **_: object) -> None:
+        self.code = code
+        raise Aborted(details)
+
+
+class DeadRankStage:
+    def run_step(self, step: wpb.StageStep) -> wpb.StageStepReply:
+        raise TensorParallelError("tensor-parallel rank 1 died during a step (exit code -9)")
+
+
+def test_a_later_stage_whose_rank_died_fails_the_step_and_ends_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ended: list[str] = []
+    monkeypatch.setattr(service, "end_with_failure", ended.append)
+    servicer = service.LaterStageService(cast(LaterStage, DeadRankStage()),
+                                         wpb.StageInfo(pp_rank=1, pp_size=2))
+    context = AbortingContext()
+    with pytest.raises(Aborted, match="rank 1 died"):
+        asyncio.run(servicer.RunStep(wpb.StageStep(), cast(grpc.aio.ServicerContext, context)))
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert ended == ["pipeline stage 1: tensor-parallel rank 1 died during a step (exit code -9)"]
