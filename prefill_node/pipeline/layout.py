@@ -10,8 +10,8 @@ carries the draft band's global layer id).
 
 With ``config.tp_size`` ``N > 1`` a later stage is rank 0 of ``N`` tensor-parallel processes
 (:class:`engine.tp_driver.TPDriver`), each holding its heads of the stage's layers and pages
-(every rank's pool holds the same page count); each stage picks its own ``N``, since
-what it sends on is the whole hidden state and each stage describes its own KV heads to decodes.
+(every rank's pool holds the same page count). Each stage picks its own ``N``: what it sends
+on is rank 0's whole hidden state, and each stage describes its own KV heads to decodes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A two-stage prefill with two tensor-parallel ranks on each stage (CPU processes, gloo) equals
 the same pipeline in one process per stage: the first stage's hidden states, the last stage's
 first tokens, and each stage's KV of rank 0's heads in the pages it pushed. Both stages' other
-ranks hold a layer range (the last one not starting at layer 0) and end with their stage. A
-later stage whose rank died fails the step ``UNAVAILABLE`` and ends itself."""
+ranks hold a layer range (the last one not starting at layer 0) and end with their stage. The
+stages' TP sizes may differ. A later stage whose rank died fails the step ``UNAVAILABLE`` and
+ends itself."""
 
 from __future__ import annotations
 
@@ -76,10 +77,10 @@ def run_first(model_dir: Path, tp_size: int, run: Run) -> list[wpb.StageStep]:
         first.close()
 
 
-def run_pipeline(model_dir: Path, tp_size: int) -> Run:
+def run_pipeline(model_dir: Path, first_tp: int, later_tp: int) -> Run:
     run = Run([], [], [])
-    steps = run_first(model_dir, tp_size, run)
-    share = load_later_stage(model_dir, config(tp_size=tp_size), StageLayout(2, 1))
+    steps = run_first(model_dir, first_tp, run)
+    share = load_later_stage(model_dir, config(tp_size=later_tp), StageLayout(2, 1))
     try:
         assert share.layers == range(1, 3)
         bootstrap = RecordingBootstrap()
@@ -96,9 +97,13 @@ def run_pipeline(model_dir: Path, tp_size: int) -> Run:
         share.close()
 
 
-def test_a_tp2_pipeline_equals_the_one_process_pipeline(hf_dir: Path) -> None:
-    want = run_pipeline(hf_dir, 1)
-    got = run_pipeline(hf_dir, 2)
+@pytest.mark.parametrize(("first_tp", "later_tp"), [(2, 2), (1, 2)])
+def test_a_tp_pipeline_equals_the_one_process_pipeline(
+    hf_dir: Path, first_tp: int, later_tp: int
+) -> None:
+    """Each stage's TP size is its own: (1, 2) mixes them."""
+    want = run_pipeline(hf_dir, 1, 1)
+    got = run_pipeline(hf_dir, first_tp, later_tp)
     assert not mp.active_children(), "a rank's process outlived its stage"
     assert len(got.hidden) == len(want.hidden) > 2  # chunked prompts
     for mine, ref in zip(got.hidden, want.hidden, strict=True):
@@ -106,10 +111,11 @@ def test_a_tp2_pipeline_equals_the_one_process_pipeline(hf_dir: Path) -> None:
     assert [t for t, _ in got.samples] == [t for t, _ in want.samples]
     torch.testing.assert_close([lp for _, lp in got.samples], [lp for _, lp in want.samples],
                                atol=1e-4, rtol=1e-4)
-    assert len(got.kv) == len(want.kv) == 2 * 3
-    for mine, ref in zip(got.kv, want.kv, strict=True):
-        assert mine.shape[2] == 1  # 2 KV heads over 2 ranks: rank 0 holds one
-        torch.testing.assert_close(mine, ref[:, :, :1], atol=1e-4, rtol=1e-4)
+    assert len(got.kv) == len(want.kv) == 2 * 3  # first stage's layer, then the later's two
+    for i, (mine, ref) in enumerate(zip(got.kv, want.kv, strict=True)):
+        tp = first_tp if i < 2 else later_tp
+        assert mine.shape[2] == 2 // tp  # 2 KV heads over the stage's ranks: rank 0's
+        torch.testing.assert_close(mine, ref[:, :, : 2 // tp], atol=1e-4, rtol=1e-4)
 
 
 def test_a_tp_later_stage_refuses_a_draft(hf_dir: Path) -> None:
