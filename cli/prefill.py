@@ -56,8 +56,6 @@ def _pipeline_error(args: argparse.Namespace) -> str | None:
                 "last takes none")
     if args.draft and args.pp_rank < args.pp_size - 1:
         return DRAFT_ON_EARLY_STAGE
-    if args.tp_size > 1 and args.pp_size > 1:
-        return "--tp-size does not run with --pp-size > 1 yet: split the prefill one way"
     if args.tp_size > 1 and args.draft:
         return ("--draft does not run with --tp-size > 1 yet: the draft's KV is one "
                 "process's")

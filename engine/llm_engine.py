@@ -19,7 +19,7 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.device import dtype_name, resolve_device, resolve_dtype
-from engine.errors import ConfigError, InvalidRequestError
+from engine.errors import InvalidRequestError
 from engine.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
@@ -111,7 +111,8 @@ class LLMEngine:
     run eagerly (no CUDA graphs). :meth:`close` ends the other processes. ``rank_attach`` runs in
     each other rank's process once its pool exists (:data:`engine.tp_rank.RankAttach`: a node
     registers that rank's KV with its own transfer engine there); what each returned is
-    :attr:`rank_payloads`.
+    :attr:`rank_payloads`. With ``config.layers`` too (a pipeline stage), every rank holds
+    those layers only; the stage's forward runs through :attr:`runner`'s ``peers``.
     """
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
@@ -122,8 +123,6 @@ class LLMEngine:
         self.config = config = replace(config, device=str(self.device), dtype=dtype_name(dtype))
         text = ModelConfig.from_dir(model_dir).text
         kv_heads = TextShard.of(text, 0, config.tp_size).num_kv_heads  # this rank's
-        if config.tp_size > 1 and config.layers is not None:
-            raise ConfigError("tensor parallelism does not run with pipeline stages yet")
         layers = config.layers if config.layers is not None else range(text.num_hidden_layers)
         num_pages = config.num_pages or pages_for_budget(
             config.kv_budget_bytes, len(layers), config.page_size, kv_heads, text.head_dim, dtype,

@@ -2,6 +2,10 @@
 share of every KV page (its key/value heads), and runs every forward rank 0 runs, on the inputs
 rank 0 broadcasts (:mod:`engine.tp_messages`). It schedules and samples nothing.
 
+With ``config.layers`` (a pipeline stage's share) the rank holds those decoder layers only, its
+pool holds them, and the broadcast tensor is the hidden state entering the first of them: each
+forward runs :meth:`Qwen2VLModel.forward_layers` over that range, as rank 0's stage does.
+
 Life: load the model's share and build the pool, report ready (or the load's error) on the
 pipe, join the group, then serve headers until STOP, or until rank 0's end of the pipe closes.
 Any error is reported on the pipe, printed with its traceback, and ends the process (exit 1).
@@ -24,7 +28,7 @@ import torch
 from engine.attention import AttentionBackend
 from engine.attention_select import make_attention
 from engine.checkpoint import load_model
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVPool
 from engine.models.qwen2_vl import Qwen2VLModel
@@ -69,7 +73,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         payload = spec.attach(pool, spec.rank) if spec.attach is not None else b""
         conn.send_bytes(RankReport(spec.rank, payload=payload).encode())
         group.join(join_store(spec.store_port, group.size), device)
-        _serve(conn, model, make_attention(pool), device)
+        _serve(conn, model, _layers(spec), make_attention(pool), device)
     except EOFError:  # rank 0 is gone
         pass
     except BaseException as exc:
@@ -85,24 +89,31 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
 
 def _build(spec: RankSpec, group: DistGroup, device: torch.device
            ) -> tuple[Qwen2VLModel, KVPool]:
-    """This rank's model share, and its KV pool (rank 0's page count, this rank's key/value
-    heads)."""
+    """This rank's model share (of ``config.layers`` when set), and its KV pool (rank 0's page
+    count, this rank's key/value heads, those layers)."""
     config = spec.config
     if device.type != "cpu":  # NCCL and HCCL take the rank's device from the current one
         getattr(torch, device.type).set_device(device)
     dtype = resolve_dtype(config.dtype, device)
-    model_config, model = load_model(spec.model_dir, dtype, device, tp=group)
+    model_config, model = load_model(spec.model_dir, dtype, device, config.layers, tp=group)
     text = model_config.text
     shard = TextShard.of(text, group.rank, group.size)
     pool = KVPool(spec.num_pages + 1, config.page_size, shard.num_kv_heads, text.head_dim,
-                  list(range(text.num_hidden_layers)), dtype, device)
+                  list(_layers(spec)), dtype, device)
     return model, pool
 
 
+def _layers(spec: RankSpec) -> range:
+    """The global decoder layers this rank holds (every one without ``config.layers``)."""
+    if spec.config.layers is not None:
+        return spec.config.layers
+    return range(ModelConfig.from_dir(spec.model_dir).text.num_hidden_layers)
+
+
 @torch.inference_mode()
-def _serve(conn: Connection, model: Qwen2VLModel, attn: AttentionBackend,
+def _serve(conn: Connection, model: Qwen2VLModel, layers: range, attn: AttentionBackend,
            device: torch.device) -> None:
-    """Run the forwards rank 0 announces until it says STOP."""
+    """Run the forwards rank 0 announces over ``layers`` until it says STOP."""
     tp = model.tp
     while True:
         header = StepHeader.decode(conn.recv_bytes())
@@ -113,4 +124,5 @@ def _serve(conn: Connection, model: Qwen2VLModel, attn: AttentionBackend,
         mrope, batch = unpack_step(header, tp.broadcast(packed))
         tp.broadcast(embeds)
         attn.prepare(batch)
-        model(embeds, mrope, attn)  # [T, hidden], the same as rank 0's; rank 0 samples
+        # rank 0's own layers' output (before its final norm, a per-rank op); rank 0 samples
+        model.forward_layers(embeds, mrope, attn, layers, final_norm=False)

@@ -48,10 +48,10 @@ async def serve_prefill(
     the rooms waiting here (see :mod:`prefill_node.service`); ``bootstrap_config`` sets the
     handshake timeouts of its bootstrap endpoint. With ``config.tp_size`` above 1 the engine's
     other ranks run in their own processes, each writing its KV heads on this one's word
-    (:mod:`prefill_node.kv_transfer`); not with pipeline stages or a draft yet.
+    (:mod:`prefill_node.kv_transfer`), on every pipeline stage too; not with a draft yet.
     """
-    if config.tp_size > 1 and (draft is not None or pp_size > 1 or pp_next):
-        raise ConfigError("--tp-size above 1 runs without --draft and --pp-size on a prefill")
+    if config.tp_size > 1 and draft is not None:
+        raise ConfigError("--tp-size above 1 runs without --draft on a prefill")
     if pp_size > 1 or pp_next:
         from prefill_node.pipeline.layout import StageLayout
         from prefill_node.pipeline.server import StageArgs, serve_first_stage, serve_later_stage

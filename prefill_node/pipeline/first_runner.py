@@ -1,5 +1,7 @@
 """The first stage's forward: the engine's input building (tokens, images, mrope) over the first
-stage's layers only, returning the residual stream for the next stage instead of logits."""
+stage's layers only, returning the residual stream for the next stage instead of logits. With a
+tensor-parallel engine every forward goes through its driver (the runner's ``peers``), so the
+other ranks run the same layers over the same embeddings."""
 
 from __future__ import annotations
 
@@ -41,12 +43,14 @@ class _FirstStageModel:
 
 
 class FirstStageRunner:
-    """Runs scheduled steps through the first stage's layers of ``engine``'s model."""
+    """Runs scheduled steps through the first stage's layers of ``engine``'s model (and of its
+    other tensor-parallel ranks when it has some)."""
 
     def __init__(self, engine: LLMEngine, layers: range) -> None:
         self._stage = _FirstStageModel(engine.model, layers)
         self._runner = ModelRunner(engine.model, engine.runner.attn)
         self._runner.model = self._stage  # type: ignore[assignment]
+        self._runner.peers = engine.runner.peers
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states ``[T, H]`` after this stage's layers and mrope positions ``[3, T]``."""

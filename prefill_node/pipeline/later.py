@@ -196,8 +196,10 @@ class LaterStage:
         self.attn.prepare(batch)
         model = self.share.model
         x = hidden.to(model.dtype)
-        return model.forward_layers(x, mrope, self.attn, self.share.layers,
-                                    final_norm=self.is_last), batch
+        with self.share.step(x, mrope, batch):  # the other TP ranks run it too
+            out = model.forward_layers(x, mrope, self.attn, self.share.layers,
+                                       final_norm=self.is_last)
+        return out, batch
 
     def _sample(
         self, items: list[wpb.StageItem], out: torch.Tensor

@@ -7,13 +7,22 @@ transfer layer pairs each stage's buffers with the right decode layers (layer re
 The first stage embeds (text and images); the last stage applies the final norm and LM head,
 samples and, with ``--draft``, runs the EAGLE draft (its pool mirrors the stage's pages and
 carries the draft band's global layer id).
+
+With ``config.tp_size`` ``N > 1`` a later stage is rank 0 of ``N`` tensor-parallel processes
+(:class:`engine.tp_driver.TPDriver`), each holding its heads of the stage's layers and pages
+(every rank's pool holds the same page count). Each stage picks its own ``N``: what it sends
+on is rank 0's whole hidden state, and each stage describes its own KV heads to decodes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
+from engine.attention import AttentionBatch
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
@@ -22,6 +31,10 @@ from engine.errors import ConfigError
 from engine.kv_cache import BufferInfo, KVPool, pages_for_budget
 from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
+from engine.parallel import SINGLE
+from engine.tp_driver import TPDriver
+from engine.tp_rank import RankAttach
+from engine.tp_shard import TextShard
 
 DRAFT_ON_EARLY_STAGE = ("--draft goes to the last pipeline stage only (it runs the EAGLE draft; "
                         "the stages before it learn of the draft from their --pp-next)")
@@ -56,13 +69,31 @@ class StageLayout:
 @dataclass
 class LaterStageModel:
     """A later stage's share of the model: its layers' weights and its KV pool; on the last
-    stage, the EAGLE draft when it runs one."""
+    stage, the EAGLE draft when it runs one; with tensor parallelism, the driver of the other
+    ranks (:meth:`step` wraps every forward, :meth:`close` ends them)."""
 
     model_config: ModelConfig
     model: Qwen2VLModel
     layers: range
     pool: KVPool
     draft: DraftHead | None = None
+    tp: TPDriver | None = None
+
+    @property
+    def rank_payloads(self) -> list[bytes]:
+        """What the attach hook returned in ranks ``1..`` (empty with one rank)."""
+        return list(self.tp.payloads) if self.tp is not None else []
+
+    def step(self, hidden: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch
+             ) -> AbstractContextManager[None]:
+        """Where this stage's forward over ``hidden`` ``[T, H]`` runs: inside the driver's step
+        (the other ranks run it too) with tensor parallelism, else a no-op context."""
+        return self.tp.step(hidden, mrope, batch) if self.tp is not None else nullcontext()
+
+    def close(self) -> None:
+        """End the other tensor-parallel ranks' processes (nothing with one rank)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def buffer_infos(self) -> list[BufferInfo]:
         """The stage's KV buffer entries, the draft's after them (what transfer registers)."""
@@ -70,28 +101,37 @@ class LaterStageModel:
         return [*self.pool.buffer_infos(), *extra]
 
 
-def stage_pool(config: EngineConfig, model_config: ModelConfig, layers: range,
-               num_pages: int | None = None) -> KVPool:
-    """A KV pool for ``layers`` only (``num_pages`` defaults to what the budget buys)."""
-    device = resolve_device(config.device)
-    text, dtype = model_config.text, resolve_dtype(config.dtype, device)
-    pages = num_pages or config.num_pages or pages_for_budget(
-        config.kv_budget_bytes, len(layers), config.page_size, text.num_key_value_heads,
-        text.head_dim, dtype,
-    )
-    return KVPool(pages, config.page_size, text.num_key_value_heads, text.head_dim,
-                  list(layers), dtype, device)
-
-
 def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
-                     draft: Path | None = None) -> LaterStageModel:
+                     draft: Path | None = None, attach: RankAttach | None = None
+                     ) -> LaterStageModel:
     """Load this stage's layers of the checkpoint (and nothing of the others) and build its
-    pool; with ``draft`` (the last stage only) the EAGLE draft of that directory too."""
-    layers = layout.layers(ModelConfig.from_dir(model_dir).text.num_hidden_layers)
+    pool (its pages are what the budget buys, unless ``config.num_pages``); with ``draft`` (the
+    last stage only) the EAGLE draft of that directory too. With ``config.tp_size`` above 1
+    the other ranks' processes are started first and load theirs meanwhile; ``attach`` runs in
+    each once its pool exists (:data:`engine.tp_rank.RankAttach`)."""
+    text = ModelConfig.from_dir(model_dir).text
+    layers = layout.layers(text.num_hidden_layers)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    model_config, model = load_model(model_dir, dtype, device, layers)
-    pool = stage_pool(config, model_config, layers)
+    heads = TextShard.of(text, 0, config.tp_size).num_kv_heads  # this rank's
+    pages = config.num_pages or pages_for_budget(
+        config.kv_budget_bytes, len(layers), config.page_size, heads, text.head_dim, dtype)
+    tp = None
+    if config.tp_size > 1:
+        if draft is not None:
+            raise ConfigError("--draft does not run with --tp-size > 1 yet")
+        # a rank's pool holds one page more than it is told (an engine's scratch page)
+        tp = TPDriver(model_dir, replace(config, layers=layers), pages - 1, attach)
+    try:
+        model_config, model = load_model(model_dir, dtype, device, layers,
+                                         tp.group if tp is not None else SINGLE)
+        if tp is not None:
+            tp.connect(device)
+    except BaseException:
+        if tp is not None:
+            tp.close()
+        raise
+    pool = KVPool(pages, config.page_size, heads, text.head_dim, list(layers), dtype, device)
     head = None
     if draft is not None:
         loaded = load_draft(draft, model_config.text, dtype, device=device)
@@ -101,4 +141,4 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
                               "pipeline-parallel prefill yet: run the prefill without "
                               "pipeline stages, or use an EAGLE-1/2 draft")
         head = DraftHead(loaded, model, pool)
-    return LaterStageModel(model_config, model, layers, pool, head)
+    return LaterStageModel(model_config, model, layers, pool, head, tp)

@@ -11,6 +11,10 @@ With ``--draft`` the last stage runs the EAGLE draft and pushes its KV in the dr
 ``Describe`` names that band, which every stage before it reports on and checks decodes against
 (a decode with a draft is refused unless the pipeline has the same one).
 
+With ``--tp-size N`` a stage is rank 0 of ``N`` processes holding its layers' heads; its other
+ranks register their KV and write it on its word (:mod:`prefill_node.kv_transfer`), and its
+bootstrap endpoint describes its heads over its ``N`` ranks. Each stage's ``N`` is its own.
+
 Every stage serves ``Admin`` (the first as ``prefill``, later ones as ``prefill-stage``);
 ``security``'s token rules guard every service, ``PipelineStage`` included: a stage calls the
 next with the internal token of ``bootstrap_config``.
@@ -19,6 +23,7 @@ next with the internal token of ``bootstrap_config``.
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +33,12 @@ from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import BufferInfo, KVPool, pages_for_budget
 from engine.llm_engine import LLMEngine
-from prefill_node.kv_transfer import prefill_heads, prefill_manager
+from prefill_node.kv_transfer import (
+    PrefillRankTransfer,
+    prefill_heads,
+    prefill_manager,
+    remote_ranks,
+)
 from prefill_node.pipeline.first import FirstStageLoop
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage
@@ -46,6 +56,7 @@ from serving.server import Registration, serve_until_signal, start_server
 from transfer.base import KVManager
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.rank_agent import RemoteRank
 
 
 @dataclass(frozen=True)
@@ -93,9 +104,12 @@ async def serve_first_stage(args: StageArgs) -> None:
         config.kv_budget_bytes, text.num_hidden_layers, config.page_size,
         text.num_key_value_heads, text.head_dim,
         resolve_dtype(config.dtype, resolve_device(config.device)))
-    engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages))
+    authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
+    engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages),
+                       rank_attach=_rank_attach(args, text, authkey))
     runner = first_stage_runner(engine)
-    ends = await _open_endpoints(args, layers, engine.pool, engine.pool.buffer_infos(), text)
+    ends = await _open_endpoints(args, layers, engine.pool, engine.pool.buffer_infos(), text,
+                                 remote_ranks(engine.rank_payloads, authkey))
     assert ends.link is not None  # the first stage is never the last: size > 1
     service = PrefillService(args.max_waiting)
     loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link,
@@ -104,14 +118,17 @@ async def serve_first_stage(args: StageArgs) -> None:
     loop.start()
     await _serve(args, ends, [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service,
                                "pdserve.v1.PrefillWorker")],
-                 "prefill", service.stats, loop.stop)
+                 "prefill", service.stats, engine.close, loop.stop)
 
 
 async def serve_later_stage(args: StageArgs) -> None:
     """Run a later stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
-    share = load_later_stage(args.model_dir, args.config, args.layout, args.draft)
-    ends = await _open_endpoints(args, share.layers, share.pool, share.buffer_infos(),
-                                 share.model_config.text)
+    text = ModelConfig.from_dir(args.model_dir).text
+    authkey = secrets.token_bytes(32)
+    share = load_later_stage(args.model_dir, args.config, args.layout, args.draft,
+                             _rank_attach(args, text, authkey))
+    ends = await _open_endpoints(args, share.layers, share.pool, share.buffer_infos(), text,
+                                 remote_ranks(share.rank_payloads, authkey))
     stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link)
     info = wpb.StageInfo(pp_rank=args.layout.rank, pp_size=args.layout.size,
                          layer_start=share.layers.start, layer_end=share.layers.stop,
@@ -121,14 +138,22 @@ async def serve_later_stage(args: StageArgs) -> None:
         (worker_pb2_grpc.add_PipelineStageServicer_to_server, LaterStageService(stage, info),
          "pdserve.v1.PipelineStage"),
         (worker_pb2_grpc.add_PrefillWorkerServicer_to_server, face, "pdserve.v1.PrefillWorker"),
-    ], "prefill-stage", face.stats)
+    ], "prefill-stage", face.stats, share.close)
+
+
+def _rank_attach(args: StageArgs, text: TextConfig, authkey: bytes) -> PrefillRankTransfer:
+    """The attach hook of this stage's other TP ranks (unused with one rank)."""
+    return PrefillRankTransfer(args.transfer_backend, args.advertise_host, text.hidden_size,
+                               authkey)
 
 
 async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
-                          buffers: list[BufferInfo], text: TextConfig) -> _Endpoints:
+                          buffers: list[BufferInfo], text: TextConfig,
+                          ranks: Sequence[RemoteRank]) -> _Endpoints:
     """Link to the next stage (waiting for it), register ``buffers`` (``pool``'s entries, then
-    the draft's) for transfer (:mod:`prefill_node.kv_transfer`) and open the
-    bootstrap endpoint, which accepts a decode with a draft only when the pipeline's last stage
+    the draft's) for transfer (:mod:`prefill_node.kv_transfer`) and open the bootstrap
+    endpoint, with the stage's other TP ``ranks`` writing their heads (``pool`` is rank 0's);
+    it accepts a decode with a draft only when the pipeline's last stage
     runs the same one (the draft band: this stage's own on the last, else the next's)."""
     secret = args.bootstrap_config.secret if args.bootstrap_config is not None else None
     linked = await asyncio.to_thread(_link, args.layout, layers, args.pp_next,
@@ -143,11 +168,12 @@ async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
     identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
                              args.config.dtype, text.num_hidden_layers,
                              pipeline_draft_band=band,
-                             heads=prefill_heads(text, pool))
+                             heads=prefill_heads(text, pool, args.config.tp_size))
     manager = prefill_manager(args.transfer_backend, pool, buffers,
                               hidden_size=text.hidden_size, hostname=args.advertise_host)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
-                                       port=args.bootstrap_port, config=args.bootstrap_config)
+                                       port=args.bootstrap_port, config=args.bootstrap_config,
+                                       ranks=ranks)
     chain = f"{args.advertise_host}:{bootstrap.address[1]}{later}"
     return _Endpoints(manager, bootstrap, link, chain, band)
 
@@ -175,13 +201,15 @@ def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Met
 
 
 async def _serve(args: StageArgs, ends: _Endpoints, services: Sequence[Registration],
-                 role: str, stats: StatsSource, *stop_first: Callable[[], object]) -> None:
-    """Serve ``services`` (and ``Admin`` as ``role``) until a signal; then run ``stop_first``
-    and close the endpoints."""
+                 role: str, stats: StatsSource, close_ranks: Callable[[], object],
+                 *stop_first: Callable[[], object]) -> None:
+    """Serve ``services`` (and ``Admin`` as ``role``) until a signal; then run ``stop_first``,
+    close the endpoints and end the stage's other TP ranks (``close_ranks``)."""
     server, bound, _ = await start_server(
         services, args.host, args.port, role=role, stats=stats, security=args.security,
         metrics_port=args.metrics_port, metrics_collectors=TransferMetrics().watch(ends.manager))
     cleanups = [*stop_first, ends.bootstrap.close]
     if ends.link is not None:
         cleanups.append(ends.link.close)
+    cleanups.append(close_ranks)
     await serve_until_signal(server, bound, *cleanups)

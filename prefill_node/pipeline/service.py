@@ -1,6 +1,10 @@
 """gRPC services of a later pipeline stage: ``PipelineStage`` (driven by the stage before it)
 and a ``PrefillWorker`` face for load reports and aborts (it refuses ``Prefill``: rooms enter
-a pipeline at the first stage)."""
+a pipeline at the first stage).
+
+A stage whose tensor-parallel rank died cannot run a step again: the step that found out fails
+with ``UNAVAILABLE`` and the stage ends itself with status 1
+(:func:`serving.process_exit.end_with_failure`), as a whole prefill does."""
 
 from __future__ import annotations
 
@@ -8,10 +12,12 @@ import asyncio
 
 import grpc
 
+from engine.errors import TensorParallelError
 from prefill_node.pipeline.later import LaterStage
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
+from serving.process_exit import end_with_failure
 from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
 from transfer.faults import fault_figures
@@ -29,6 +35,8 @@ class LaterStageService(worker_pb2_grpc.PipelineStageServicer):
         try:
             return await asyncio.to_thread(self.stage.run_step, request)
         except STATUS_ERRORS as exc:
+            if isinstance(exc, TensorParallelError):
+                end_with_failure(f"pipeline stage {self.info.pp_rank}: {exc}")
             await abort_with_status(context, exc)
 
     async def Describe(  # noqa: N802

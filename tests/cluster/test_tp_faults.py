@@ -6,7 +6,8 @@ the engine; a request whose only decode lost a rank ends UNAVAILABLE within a bo
 survivors end holding nothing, and the worker restarted on its ports is used again.
 
 Cluster: a prefill with ``--tp-size 2``, a decode with ``--tp-size 2``, one router; handshake
-timeouts small, a long prompt in small chunks so the prefill is still sending when killed.
+timeouts small, a long prompt in small chunks so the prefill is still sending when killed. A
+last test runs a two-stage prefill whose later stage has ``--tp-size 2`` and kills its rank 1.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, Prompt
 from engine.request import SamplingParams
-from proto.pdserve.v1 import admin_pb2, generate_pb2_grpc
+from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
+from tests.cluster.harness import Node
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.streams import Stream, wait_for
+from tests.cluster.test_cluster import start_all, stop_all
 from tests.cluster.test_decode_tp import rank_processes
 from tests.cluster.test_faults import (
+    FAST_FAIL,
     LONG,
     Cluster,
     _req,
@@ -83,3 +87,36 @@ def test_a_decode_rank_killed_mid_stream_ends_its_worker_and_the_request(
     cluster: Cluster,
 ) -> None:
     only_decode_dies_mid_stream(cluster, lambda: kill_rank_1(cluster, "decode"))
+
+
+def test_a_later_stage_rank_killed_mid_prompt_ends_its_stage_and_the_prompt_is_recomputed(
+    tiny_dir: Path,
+) -> None:
+    common = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "512", *FAST_FAIL,
+              "--port", "0"]
+    stage = ["prefill", *common, "--pp-size", "2", "--max-num-batched-tokens", "16"]
+    nodes: list[Node] = []
+    try:
+        nodes += start_all([[*stage, "--pp-rank", "1", "--tp-size", "2"], ["decode", *common]])
+        last, decode = nodes
+        nodes += start_all([[*stage, "--pp-rank", "0", "--pp-next", last.address]])
+        nodes += start_all([["router", "--model", str(tiny_dir), "--port", "0", "--prefill",
+                             nodes[-1].address, "--decode", decode.address]])
+        router = nodes[-1]
+        engine = LLMEngine(tiny_dir, EngineConfig(num_pages=512, page_size=8))
+        [want] = engine.generate([Prompt(token_ids=LONG)],
+                                 SamplingParams(max_new_tokens=8, ignore_eos=True))
+        with grpc.insecure_channel(router.address) as ch, \
+                grpc.insecure_channel(last.address) as stage_ch:
+            stream = Stream(generate_pb2_grpc.GenerationStub(ch), _req(LONG, 8))
+            admin = admin_pb2_grpc.AdminStub(stage_ch)
+            wait_for(lambda: _started_on(stream, admin), "the later stage never started")
+            [rank1] = rank_processes(last.proc.pid)
+            os.kill(rank1, signal.SIGKILL)
+            assert last.proc.wait(EXIT_WITHIN_S) == 1
+            stream.join(60.0)
+            assert stream.error is None and stream.tokens == want.token_ids, stream.error
+        assert get_stats(router.address).kv_recomputes >= 1
+        assert_all_idle([n.address for n in nodes if n is not last], 15.0)
+    finally:
+        stop_all(nodes)
