@@ -11,7 +11,7 @@ rank's heads write whole pages, one pool-shaped entry set per incoming slice; on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -102,10 +102,11 @@ class HeadLandingBuffer:
         return out
 
     def scatter(self, landing_pages: Sequence[int], pages: Sequence[int],
-                slot: int | None = None) -> None:
+                slot: int | None = None, layer_ids: Collection[int] | None = None) -> None:
         """Slice ``slot``'s (every slice's when None) landing pages ``landing_pages`` into its
-        heads of pool ``pages``, in every entry: call it once the sources of those slices have
-        written (a slice no source wrote would scatter stale bytes)."""
+        heads of pool ``pages``, in the entries of ``layer_ids`` (every entry when None): call
+        it once the sources of those slices have written those layers (a slice or layer no
+        source wrote would scatter stale bytes)."""
         if len(landing_pages) != len(pages):
             raise ValueError(f"{len(landing_pages)} landing pages for {len(pages)} pool pages")
         # copy_ per run of pages consecutive on both sides: torch's indexed copies into a
@@ -114,7 +115,9 @@ class HeadLandingBuffer:
         slots = range(len(self.slices)) if slot is None else [slot]
         for s in slots:
             (start, count), land = self.slices[s], self.land[s]
-            for entry, buf in zip(self.entries, land, strict=True):
+            for entry, buf, lid in zip(self.entries, land, self.layer_ids, strict=True):
+                if layer_ids is not None and lid not in layer_ids:
+                    continue
                 heads = entry.narrow(2, start, count)
                 for src, dst, n in runs:
                     heads[dst : dst + n].copy_(buf[src : src + n])

@@ -146,6 +146,8 @@ class DecodeBootstrapClient:
         flat = reply.prefill_head_ranges
         # the prefill's KV heads over its TP ranks, as (start, count) (empty: it says nothing)
         self.prefill_ranges = tuple((flat[k], flat[k + 1]) for k in range(0, len(flat) - 1, 2))
+        # the layers the prefill writes (a pipeline stage writes its own only; None: unknown)
+        self._prefill_layers = set(reply.prefill_layer_ids) or None
         sock.settimeout(None)
         self._threads = [
             threading.Thread(target=self._read_loop, name="bootstrap-read", daemon=True),
@@ -316,7 +318,7 @@ class DecodeBootstrapClient:
         """Scatter a successful room's landing pages into its pages, then free them."""
         if self._landing is not None and r.landing and r.pages is not None:
             buf, slot = self._landing
-            buf.scatter(r.landing, r.pages, slot)
+            buf.scatter(r.landing, r.pages, slot, self._prefill_layers)
         self._free_landing(r)
 
     def _send(self, msg: Message) -> None:

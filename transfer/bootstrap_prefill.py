@@ -405,7 +405,8 @@ class PrefillBootstrapServer:
             plan = plan_sends(self.identity, self._ranks, reg)
             mine = self.identity.heads
             fs.send(RegisterReply(True, "", [x for pair in mine.ranges for x in pair]
-                                  if mine is not None else []))
+                                  if mine is not None else [],
+                                  sorted(set(self.manager.kv_layer_ids or []))))
             sock.settimeout(None)
         except (OSError, TransferError) as exc:
             with self._lock:

@@ -70,11 +70,13 @@ class RegisterReply:
     ``prefill_head_ranges``: the prefill's KV heads over its TP ranks, flattened as
     ``Registration.kv_head_ranges`` (empty: it describes none). A decode rank that several
     prefill ranks each fill a slice of learns here how to register with a landing slot per
-    rank (:mod:`transfer.heads`)."""
+    rank (:mod:`transfer.heads`). ``prefill_layer_ids``: the layer ids of the prefill's KV
+    entries (a pipeline stage's, its draft band's), the only entries it writes."""
 
     ok: bool
     reason: str
     prefill_head_ranges: list[int] = dataclasses.field(default_factory=list)
+    prefill_layer_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ each slice page ``page_size * count * head_bytes`` bytes, token-major inside lik
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -55,8 +55,10 @@ class HeadLanding(Protocol):
         """The landing entries of ``slot`` (every slot when None), in KV entry order."""
 
     def scatter(self, landing_pages: Sequence[int], pages: Sequence[int],
-                slot: int | None = None) -> None:
-        """Landing pages of ``slot`` (every slot when None) into their heads of pool ``pages``."""
+                slot: int | None = None, layer_ids: Collection[int] | None = None) -> None:
+        """Landing pages of ``slot`` (every slot when None) into their heads of pool ``pages``,
+        in the entries of ``layer_ids`` (every entry when None: a pipeline stage lands its own
+        layers only)."""
 
 
 class LandingPages:
