@@ -6,7 +6,6 @@ heads) and replicated (1 KV head)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 from pathlib import Path
 
@@ -15,11 +14,10 @@ import torch
 
 from engine.attention import AttentionBatch, TorchPagedAttention
 from engine.checkpoint import load_model
-from engine.config import EngineConfig, ModelConfig, TextConfig
+from engine.config import ModelConfig, TextConfig
 from engine.draft_runner import DraftHead
 from engine.errors import ConfigError
 from engine.kv_cache import KVPool
-from engine.llm_engine import LLMEngine
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
 from engine.parallel import TPGroup
@@ -157,12 +155,6 @@ def test_two_ranks_give_the_whole_models_hidden_states(
     assert not any(n.startswith(rank_0_only) for n in models[1].state_dict())
     for rank in range(2):
         torch.testing.assert_close(out[rank], expected, rtol=1e-5, atol=1e-5)
-
-
-def test_tensor_parallel_with_pipeline_stages_is_refused_before_any_process(hf_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="pipeline stages"):
-        LLMEngine(hf_dir, EngineConfig(num_pages=8, tp_size=2, layers=range(0, 2)))
-    assert not mp.active_children()
 
 
 def test_an_eagle_draft_beside_a_tensor_parallel_target_is_refused(hf_dir: Path) -> None:
