@@ -16,11 +16,25 @@ from engine.config import ModelConfig
 from engine.models.eagle import DraftConfig, Eagle3Spec, draft_config_dict
 from engine.models.eagle3 import Eagle3Draft
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.tiny_model import init_weights, random_vocab_map, tiny_config_dict
+from engine.tiny_model import (
+    init_weights,
+    random_vocab_map,
+    tiny_config_dict,
+    write_tiny_eagle3_draft,
+    write_tiny_model,
+)
 from engine.tiny_tokenizer import build_tiny_tokenizer
 
 PEAK = 100.0  # the LM heads' scale: a token's logits peak sharply at itself
 D2T_SEED = 7
+
+
+def write_eagle3_model(root: Path) -> Path:
+    """The built-in-shaped tiny model in ``root/model`` with a random EAGLE-3 draft in its
+    ``draft`` folder (acceptance near zero: tests of equality and of sampling only)."""
+    path = write_tiny_model(root / "model")
+    write_tiny_eagle3_draft(path / "draft")
+    return path
 
 
 def draft_vocab_ids(draft_vocab: int) -> set[int]:

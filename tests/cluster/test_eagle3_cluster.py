@@ -14,7 +14,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.tiny_model import write_tiny_eagle3_draft, write_tiny_model
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from tests.cluster.harness import Node, running
@@ -29,7 +28,7 @@ from tests.cluster.test_eagle_cluster import (
     generate_all,
     idle,
 )
-from tests.eagle3_pair import draft_vocab_ids, write_repeating_pair
+from tests.eagle3_pair import draft_vocab_ids, write_eagle3_model, write_repeating_pair
 
 pytestmark = pytest.mark.slow
 FLAVOURS = {"chain": ["3"], "tree": ["4", *TREE]}  # --num-draft-tokens ...
@@ -37,9 +36,7 @@ FLAVOURS = {"chain": ["3"], "tree": ["4", *TREE]}  # --num-draft-tokens ...
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_tiny_model(tmp_path_factory.mktemp("eagle3-cluster") / "model")
-    write_tiny_eagle3_draft(path / "draft")
-    return path
+    return write_eagle3_model(tmp_path_factory.mktemp("eagle3-cluster"))
 
 
 @pytest.fixture(scope="module")

@@ -23,19 +23,16 @@ from engine.request import SamplingParams
 from engine.tiny_model import (
     tiny_config_dict,
     write_tiny_eagle3_draft,
-    write_tiny_model,
 )
 from tests.decode_node.test_eagle import first_token_chi2
-from tests.eagle3_pair import draft_vocab_ids, write_repeating_pair
+from tests.eagle3_pair import draft_vocab_ids, write_eagle3_model, write_repeating_pair
 
 SHAPES = [(3, 1, 3), (4, 2, 3), (6, 3, 2)]  # (num_draft_tokens, topk, steps); the first a chain
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_tiny_model(tmp_path_factory.mktemp("eagle3") / "model")
-    write_tiny_eagle3_draft(path / "draft")
-    return path
+    return write_eagle3_model(tmp_path_factory.mktemp("eagle3"))
 
 
 @pytest.fixture(scope="module")
