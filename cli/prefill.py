@@ -45,8 +45,7 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
 
 
 def _pipeline_error(args: argparse.Namespace) -> str | None:
-    """Why the ``--pp-*``, ``--tp-size`` and ``--draft`` flags do not fit together, or
-    None."""
+    """Why the ``--pp-*`` and ``--draft`` flags do not fit together, or None."""
     from prefill_node.pipeline.layout import DRAFT_ON_EARLY_STAGE
 
     if not 0 <= args.pp_rank < args.pp_size:
@@ -56,9 +55,6 @@ def _pipeline_error(args: argparse.Namespace) -> str | None:
                 "last takes none")
     if args.draft and args.pp_rank < args.pp_size - 1:
         return DRAFT_ON_EARLY_STAGE
-    if args.tp_size > 1 and args.draft:
-        return ("--draft does not run with --tp-size > 1 yet: the draft's KV is one "
-                "process's")
     return None
 
 

@@ -13,9 +13,7 @@ from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.tp_ranks import RankTransfer, rank_registrations
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
-from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
-from engine.models.eagle import load_draft
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
@@ -48,21 +46,17 @@ async def serve_decode(
     own (:mod:`decode_node.tp_ranks`); rank 0 registers them all with each prefill, which writes
     every rank its heads (:mod:`transfer.heads`).
     """
-    if draft is not None and config.tp_size > 1:
-        raise ConfigError("--draft does not run with --tp-size > 1 yet: the EAGLE loop drives "
-                          "one process's model")
     text = ModelConfig.from_dir(model_dir).text
     engine = LLMEngine(model_dir, config, rank_attach=RankTransfer(
-        transfer_backend, advertise_host, text.hidden_size))
+        transfer_backend, advertise_host, text.hidden_size), draft=draft)
     spec = None
-    buffers = engine.pool.buffer_infos()
+    pools = [engine.pool]
     if draft is not None:
-        head = load_draft(draft, engine.model_config.text, engine.model.dtype,
-                          device=engine.device)
-        spec = EagleEngine(engine, head, num_draft_tokens, draft_topk, draft_steps)
-        buffers = spec.drafter.buffer_infos()
+        spec = EagleEngine(engine, engine.load_draft(), num_draft_tokens, draft_topk,
+                           draft_steps)
+        pools = spec.drafter.pools()
     manager = make_kv_manager(
-        transfer_backend, buffers,
+        transfer_backend, [b for pool in pools for b in pool.buffer_infos()],
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
     )

@@ -10,6 +10,7 @@ Rank 0 completes it with what both sides must agree on (:func:`rank_registration
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.kv_cache import KVPool
@@ -23,16 +24,16 @@ from transfer.setup import make_kv_manager
 @dataclass(frozen=True)
 class RankTransfer:
     """The attach hook of a decode's TP ranks: a KV manager of ``backend`` on ``hostname`` with
-    the rank's pool registered (and a one-row aux buffer of ``hidden_size``: the registration
-    needs one, the prefill writes the aux row into rank 0's only). The manager lives until the
-    rank's process exits."""
+    the rank's pools registered (the target's, then a draft's) and a one-row aux buffer of
+    ``hidden_size`` (the registration needs one; the prefill writes the aux row into rank 0's
+    only). The manager lives until the rank's process exits."""
 
     backend: str
     hostname: str
     hidden_size: int
 
-    def __call__(self, pool: KVPool, rank: int) -> bytes:
-        manager = make_kv_manager(self.backend, pool.buffer_infos(),
+    def __call__(self, pools: Sequence[KVPool], rank: int) -> bytes:
+        manager = make_kv_manager(self.backend, [b for p in pools for b in p.buffer_infos()],
                                   hidden_size=self.hidden_size, aux_rows=1,
                                   hostname=self.hostname)
         keep_until_exit(manager)

@@ -22,13 +22,15 @@ import torch
 from engine.attention import AttentionBatch
 from engine.attention_select import make_attention
 from engine.errors import ConfigError
-from engine.kv_cache import BufferInfo, KVPool
+from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepForward
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
+from engine.tp_driver import TPDriver
+from engine.tp_messages import Command
 
 
 def draft_row_ids(prompt: Sequence[int], start: int, num_tokens: int,
@@ -49,13 +51,19 @@ def draft_row_ids(prompt: Sequence[int], start: int, num_tokens: int,
 class DraftHead:
     """An EAGLE draft beside a target's KV pool: a one-layer draft pool mirroring
     ``target_pool``'s pages, and the draft's forward (which embeds with ``target``'s
-    embedding)."""
+    embedding).
 
-    def __init__(self, draft: Draft, target: Qwen2VLModel, target_pool: KVPool) -> None:
-        if target.tp.size > 1:
-            raise ConfigError("an EAGLE draft does not run beside a tensor-parallel target yet")
+    Beside a tensor-parallel target (``peers``: its other ranks), ``draft`` holds rank 0's
+    share of its layer (:func:`engine.models.eagle.load_draft` with the target's group), the
+    pool rank 0's key/value heads, and every forward runs the layer on every rank (each rank
+    holds the draft's share and its pool, :mod:`engine.tp_rank`)."""
+
+    def __init__(self, draft: Draft, target: Qwen2VLModel, target_pool: KVPool,
+                 peers: TPDriver | None = None) -> None:
+        if (peers is not None) != (target.tp.size > 1):
+            raise ConfigError("a draft beside a tensor-parallel target needs its other ranks")
         draft.cfg.check_target(target.cfg.text)
-        self.draft, self.target = draft, target
+        self.draft, self.target, self.peers = draft, target, peers
         p = target_pool
         self.pool = KVPool(p.num_pages, p.page_size, p.num_kv_heads, p.head_dim,
                            [draft.cfg.layer_id], p.dtype, p.device)
@@ -67,7 +75,11 @@ class DraftHead:
         """Draft rows ``(embedding of ids[t], features[t])`` at ``mrope`` ``[3, T]``, KV written at
         ``batch.slot_mapping``; returns the output features ``[T, H]``."""
         self.attn.prepare(batch)
-        return self.draft(self.target.embed(ids), features, mrope, self.attn)
+        x = self.draft.layer_input(self.target.embed(ids), features)
+        if self.peers is None:
+            return self.draft.finish(self.draft.run_layer(x, mrope, self.attn))
+        with self.peers.step(x, mrope, batch, Command.DRAFT):
+            return self.draft.finish(self.draft.run_layer(x, mrope, self.attn))
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -88,7 +100,7 @@ class DraftRunner(DraftHead):
     """A :class:`DraftHead` beside an :class:`LLMEngine`'s pool, run over the engine's steps."""
 
     def __init__(self, engine: LLMEngine, draft: Draft) -> None:
-        super().__init__(draft, engine.model, engine.pool)
+        super().__init__(draft, engine.model, engine.pool, engine.runner.peers)
         self.engine = engine
         engine.runner.aux_layers = self.aux_layers  # every forward returns what the draft fuses
         cache = engine.scheduler.prefix_cache
@@ -98,10 +110,9 @@ class DraftRunner(DraftHead):
             # compute with the draft KV it would have written (engine/prefix_cache.py)
             cache.set_draft_mode(True)
 
-    def buffer_infos(self) -> list[BufferInfo]:
-        """The target's KV buffer entries followed by the draft's (what the transfer layer
-        registers)."""
-        return [*self.engine.pool.buffer_infos(), *self.pool.buffer_infos()]
+    def pools(self) -> list[KVPool]:
+        """The target's KV pool, then the draft's (what the transfer layer registers)."""
+        return [self.engine.pool, self.pool]
 
     @torch.inference_mode()
     def prefill(self, out: SchedulerOutput, samples: list[tuple[int, float]],

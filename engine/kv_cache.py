@@ -112,3 +112,11 @@ class KVPool:
     def flat_v(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s V buffer viewed as ``[num_slots, num_kv_heads, head_dim]``."""
         return self.v[layer].view(self.num_slots, self.num_kv_heads, self.head_dim)
+
+
+def move_kv(pool: KVPool, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy the K/V of slots ``src`` ``[M]`` to slots ``dst`` ``[M]`` in every layer of
+    ``pool`` (all sources are read before any destination is written)."""
+    for layer in range(pool.num_layers):
+        for flat in (pool.flat_k(layer), pool.flat_v(layer)):
+            flat.index_copy_(0, dst, flat.index_select(0, src))

@@ -19,7 +19,7 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.decode_graphs import DecodeGraphs
 from engine.device import dtype_name, resolve_device, resolve_dtype
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
@@ -30,6 +30,8 @@ from engine.image_processor import (
 from engine.inputs import ImageInput, RequestState, VideoInput, build_state
 from engine.kv_cache import KVPool, pages_for_budget
 from engine.model_runner import ModelRunner, StepForward
+from engine.models.eagle import load_draft
+from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import num_image_tokens
 from engine.page_allocator import PageAllocator
@@ -113,10 +115,14 @@ class LLMEngine:
     registers that rank's KV with its own transfer engine there); what each returned is
     :attr:`rank_payloads`. With ``config.layers`` too (a pipeline stage), every rank holds
     those layers only; the stage's forward runs through :attr:`runner`'s ``peers``.
+
+    ``draft``: an EAGLE draft directory this engine's draft loop runs (:meth:`load_draft`);
+    with several ranks, each holds its share of the draft's layer and a draft pool of its
+    key/value heads, and its attach hook gets both pools.
     """
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, *,
-                 rank_attach: RankAttach | None = None) -> None:
+                 rank_attach: RankAttach | None = None, draft: str | Path | None = None) -> None:
         config = config or EngineConfig()
         self.device = resolve_device(config.device)
         self.dtype = dtype = resolve_dtype(config.dtype, self.device)
@@ -129,6 +135,7 @@ class LLMEngine:
         )
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.image_config = ImageProcessorConfig.from_dir(model_dir)
+        self.draft_dir = draft
         self.model_config, self.model = self._load(model_dir, config, num_pages, rank_attach)
         # one page more than the allocator hands out: a scratch page that padded rows of a
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)
@@ -167,7 +174,7 @@ class LLMEngine:
         end with this process however ``__init__`` ends)."""
         self.tp: TPDriver | None = None
         if config.tp_size > 1:
-            self.tp = TPDriver(model_dir, config, num_pages, attach)
+            self.tp = TPDriver(model_dir, config, num_pages, attach, self.draft_dir)
         try:
             loaded = load_model(model_dir, self.dtype, self.device, config.layers,
                                 self.tp.group if self.tp else SINGLE)
@@ -177,6 +184,14 @@ class LLMEngine:
             self.close()
             raise
         return loaded
+
+    def load_draft(self) -> Draft:
+        """The draft of :attr:`draft_dir` on this engine's device and dtype (rank 0's share of
+        its layer under TP); ``ConfigError`` without one, or when it does not fit."""
+        if self.draft_dir is None:
+            raise ConfigError("this engine was built without a draft")
+        return load_draft(self.draft_dir, self.model_config.text, self.model.dtype, self.device,
+                          tp=self.model.tp)
 
     @property
     def rank_payloads(self) -> list[bytes]:

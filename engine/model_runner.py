@@ -19,6 +19,7 @@ from engine.attention import AttentionBackend, AttentionBatch
 from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.inputs import RequestState
+from engine.kv_cache import move_kv
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
 from engine.scheduler import ScheduledItem, SchedulerOutput
@@ -102,6 +103,13 @@ class ModelRunner:
             return self._forward(embeds, mrope)
         with self.peers.step(embeds, mrope, batch):
             return self._forward(embeds, mrope)
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the target K/V of slots ``src`` ``[M]`` to ``dst`` ``[M]`` (int64, on the pool's
+        device), in every rank's pool (:func:`engine.kv_cache.move_kv`)."""
+        if self.peers is not None:
+            self.peers.move_kv(src, dst)
+        move_kv(self.attn.pool, src, dst)
 
     def _forward(self, embeds: torch.Tensor, mrope: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:

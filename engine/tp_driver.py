@@ -3,7 +3,8 @@
 them its inputs (:mod:`engine.tp_messages`), and ends them.
 
 Rank 0 is the engine the caller holds: it schedules, runs the vision tower and the embedding,
-runs its share of every forward together with the other ranks, and samples. A rank that fails
+runs its share of every forward (the target's, and an EAGLE draft's layer) together with the
+other ranks, and samples. A rank that fails
 (raises, or its process dies) fails rank 0's step with :class:`TensorParallelError` naming the
 rank and what it reported; the engine is then broken for good (:meth:`TPDriver.close` still
 ends every process).
@@ -27,7 +28,14 @@ from engine.config import EngineConfig
 from engine.device import resolve_device
 from engine.errors import TensorParallelError
 from engine.parallel import DistGroup, rank_device, serve_store
-from engine.tp_messages import Command, RankReport, StepHeader, pack_step, step_header
+from engine.tp_messages import (
+    Command,
+    RankReport,
+    StepHeader,
+    move_header,
+    pack_step,
+    step_header,
+)
 from engine.tp_rank import RankAttach, RankSpec, rank_main
 
 READY_TIMEOUT_S = 600.0  # a rank's model load
@@ -40,11 +48,12 @@ class TPDriver:
 
     Build it before rank 0 loads its model (the ranks load theirs meanwhile), build rank 0's
     model with :attr:`group`, then :meth:`connect`. ``attach``: run in every other rank's
-    process once its pool exists (:data:`engine.tp_rank.RankAttach`); what each returned is in
-    :attr:`payloads` after :meth:`connect`."""
+    process once its pools exist (:data:`engine.tp_rank.RankAttach`); what each returned is in
+    :attr:`payloads` after :meth:`connect`. ``draft``: an EAGLE draft directory, whose layer
+    every rank holds its share of (rank 0 loads its own, :class:`engine.draft_runner.DraftHead`)."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, num_pages: int,
-                 attach: RankAttach | None = None) -> None:
+                 attach: RankAttach | None = None, draft: str | Path | None = None) -> None:
         size = config.tp_size
         device = resolve_device(config.device)
         for rank in range(1, size):  # DeviceError now rather than a rank failing to start
@@ -57,7 +66,8 @@ class TPDriver:
         ctx = mp.get_context("spawn")
         threads = max(1, torch.get_num_threads() // size)
         spec = RankSpec(str(model_dir), replace(config, num_pages=num_pages), 0,
-                        self._store.port, threads, attach)
+                        self._store.port, threads, attach,
+                        None if draft is None else str(draft))
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         for rank in range(1, size):
@@ -82,23 +92,40 @@ class TPDriver:
         self.group.join(self._store, device)
 
     @contextmanager
-    def step(self, embeds: torch.Tensor, mrope: torch.Tensor,
-             batch: AttentionBatch) -> Iterator[None]:
-        """Announce a forward over ``embeds`` ``[T, hidden]`` at ``mrope`` ``[3, T]`` with
-        ``batch`` and send its inputs; run rank 0's forward inside. A failure of any rank in
-        here raises :class:`TensorParallelError`."""
+    def step(self, rows: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch,
+             command: Command = Command.FORWARD) -> Iterator[None]:
+        """Announce a forward over ``rows`` ``[T, hidden]`` at ``mrope`` ``[3, T]`` with
+        ``batch`` and send its inputs; run rank 0's forward inside. ``command``: the target's
+        forward (``rows`` are its embeddings) or the draft's (``rows`` are its layer's input,
+        :meth:`engine.models.eagle.EagleDraft.layer_input`). A failure of any rank in here
+        raises :class:`TensorParallelError`."""
+        with self._guard():
+            self._announce(step_header(rows, batch, command))
+            self.group.broadcast(pack_step(mrope, batch))
+            self.group.broadcast(rows.contiguous())
+            yield
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Have every other rank copy its target K/V of slots ``src`` ``[M]`` to ``dst``."""
+        with self._guard():
+            self._announce(move_header(int(src.shape[0])))
+            self.group.broadcast(torch.cat((src, dst)).to(torch.int64))
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Refuse once broken; turn a failure inside into the failing rank's error."""
         if self.failed:
             raise TensorParallelError("a tensor-parallel rank failed earlier; close this engine")
         try:
-            header = step_header(embeds, batch).encode()
-            for conn in self._conns:
-                conn.send_bytes(header)
-            self.group.broadcast(pack_step(mrope, batch))
-            self.group.broadcast(embeds.contiguous())
             yield
         except Exception as exc:
             self.failed = True
             raise step_failure(self._procs, self._conns, exc) from exc
+
+    def _announce(self, header: StepHeader) -> None:
+        data = header.encode()
+        for conn in self._conns:
+            conn.send_bytes(data)
 
     def close(self) -> None:
         """End every rank's process (STOP, then a kill for one that does not exit) and leave

@@ -3,13 +3,15 @@
 Two channels per non-zero rank:
 
 - a pipe between rank 0 and the rank (a ``multiprocessing`` connection, raw bytes only): rank 0
-  sends one :class:`StepHeader` per forward and one to stop; the rank sends one
+  sends one :class:`StepHeader` per forward (the target's, or an EAGLE draft's), per KV move
+  and one to stop; the rank sends one
   :class:`RankReport` when its model is loaded (or failed to load) and one if it fails later.
   A rank waits for work on its pipe, never inside a collective, so an idle engine holds no
   collective open (NCCL's watchdog would end it);
 - the group's broadcast (``torch.distributed``) for the step's tensors, whose shapes the header
-  gives: one int64 tensor holding every integer input (:func:`pack_step`) and the input
-  embeddings ``[T, hidden]`` in the model's dtype.
+  gives: for a forward, one int64 tensor holding every integer input (:func:`pack_step`) and
+  the input rows ``[T, hidden]`` in the model's dtype (the target's embeddings, or the draft
+  layer's input); for a KV move, one int64 tensor ``src [M] | dst [M]`` of slots.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import torch
 
 from engine.attention import AttentionBatch
 
-_HEADER = struct.Struct("<7q")
+_HEADER = struct.Struct("<8q")
 
 
 class Command(IntEnum):
-    FORWARD = 1  # run the model over the broadcast inputs
+    FORWARD = 1  # run the target model over the broadcast inputs
     STOP = 2  # leave the group and exit
+    DRAFT = 3  # run the EAGLE draft's layer over the broadcast inputs, into the draft pool
+    MOVE_KV = 4  # copy the target pool's K/V of slots src to slots dst (num_tokens moves)
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,12 @@ class StepHeader:
     table_width: int = 0  # P, columns of the page table
     max_q: int = 0
     max_kv: int = 0
-    hidden: int = 0  # width of the embeddings
+    hidden: int = 0  # width of the input rows
+    mask_width: int = 0  # W of the draft tree mask [B, max_q, W]; 0: causal
 
     def encode(self) -> bytes:
         return _HEADER.pack(self.command, self.num_tokens, self.num_seqs, self.table_width,
-                            self.max_q, self.max_kv, self.hidden)
+                            self.max_q, self.max_kv, self.hidden, self.mask_width)
 
     @classmethod
     def decode(cls, data: bytes) -> StepHeader:
@@ -56,7 +61,9 @@ class StepHeader:
     def packed_len(self) -> int:
         """Length of :func:`pack_step`'s tensor for this step."""
         t, b = self.num_tokens, self.num_seqs
-        return 4 * t + 3 * b + 1 + b * self.table_width
+        if self.command == Command.MOVE_KV:
+            return 2 * t
+        return 4 * t + 3 * b + 1 + b * self.table_width + b * self.max_q * self.mask_width
 
 
 @dataclass(frozen=True)
@@ -80,26 +87,38 @@ class RankReport:
         return cls(rank, data[16 : 16 + n].decode(errors="replace"), data[16 + n :])
 
 
-def step_header(embeds: torch.Tensor, batch: AttentionBatch) -> StepHeader:
-    """The header of a forward over ``embeds`` ``[T, hidden]`` with ``batch``."""
-    return StepHeader(Command.FORWARD, embeds.shape[0], batch.num_seqs,
-                      batch.page_table.shape[1], batch.max_q, batch.max_kv, embeds.shape[1])
+def step_header(rows: torch.Tensor, batch: AttentionBatch,
+                command: Command = Command.FORWARD) -> StepHeader:
+    """The header of a forward (``command``: the target's or the draft's) over ``rows``
+    ``[T, hidden]`` with ``batch``."""
+    width = 0 if batch.tree_mask is None else batch.tree_mask.shape[2]
+    return StepHeader(command, rows.shape[0], batch.num_seqs, batch.page_table.shape[1],
+                      batch.max_q, batch.max_kv, rows.shape[1], width)
 
 
 def pack_step(mrope: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """Every integer input of a forward in one int64 tensor ``[packed_len]``:
-    ``mrope [3, T] | slots [T] | q_lens [B] | kv_lens [B] | q_starts [B + 1] | table [B, P]``."""
-    parts = (mrope, batch.slot_mapping, batch.q_lens, batch.kv_lens, batch.q_starts,
-             batch.page_table)
+    ``mrope [3, T] | slots [T] | q_lens [B] | kv_lens [B] | q_starts [B + 1] | table [B, P]``
+    and, under a draft tree, ``| tree_mask [B, max_q, W]`` (0 or 1)."""
+    parts = [mrope, batch.slot_mapping, batch.q_lens, batch.kv_lens, batch.q_starts,
+             batch.page_table]
+    if batch.tree_mask is not None:
+        parts.append(batch.tree_mask)
     return torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
 
 
 def unpack_step(header: StepHeader, packed: torch.Tensor) -> tuple[torch.Tensor, AttentionBatch]:
     """The mrope positions ``[3, T]`` and attention batch of :func:`pack_step`'s tensor."""
-    t, b, p = header.num_tokens, header.num_seqs, header.table_width
-    mrope, slots, q_lens, kv_lens, q_starts, table = packed.split(
-        [3 * t, t, b, b, b + 1, b * p])
+    t, b, p, w = header.num_tokens, header.num_seqs, header.table_width, header.mask_width
+    mrope, slots, q_lens, kv_lens, q_starts, table, mask = packed.split(
+        [3 * t, t, b, b, b + 1, b * p, b * header.max_q * w])
     i32 = torch.int32
+    tree = mask.view(b, header.max_q, w).bool() if w else None
     batch = AttentionBatch(q_lens.to(i32), kv_lens.to(i32), q_starts.to(i32),
-                           table.view(b, p).to(i32), slots, header.max_q, header.max_kv)
+                           table.view(b, p).to(i32), slots, header.max_q, header.max_kv, tree)
     return mrope.view(3, t), batch
+
+
+def move_header(num_moves: int) -> StepHeader:
+    """The header of a KV move of ``num_moves`` slots (its tensor: ``src [M] | dst [M]``)."""
+    return StepHeader(Command.MOVE_KV, num_moves)

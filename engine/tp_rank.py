@@ -6,6 +6,11 @@ With ``config.layers`` (a pipeline stage's share) the rank holds those decoder l
 pool holds them, and the broadcast tensor is the hidden state entering the first of them: each
 forward runs :meth:`Qwen2VLModel.forward_layers` over that range, as rank 0's stage does.
 
+With an EAGLE draft (``RankSpec.draft``) the rank also holds its share of the draft's layer and
+a draft pool of its key/value heads (the draft band, pages mirroring its target pool's) and runs
+the draft's layer on :attr:`Command.DRAFT`; :attr:`Command.MOVE_KV` copies target K/V between
+slots (a draft tree's accepted path).
+
 Life: load the model's share and build the pool, report ready (or the load's error) on the
 pipe, join the group, then serve headers until STOP, or until rank 0's end of the pipe closes.
 Any error is reported on the pipe, printed with its traceback, and ends the process (exit 1).
@@ -18,7 +23,7 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -30,14 +35,17 @@ from engine.attention_select import make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import KVPool
+from engine.kv_cache import KVPool, move_kv
+from engine.models.eagle import load_draft
+from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.parallel import DistGroup, join_store, rank_device
 from engine.tp_messages import Command, RankReport, StepHeader, unpack_step
 from engine.tp_shard import TextShard
 
-RankAttach = Callable[[KVPool, int], bytes]
-"""A node's hook run in a rank's process once its pool is built, given the pool and the rank:
+RankAttach = Callable[[Sequence[KVPool], int], bytes]
+"""A node's hook run in a rank's process once its pools are built, given them (the target's,
+then a draft's when the rank holds one) and the rank:
 what it returns reaches rank 0 with the ready report (:attr:`engine.tp_driver.TPDriver.payloads`)
 and what it builds (a transfer engine with the pool registered) lives as long as the process.
 It crosses into a spawned process by reference, so it must be a module-level function or an
@@ -47,7 +55,8 @@ instance of a module-level class."""
 @dataclass(frozen=True)
 class RankSpec:
     """What a rank's process is started with; ``config`` is rank 0's, with its device and dtype
-    resolved and its page count fixed; ``attach``: the node's hook (:data:`RankAttach`)."""
+    resolved and its page count fixed; ``attach``: the node's hook (:data:`RankAttach`);
+    ``draft``: an EAGLE draft directory whose layer the ranks share too."""
 
     model_dir: str
     config: EngineConfig
@@ -55,6 +64,7 @@ class RankSpec:
     store_port: int
     num_threads: int  # torch threads of this process
     attach: RankAttach | None = None
+    draft: str | None = None
 
     @property
     def num_pages(self) -> int:
@@ -70,10 +80,12 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     try:
         device = rank_device(resolve_device(spec.config.device), spec.rank)
         model, pool = _build(spec, group, device)
-        payload = spec.attach(pool, spec.rank) if spec.attach is not None else b""
+        draft = _build_draft(spec, model, pool, group, device)
+        pools = [pool] if draft is None else [pool, draft.pool]
+        payload = spec.attach(pools, spec.rank) if spec.attach is not None else b""
         conn.send_bytes(RankReport(spec.rank, payload=payload).encode())
         group.join(join_store(spec.store_port, group.size), device)
-        _serve(conn, model, _layers(spec), make_attention(pool), device)
+        _serve(conn, _Shares(model, _layers(spec), make_attention(pool), draft), device)
     except EOFError:  # rank 0 is gone
         pass
     except BaseException as exc:
@@ -103,6 +115,34 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
     return model, pool
 
 
+@dataclass
+class _DraftShare:
+    draft: Draft
+    pool: KVPool
+    attn: AttentionBackend
+
+
+def _build_draft(spec: RankSpec, model: Qwen2VLModel, pool: KVPool, group: DistGroup,
+                 device: torch.device) -> _DraftShare | None:
+    """This rank's share of the draft's layer and its draft pool (None without a draft)."""
+    if spec.draft is None:
+        return None
+    draft = load_draft(spec.draft, model.cfg.text, model.dtype, device, tp=group)
+    dpool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
+                   [draft.cfg.layer_id], pool.dtype, device)
+    return _DraftShare(draft, dpool, make_attention(dpool))
+
+
+@dataclass
+class _Shares:
+    """What a rank runs: its target layers and pool, and its draft share."""
+
+    model: Qwen2VLModel
+    layers: range
+    attn: AttentionBackend
+    draft: _DraftShare | None
+
+
 def _layers(spec: RankSpec) -> range:
     """The global decoder layers this rank holds (every one without ``config.layers``)."""
     if spec.config.layers is not None:
@@ -111,18 +151,28 @@ def _layers(spec: RankSpec) -> range:
 
 
 @torch.inference_mode()
-def _serve(conn: Connection, model: Qwen2VLModel, layers: range, attn: AttentionBackend,
-           device: torch.device) -> None:
-    """Run the forwards rank 0 announces over ``layers`` until it says STOP."""
+def _serve(conn: Connection, shares: _Shares, device: torch.device) -> None:
+    """Run the forwards and moves rank 0 announces until it says STOP."""
+    model = shares.model
     tp = model.tp
     while True:
         header = StepHeader.decode(conn.recv_bytes())
         if header.command == Command.STOP:
             return
-        packed = torch.empty(header.packed_len(), dtype=torch.int64, device=device)
-        embeds = torch.empty(header.num_tokens, header.hidden, dtype=model.dtype, device=device)
-        mrope, batch = unpack_step(header, tp.broadcast(packed))
-        tp.broadcast(embeds)
-        attn.prepare(batch)
+        packed = tp.broadcast(torch.empty(header.packed_len(), dtype=torch.int64, device=device))
+        if header.command == Command.MOVE_KV:
+            src, dst = packed.split(header.num_tokens)
+            move_kv(shares.attn.pool, src, dst)
+            continue
+        rows = torch.empty(header.num_tokens, header.hidden, dtype=model.dtype, device=device)
+        mrope, batch = unpack_step(header, packed)
+        tp.broadcast(rows)
+        if header.command == Command.DRAFT:
+            if shares.draft is None:
+                raise RuntimeError("rank 0 ran a draft forward, but this rank holds no draft")
+            shares.draft.attn.prepare(batch)
+            shares.draft.draft.run_layer(rows, mrope, shares.draft.attn)
+            continue
+        shares.attn.prepare(batch)
         # rank 0's own layers' output (before its final norm, a per-rank op); rank 0 samples
-        model.forward_layers(embeds, mrope, attn, layers, final_norm=False)
+        model.forward_layers(rows, mrope, shares.attn, shares.layers, final_norm=False)

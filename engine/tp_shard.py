@@ -93,9 +93,15 @@ class TextShard:
     def slice_of(self, name: str) -> tuple[int, int, int] | None:
         """``(dim, start, stop)`` of this rank's part of checkpoint tensor ``name`` (a canonical
         name), or None when every rank holds it whole."""
-        if self.size == 1 or not name.startswith(_LAYER_PREFIX):
+        if not name.startswith(_LAYER_PREFIX):
             return None
-        inside = name[len(_LAYER_PREFIX) :].partition(".")[2]
+        return self.layer_slice(name[len(_LAYER_PREFIX) :].partition(".")[2])
+
+    def layer_slice(self, inside: str) -> tuple[int, int, int] | None:
+        """:meth:`slice_of` of tensor ``inside`` a decoder layer (``self_attn.q_proj.weight``;
+        an EAGLE draft's layer splits the same way)."""
+        if self.size == 1:
+            return None
         split = _SPLITS.get(inside)
         if split is None:
             return None

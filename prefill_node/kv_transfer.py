@@ -2,9 +2,9 @@
 staging buffer for decodes of larger TP) and the KV heads it describes to decodes.
 
 A decode rank that holds a slice of a prefill rank's heads gets it gathered into that rank's
-staging buffer and written as whole destination pages (:mod:`transfer.heads`). A prefill with
-an EAGLE draft registers no staging buffer (a decode does not run a draft beside TP yet), so it
-serves equal TP only.
+staging buffer and written as whole destination pages (:mod:`transfer.heads`). An EAGLE draft's
+band is split over the ranks like the target's layers (:mod:`engine.tp_rank`), so its entries
+are staged and sliced like any other.
 
 With ``--tp-size N`` every rank holds its heads of every page in its own process: each other
 rank registers them with a transfer engine of its own and writes them on rank 0's word
@@ -15,11 +15,12 @@ rank registers them with a transfer engine of its own and writes them on rank 0'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import TextConfig
 from engine.device import dtype_name
-from engine.kv_cache import BufferInfo, KVPool
+from engine.kv_cache import KVPool
 from engine.kv_staging import HeadStagingBuffer
 from serving.process_exit import keep_until_exit
 from transfer.base import KVManager
@@ -33,13 +34,13 @@ STAGING_BYTES = 32 << 20  # two 16 MiB halves: one gathered round while the othe
 AUX_ROWS = 4
 
 
-def prefill_manager(backend: str, pool: KVPool, buffers: list[BufferInfo], *,
-                    hidden_size: int, hostname: str) -> KVManager:
-    """A KV manager of ``backend`` with ``buffers`` registered (``pool``'s entries, then a
-    draft's when it runs one), and a staging buffer over ``pool`` when ``buffers`` are the
-    pool's alone. Its engine lives until the process exits (:mod:`serving.process_exit`)."""
-    entries = pool.entries()
-    staging = HeadStagingBuffer(entries, STAGING_BYTES) if len(buffers) == len(entries) else None
+def prefill_manager(backend: str, pools: Sequence[KVPool], *, hidden_size: int,
+                    hostname: str) -> KVManager:
+    """A KV manager of ``backend`` with ``pools``' entries registered (the target's, then a
+    draft's when it runs one) and a staging buffer over them. Its engine lives until the
+    process exits (:mod:`serving.process_exit`)."""
+    buffers = [b for pool in pools for b in pool.buffer_infos()]
+    staging = HeadStagingBuffer([e for pool in pools for e in pool.entries()], STAGING_BYTES)
     manager = make_kv_manager(backend, buffers, hidden_size=hidden_size, aux_rows=AUX_ROWS,
                               hostname=hostname, staging=staging)
     keep_until_exit(manager)
@@ -57,7 +58,7 @@ def prefill_heads(text: TextConfig, pool: KVPool, tp_size: int = 1) -> HeadLayou
 @dataclass(frozen=True)
 class PrefillRankTransfer:
     """The attach hook of a prefill's TP ranks (:data:`engine.tp_rank.RankAttach`): a KV
-    manager of ``backend`` on ``hostname`` with the rank's pool and a staging buffer registered,
+    manager of ``backend`` on ``hostname`` with the rank's pools and a staging buffer registered,
     and the agent that writes on rank 0's word (``authkey`` proves rank 0); returns the rank's
     :class:`~transfer.messages.RankBuffers`, encoded. Both live until the process exits."""
 
@@ -66,9 +67,9 @@ class PrefillRankTransfer:
     hidden_size: int
     authkey: bytes = field(repr=False)
 
-    def __call__(self, pool: KVPool, rank: int) -> bytes:
-        manager = prefill_manager(self.backend, pool, pool.buffer_infos(),
-                                  hidden_size=self.hidden_size, hostname=self.hostname)
+    def __call__(self, pools: Sequence[KVPool], rank: int) -> bytes:
+        manager = prefill_manager(self.backend, pools, hidden_size=self.hidden_size,
+                                  hostname=self.hostname)
         agent = RankAgent(manager, self.authkey)
         keep_until_exit(agent)
         return encode(agent.buffers())

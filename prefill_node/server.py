@@ -10,9 +10,7 @@ from pathlib import Path
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
 from engine.draft_runner import DraftRunner
-from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
-from engine.models.eagle import load_draft
 from prefill_node.kv_transfer import (
     PrefillRankTransfer,
     prefill_heads,
@@ -47,11 +45,9 @@ async def serve_prefill(
     next stage's gRPC address; ``draft`` goes to the last stage only. ``max_waiting`` bounds
     the rooms waiting here (see :mod:`prefill_node.service`); ``bootstrap_config`` sets the
     handshake timeouts of its bootstrap endpoint. With ``config.tp_size`` above 1 the engine's
-    other ranks run in their own processes, each writing its KV heads on this one's word
-    (:mod:`prefill_node.kv_transfer`), on every pipeline stage too; not with a draft yet.
+    other ranks run in their own processes, each writing its KV heads (a draft's band too) on
+    this one's word (:mod:`prefill_node.kv_transfer`), on every pipeline stage too.
     """
-    if config.tp_size > 1 and draft is not None:
-        raise ConfigError("--tp-size above 1 runs without --draft on a prefill")
     if pp_size > 1 or pp_next:
         from prefill_node.pipeline.layout import StageLayout
         from prefill_node.pipeline.server import StageArgs, serve_first_stage, serve_later_stage
@@ -67,14 +63,13 @@ async def serve_prefill(
     text = ModelConfig.from_dir(model_dir).text
     authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
     engine = LLMEngine(model_dir, config, rank_attach=PrefillRankTransfer(
-        transfer_backend, advertise_host, text.hidden_size, authkey))
+        transfer_backend, advertise_host, text.hidden_size, authkey), draft=draft)
     drafter = None
-    buffers = engine.pool.buffer_infos()
+    pools = [engine.pool]
     if draft is not None:  # the draft's prompt KV is computed here and travels in its band
-        drafter = DraftRunner(engine, load_draft(draft, engine.model_config.text,
-                                                 engine.model.dtype, device=engine.device))
-        buffers = drafter.buffer_infos()
-    manager = prefill_manager(transfer_backend, engine.pool, buffers,
+        drafter = DraftRunner(engine, engine.load_draft())
+        pools = drafter.pools()
+    manager = prefill_manager(transfer_backend, pools,
                               hidden_size=engine.model_config.text.hidden_size,
                               hostname=advertise_host)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,

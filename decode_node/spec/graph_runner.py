@@ -73,7 +73,9 @@ class SpecGraphRunner:
         self.pad_slot = engine.scratch_page * page_size
         self.bs = 0  # padded size of the last fill
         device = engine.pool.device
-        enabled = engine.config.graphs and backend_name(engine.pool) == "triton"
+        # a TP forward announces itself to the other ranks on a pipe: it cannot be captured
+        enabled = (engine.config.graphs and backend_name(engine.pool) == "triton"
+                   and engine.tp is None)
         self.graphs = GraphCache(device, self.capture_sizes, enabled)
         sched = engine.scheduler.config
         self.max_pages = -(-(sched.max_model_len + sched.lookahead_tokens) // page_size)

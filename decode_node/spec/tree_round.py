@@ -37,7 +37,6 @@ from engine.attention import AttentionBatch
 from engine.draft_runner import DraftRunner
 from engine.input_batch import to_device
 from engine.inputs import RequestState
-from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.mrope import mrope_from_1d
 from engine.penalties import tree_scores
@@ -152,17 +151,10 @@ class TreeRounds:
         rows = rnd.rows[item]
         src_t, dst_t = to_device([batch.slots(rows, src), batch.slots(rows, dst)],
                                  self.engine.pool.device)
-        move_kv(self.engine.pool, src_t, dst_t)
+        self.engine.runner.move_kv(src_t, dst_t)  # on every TP rank
 
     def _log_graph(self, phase: str, rnd: RoundInputs) -> None:
         rows = [r.request_id for r in rnd.reqs for _ in range(self.shape.num_draft_tokens + 1)]
         pos, mrope = self.graph.positions(len(rnd.reqs))
         self.log(phase, rows, mrope.clone(), pos.clone())
 
-
-def move_kv(pool: KVPool, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy the K/V of slots ``src`` ``[M]`` to slots ``dst`` ``[M]`` in every layer of
-    ``pool`` (all sources are read before any destination is written)."""
-    for layer in range(pool.num_layers):
-        for flat in (pool.flat_k(layer), pool.flat_v(layer)):
-            flat.index_copy_(0, dst, flat.index_select(0, src))

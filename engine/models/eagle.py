@@ -37,6 +37,12 @@ Every draft offers the same interface to the loops that run it
 rows -> the features the next draft step reads), ``logits(features, target)`` (float32 logits
 over the *target's* vocabulary) and ``cfg.aux_layer_ids`` (the target layers whose outputs
 ``aux`` holds; empty for EAGLE-1/2).
+
+Under tensor parallelism (``tp`` of several ranks) the draft's decoder layer is split like the
+target's (:mod:`engine.tp_shard`), so the draft's KV band holds each rank's own key/value heads
+just as the target's layers do, and the rest is whole on every rank. ``forward`` is then three
+parts: ``layer_input`` (rank 0: the rows entering the layer), ``run_layer`` (every rank, on
+those rows broadcast; its collectives make the output whole) and ``finish`` (rank 0).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ from engine.config import TextConfig, text_config_from_dict
 from engine.errors import CheckpointError, ConfigError
 from engine.models.layers import MropeRotary, RMSNorm
 from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
+from engine.parallel import SINGLE, TPGroup
+from engine.tp_shard import TextShard
 
 if TYPE_CHECKING:
     from engine.models.eagle3 import Eagle3Draft
@@ -180,14 +188,15 @@ def _flag(raw: dict[str, Any], key: str) -> bool:
 
 
 class EagleDraft(nn.Module):
-    """The draft head of ``cfg``'s layout variant; a left-out norm is an identity (no weight)."""
+    """The draft head of ``cfg``'s layout variant (its layer split over ``tp``); a left-out norm
+    is an identity (no weight)."""
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         t = cfg.text
         self.cfg = cfg
         self.fc = nn.Linear(2 * t.hidden_size, t.hidden_size, bias=cfg.fc_bias)
-        self.layers = nn.ModuleList([DecoderLayer(t, input_norm=cfg.layer_input_norm)])
+        self.layers = nn.ModuleList([DecoderLayer(t, tp, input_norm=cfg.layer_input_norm)])
         self.norm: RMSNorm | nn.Identity = (
             RMSNorm(t.hidden_size, t.rms_norm_eps) if cfg.final_norm else nn.Identity())
         self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
@@ -212,9 +221,20 @@ class EagleDraft(nn.Module):
     ) -> torch.Tensor:
         """Rows ``(embedding of token p+1, feature of p)`` at ``mrope_positions`` ``[3, T]``;
         writes the draft KV through ``attn`` and returns the output features ``[T, H]``."""
-        x = self.fc(torch.cat((token_embeds, features), dim=-1))
-        rot = self.rotary(mrope_positions, x.dtype)
-        x = self.layers[0].forward(x, rot, attn, 0)
+        x = self.layer_input(token_embeds, features)
+        return self.finish(self.run_layer(x, mrope_positions, attn))
+
+    def layer_input(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The rows entering the decoder layer, ``fc`` of both ``[T, H]``."""
+        return self.fc(torch.cat((token_embeds, features), dim=-1))
+
+    def run_layer(self, x: torch.Tensor, mrope_positions: torch.Tensor,
+                  attn: AttentionBackend) -> torch.Tensor:
+        """The decoder layer over :meth:`layer_input`'s rows (this rank's share of it)."""
+        return self.layer.forward(x, self.rotary(mrope_positions, x.dtype), attn, 0)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The output features of the layer's output: the final norm."""
         return self.norm.forward(x)
 
     def target_feature(self, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
@@ -230,18 +250,21 @@ class EagleDraft(nn.Module):
 
 def load_draft(
     path: str | Path, target: TextConfig, dtype: torch.dtype,
-    device: str | torch.device = "cpu",
+    device: str | torch.device = "cpu", tp: TPGroup = SINGLE,
 ) -> EagleDraft | Eagle3Draft:
     """Load an EAGLE draft directory in any accepted layout (the module docstring), refused
     unless it fits the target's text config; its weights go straight onto ``device`` (the
-    target's) in ``dtype``."""
+    target's) in ``dtype``. With ``tp`` of several ranks, its layer holds this rank's slices
+    (``ConfigError`` when the layer does not split over them)."""
     # both build on this module's config
     from engine.models.eagle3 import build_draft
     from engine.models.eagle_layouts import read_draft
 
     cfg, state = read_draft(Path(path), target, device)
+    if tp.size > 1:
+        state = draft_shard(state, TextShard.of(cfg.text, tp.rank, tp.size))
     with torch.device("meta"):
-        draft = build_draft(cfg)
+        draft = build_draft(cfg, tp)
     expected = set(draft.state_dict())
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
@@ -254,6 +277,18 @@ def load_draft(
     draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
     draft.fuse()
     return draft
+
+
+def draft_shard(state: dict[str, torch.Tensor], shard: TextShard) -> dict[str, torch.Tensor]:
+    """``state`` (pdserve's draft names) with the layer's tensors cut to ``shard``'s slices."""
+    out = {}
+    for name, tensor in state.items():
+        part = shard.layer_slice(name.split(".", 2)[2]) if name.startswith("layers.") else None
+        if part is not None:
+            dim, start, stop = part
+            tensor = tensor.narrow(dim, start, stop - start).contiguous()
+        out[name] = tensor
+    return out
 
 
 def draft_config_dict(target_text: dict[str, Any], target_layers: int,

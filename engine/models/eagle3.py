@@ -34,7 +34,7 @@ from engine.errors import CheckpointError
 from engine.models.eagle import DraftConfig, EagleDraft
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables
 from engine.models.qwen2_vl import Attention, Mlp, Qwen2VLModel
-from engine.parallel import SINGLE
+from engine.parallel import SINGLE, TPGroup
 from engine.tp_shard import TextShard
 
 
@@ -42,14 +42,15 @@ class Eagle3Layer(nn.Module):
     """The EAGLE-3 draft's decoder layer: attention over the normed embedding and feature side
     by side, residual from the feature."""
 
-    def __init__(self, cfg: TextConfig) -> None:
+    def __init__(self, cfg: TextConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         h = cfg.hidden_size
+        shard = TextShard.of(cfg, tp.rank, tp.size)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, TextShard.of(cfg, 0, 1), SINGLE, in_features=2 * h)
+        self.self_attn = Attention(cfg, shard, tp, in_features=2 * h)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = Mlp(cfg, TextShard.of(cfg, 0, 1), SINGLE)
+        self.mlp = Mlp(cfg, shard, tp)
 
     def forward(self, embeds: torch.Tensor, feature: torch.Tensor, rot: RotaryTables,
                 attn: AttentionBackend, layer: int) -> torch.Tensor:
@@ -61,16 +62,16 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Draft(nn.Module):
-    """An EAGLE-3 draft of ``cfg`` (whose ``eagle3`` is set); the interface of
-    :class:`~engine.models.eagle.EagleDraft`."""
+    """An EAGLE-3 draft of ``cfg`` (whose ``eagle3`` is set; its layer split over ``tp``); the
+    interface of :class:`~engine.models.eagle.EagleDraft`."""
 
-    def __init__(self, cfg: DraftConfig) -> None:
+    def __init__(self, cfg: DraftConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         assert cfg.eagle3 is not None, "an EAGLE-3 draft needs its Eagle3Spec"
         t, spec = cfg.text, cfg.eagle3
         self.cfg = cfg
         self.fc = nn.Linear(len(spec.aux_layer_ids) * t.hidden_size, t.hidden_size, bias=False)
-        self.layers = nn.ModuleList([Eagle3Layer(t)])
+        self.layers = nn.ModuleList([Eagle3Layer(t, tp)])
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.lm_head = nn.Linear(t.hidden_size, spec.draft_vocab_size, bias=False)
         self.d2t: torch.Tensor
@@ -106,8 +107,23 @@ class Eagle3Draft(nn.Module):
         """Rows ``(embedding of token p+1, feature of p)`` at ``mrope_positions`` ``[3, T]``;
         writes the draft KV through ``attn`` and returns the next step's features ``[T, H]``
         (the layer's output before the final norm)."""
-        rot = self.rotary(mrope_positions, features.dtype)
-        return self.layer.forward(token_embeds, features, rot, attn, 0)
+        return self.run_layer(self.layer_input(token_embeds, features), mrope_positions, attn)
+
+    def layer_input(self, token_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The rows entering the decoder layer: both ``[T, H]`` side by side, ``[T, 2H]``."""
+        return torch.cat((token_embeds, features), dim=-1)
+
+    def run_layer(self, x: torch.Tensor, mrope_positions: torch.Tensor,
+                  attn: AttentionBackend) -> torch.Tensor:
+        """The decoder layer over :meth:`layer_input`'s rows (this rank's share of it)."""
+        embeds, features = x.chunk(2, dim=-1)
+        rot = self.rotary(mrope_positions, x.dtype)
+        return self.layer.forward(embeds, features, rot, attn, 0)
+
+    def finish(self, x: torch.Tensor) -> torch.Tensor:
+        """The output features of the layer's output: the output itself (the final norm comes
+        before the LM head only)."""
+        return x
 
     def logits(self, features: torch.Tensor, target: Qwen2VLModel) -> torch.Tensor:
         """Float32 logits ``[n, V]`` over the target's vocabulary of ``features`` ``[n, H]``:
@@ -129,9 +145,10 @@ def vocab_map(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:
     return ids
 
 
-def build_draft(cfg: DraftConfig) -> EagleDraft | Eagle3Draft:
-    """The draft module ``cfg`` describes (EAGLE-3 when ``cfg.eagle3`` is set)."""
-    return EagleDraft(cfg) if cfg.eagle3 is None else Eagle3Draft(cfg)
+def build_draft(cfg: DraftConfig, tp: TPGroup = SINGLE) -> EagleDraft | Eagle3Draft:
+    """The draft module ``cfg`` describes (EAGLE-3 when ``cfg.eagle3`` is set), its layer split
+    over ``tp``."""
+    return EagleDraft(cfg, tp) if cfg.eagle3 is None else Eagle3Draft(cfg, tp)
 
 
 Draft = EagleDraft | Eagle3Draft  # what every draft loop runs

@@ -224,11 +224,24 @@ class Qwen2VLModel(nn.Module):
         states when ``final_norm`` (the last stage), else the raw residual stream for the next
         stage. Over all layers with ``final_norm`` this equals :meth:`forward`.
         """
+        return self.forward_layers_aux(hidden, mrope_positions, attn, layers,
+                                       final_norm=final_norm)[0]
+
+    def forward_layers_aux(
+        self, hidden: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,
+        layers: range, *, final_norm: bool, aux_layers: Sequence[int] = (),
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`forward_layers`, also returning the outputs of those of global layers
+        ``aux_layers`` in ``layers`` (``[T, hidden]`` each, by layer id; the residual stream
+        after the layer, as :meth:`forward_aux` gives them)."""
         rot = self.rotary(mrope_positions, hidden.dtype)
         x = hidden
+        outs: dict[int, torch.Tensor] = {}
         for gid in layers:
             x = self.model.layers[gid].forward(x, rot, attn, gid - layers.start)
-        return self.model.norm.forward(x) if final_norm else x
+            if gid in aux_layers:
+                outs[gid] = x
+        return (self.model.norm.forward(x) if final_norm else x), outs
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab]``."""

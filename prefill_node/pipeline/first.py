@@ -26,6 +26,7 @@ from engine.inputs import ImageInput, RequestState, VideoInput
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from prefill_node.loop import IDLE_POLL_S, PrefillThread
+from prefill_node.pipeline.aux_layers import pack_aux
 from prefill_node.pipeline.first_runner import FirstStageRunner
 from prefill_node.pipeline.link import NextStageLink, pack_step_tensors
 from prefill_node.rooms import OnDone
@@ -95,11 +96,11 @@ class FirstStageLoop(PrefillThread):
         out = self.engine.scheduler.schedule()
         if not out.items:
             return
-        hidden, mrope = self.runner.execute(out)
+        hidden, mrope, aux = self.runner.execute(out)
         items = [wpb.StageItem(room=int(it.request.request_id), start=it.start,
                                num_tokens=it.num_tokens, needs_sample=it.needs_sample)
                  for it in out.items]
-        reply = self.link.step(items, *pack_step_tensors(hidden, mrope))
+        reply = self.link.step(items, *pack_step_tensors(hidden, mrope), pack_aux(aux))
         failed = self.rooms.push(out)
         finished = self.engine.scheduler.update(out, reply.samples)
         self._fail_later(reply.failed)

@@ -15,15 +15,18 @@ from engine.model_runner import ModelRunner
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.models.vision import Grid
 from engine.scheduler import SchedulerOutput
+from prefill_node.pipeline.aux_layers import merge_aux
 
 
 class _FirstStageModel:
     """What :class:`ModelRunner` calls as its model: embeddings as usual, but the decoder call
-    runs only ``layers`` and keeps its output (``[T, H]``) and positions (``[3, T]``)."""
+    runs only ``layers`` and keeps its output (``[T, H]``), positions (``[3, T]``) and the outputs
+    of its layers among ``aux_ids`` (:mod:`prefill_node.pipeline.aux_layers`)."""
 
-    def __init__(self, model: Qwen2VLModel, layers: range) -> None:
+    def __init__(self, model: Qwen2VLModel, layers: range, aux_ids: Sequence[int]) -> None:
         self.model, self.layers, self.cfg = model, layers, model.cfg
-        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.aux_ids = aux_ids
+        self.out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
@@ -34,8 +37,10 @@ class _FirstStageModel:
     def __call__(
         self, embeds: torch.Tensor, mrope: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        hidden = self.model.forward_layers(embeds, mrope, attn, self.layers, final_norm=False)
-        self.out = (hidden, mrope)
+        hidden, own = self.model.forward_layers_aux(embeds, mrope, attn, self.layers,
+                                                    final_norm=False, aux_layers=self.aux_ids)
+        empty = hidden.new_zeros(hidden.shape[0], 0, dtype=torch.float32)
+        self.out = (hidden, mrope, merge_aux(self.aux_ids, self.layers, empty, own, slice(None)))
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -44,27 +49,29 @@ class _FirstStageModel:
 
 class FirstStageRunner:
     """Runs scheduled steps through the first stage's layers of ``engine``'s model (and of its
-    other tensor-parallel ranks when it has some)."""
+    other tensor-parallel ranks when it has some); ``aux_ids``: the target layers the last
+    stage's EAGLE-3 draft fuses."""
 
-    def __init__(self, engine: LLMEngine, layers: range) -> None:
-        self._stage = _FirstStageModel(engine.model, layers)
+    def __init__(self, engine: LLMEngine, layers: range, aux_ids: Sequence[int] = ()) -> None:
+        self._stage = _FirstStageModel(engine.model, layers, aux_ids)
         self._runner = ModelRunner(engine.model, engine.runner.attn)
         self._runner.model = self._stage  # type: ignore[assignment]
         self._runner.peers = engine.runner.peers
 
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hidden states ``[T, H]`` after this stage's layers and mrope positions ``[3, T]``."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hidden states ``[T, H]`` after this stage's layers, mrope positions ``[3, T]`` and
+        the aux outputs to send on (float32 ``[T, k * H]``, ``k`` = 0 without EAGLE-3)."""
         self._stage.out = None
         self._runner.execute(out)
         assert self._stage.out is not None
-        hidden, mrope = self._stage.out
+        hidden, mrope, aux = self._stage.out
         self._stage.out = None
-        return hidden, mrope
+        return hidden, mrope, aux
 
 
-def first_stage_runner(engine: LLMEngine) -> FirstStageRunner:
+def first_stage_runner(engine: LLMEngine, aux_ids: Sequence[int] = ()) -> FirstStageRunner:
     """The first stage's runner over an engine built with ``EngineConfig.layers`` (its share of
     the weights and a KV pool of those layers only)."""
     if engine.config.layers is None:
         raise ValueError("the first pipeline stage needs an engine built with EngineConfig.layers")
-    return FirstStageRunner(engine, engine.config.layers)
+    return FirstStageRunner(engine, engine.config.layers, aux_ids)

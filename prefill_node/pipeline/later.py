@@ -9,13 +9,16 @@ samples the first token and writes the aux row with the last chunk, a middle sta
 chunk without one and forwards the step over its link to the next stage. A last stage with an
 EAGLE draft runs it over each chunk's rows after its layers (the announced prompt ids give each
 row's next token), into a draft pool mirroring its pages, so the draft KV travels with its
-pages, and puts the last row's feature in the aux row. A room that fails here is released at
+pages, and puts the last row's feature in the aux row. An EAGLE-3 draft fuses the outputs of
+target layers of any stage: each stage adds its own to those the step carries and sends them on
+(:mod:`prefill_node.pipeline.aux_layers`). A room that fails here is released at
 once (writes are synchronous, so none is in flight) and reported failed exactly once.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +32,7 @@ from engine.page_allocator import OutOfPagesError, PageAllocator
 from engine.penalties import TokenHistory, penalize
 from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
+from prefill_node.pipeline.aux_layers import carried, merge_aux, pack_aux, unpack_aux
 from prefill_node.pipeline.layout import LaterStageModel
 from prefill_node.pipeline.link import NextStageLink, pack_step_tensors, unpack_step_tensors
 from prefill_node.rooms import completed_pages
@@ -53,13 +57,18 @@ class _Room:
 
 
 class LaterStage:
-    """One later pipeline stage; ``link`` leads to the next stage (None on the last)."""
+    """One later pipeline stage; ``link`` leads to the next stage (None on the last);
+    ``aux_ids``: the target layers the last stage's EAGLE-3 draft fuses, which this stage
+    sends on (:mod:`prefill_node.pipeline.aux_layers`; the last stage takes its draft's)."""
 
     def __init__(
         self, share: LaterStageModel, bootstrap: PrefillBootstrapServer, page_size: int,
-        link: NextStageLink | None,
+        link: NextStageLink | None, aux_ids: Sequence[int] = (),
     ) -> None:
         self.share = share
+        # the target layers the last stage's EAGLE-3 draft fuses (the last stage: its own)
+        self.aux_ids = tuple(share.draft.aux_layers) if share.draft is not None else tuple(
+            aux_ids)
         self.bootstrap = bootstrap
         self.page_size = page_size
         self.link = link
@@ -107,7 +116,8 @@ class LaterStage:
                 for new in step.new_rooms:
                     if new.room in self._rooms:
                         self.link.announce(new)
-                reply = self.link.step(forward.items, forward.hidden, forward.mrope_positions)
+                reply = self.link.step(forward.items, forward.hidden, forward.mrope_positions,
+                                       forward.aux)
                 samples, next_failed = reply.samples, reply.failed
             for room, reason in next_failed:
                 if room in self._rooms:
@@ -143,6 +153,8 @@ class LaterStage:
         samples (last stage: one per needs_sample item, ``(0, 0.0)`` for rooms not here) and
         the step to forward (middle stage: same items, rows of live rooms replaced)."""
         hidden, mrope = unpack_step_tensors(step, self._hidden_size)
+        layers = self.share.layers
+        aux = unpack_aux(step, len(carried(self.aux_ids, layers.start)), self._hidden_size)
         rows: list[int] = []
         live: list[wpb.StageItem] = []
         offset = 0
@@ -152,12 +164,14 @@ class LaterStage:
                 live.append(item)
             offset += item.num_tokens
         out, tokens, seeds = None, {}, {}
+        own: dict[int, torch.Tensor] = {}
         if live:
             live_mrope = mrope[:, rows]
-            out, batch = self._forward(live, hidden[rows], live_mrope)
+            out, own, batch = self._forward(live, hidden[rows], live_mrope)
             if self.is_last:
                 tokens = self._sample(live, out)
-                seeds = self._draft(live, out, live_mrope, batch, tokens)
+                aux_rows = merge_aux(self.aux_ids, layers, aux, own, rows)[rows]
+                seeds = self._draft(live, out, aux_rows, live_mrope, batch, tokens)
         self._push(live, tokens, seeds)
         samples = [tokens.get(it.room, (0, 0.0)) for it in step.items if it.needs_sample]
         forward = wpb.StageStep(items=step.items, mrope_positions=step.mrope_positions)
@@ -165,6 +179,7 @@ class LaterStage:
             if out is not None:
                 hidden[rows] = out.float()
             forward.hidden = pack_step_tensors(hidden, mrope)[0]
+            forward.aux = pack_aux(merge_aux(self.aux_ids, layers, aux, own, rows))
         return samples, forward
 
     def _reserve(self, item: wpb.StageItem) -> bool:
@@ -180,8 +195,9 @@ class LaterStage:
     @torch.inference_mode()
     def _forward(
         self, items: list[wpb.StageItem], hidden: torch.Tensor, mrope: torch.Tensor
-    ) -> tuple[torch.Tensor, AttentionBatch]:
-        """This stage's layers over the items' rows; their output and attention batch."""
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor], AttentionBatch]:
+        """This stage's layers over the items' rows; their output, the outputs of its aux
+        layers (by layer id) and the attention batch."""
         ps = self.page_size
         pages = [self._rooms[it.room].pages for it in items]
         table = np.zeros((len(items), max(1, *map(len, pages))), dtype=np.int32)  # [B, P]
@@ -197,9 +213,9 @@ class LaterStage:
         model = self.share.model
         x = hidden.to(model.dtype)
         with self.share.step(x, mrope, batch):  # the other TP ranks run it too
-            out = model.forward_layers(x, mrope, self.attn, self.share.layers,
-                                       final_norm=self.is_last)
-        return out, batch
+            out, own = model.forward_layers_aux(x, mrope, self.attn, self.share.layers,
+                                                final_norm=self.is_last, aux_layers=self.aux_ids)
+        return out, own, batch
 
     def _sample(
         self, items: list[wpb.StageItem], out: torch.Tensor
@@ -219,10 +235,11 @@ class LaterStage:
         return {r.room: (t, lp) for r, t, lp in zip(rooms, toks, lps, strict=True)}
 
     def _draft(
-        self, items: list[wpb.StageItem], features: torch.Tensor, mrope: torch.Tensor,
-        batch: AttentionBatch, tokens: dict[int, tuple[int, float]],
+        self, items: list[wpb.StageItem], hidden: torch.Tensor, aux: torch.Tensor,
+        mrope: torch.Tensor, batch: AttentionBatch, tokens: dict[int, tuple[int, float]],
     ) -> dict[int, torch.Tensor]:
-        """The EAGLE draft (if this stage runs one) over the rows just computed, at their own
+        """The EAGLE draft (if this stage runs one) over the rows just computed (their final
+        hidden states, and for EAGLE-3 the outputs of its target layers ``aux``), at their own
         positions and slots (its pool mirrors this stage's pages, so ``batch`` serves it too);
         per room whose prompt ended here, its last row's feature ``[H]`` for the aux row."""
         head = self.share.draft
@@ -235,6 +252,7 @@ class LaterStage:
             ids += draft_row_ids(self._rooms[it.room].prompt_ids, it.start, it.num_tokens, first)
             if it.needs_sample:
                 last[it.room] = len(ids) - 1
+        features = head.target_feature(hidden, aux.to(hidden.dtype))
         feats = head.forward(torch.tensor(ids, device=head.pool.device), features, mrope, batch)
         return {room: feats[row] for room, row in last.items()}
 

@@ -27,8 +27,7 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.draft_runner import DraftHead
-from engine.errors import ConfigError
-from engine.kv_cache import BufferInfo, KVPool, pages_for_budget
+from engine.kv_cache import KVPool, pages_for_budget
 from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.parallel import SINGLE
@@ -95,10 +94,9 @@ class LaterStageModel:
         if self.tp is not None:
             self.tp.close()
 
-    def buffer_infos(self) -> list[BufferInfo]:
-        """The stage's KV buffer entries, the draft's after them (what transfer registers)."""
-        extra = self.draft.pool.buffer_infos() if self.draft is not None else []
-        return [*self.pool.buffer_infos(), *extra]
+    def pools(self) -> list[KVPool]:
+        """The stage's KV pool, the draft's after it (what transfer registers)."""
+        return [self.pool] if self.draft is None else [self.pool, self.draft.pool]
 
 
 def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
@@ -107,8 +105,9 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
     """Load this stage's layers of the checkpoint (and nothing of the others) and build its
     pool (its pages are what the budget buys, unless ``config.num_pages``); with ``draft`` (the
     last stage only) the EAGLE draft of that directory too. With ``config.tp_size`` above 1
-    the other ranks' processes are started first and load theirs meanwhile; ``attach`` runs in
-    each once its pool exists (:data:`engine.tp_rank.RankAttach`)."""
+    the other ranks' processes are started first and load theirs (their share of the draft's
+    layer too) meanwhile; ``attach`` runs in each once its pools exist
+    (:data:`engine.tp_rank.RankAttach`)."""
     text = ModelConfig.from_dir(model_dir).text
     layers = layout.layers(text.num_hidden_layers)
     device = resolve_device(config.device)
@@ -118,10 +117,8 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
         config.kv_budget_bytes, len(layers), config.page_size, heads, text.head_dim, dtype)
     tp = None
     if config.tp_size > 1:
-        if draft is not None:
-            raise ConfigError("--draft does not run with --tp-size > 1 yet")
         # a rank's pool holds one page more than it is told (an engine's scratch page)
-        tp = TPDriver(model_dir, replace(config, layers=layers), pages - 1, attach)
+        tp = TPDriver(model_dir, replace(config, layers=layers), pages - 1, attach, draft)
     try:
         model_config, model = load_model(model_dir, dtype, device, layers,
                                          tp.group if tp is not None else SINGLE)
@@ -134,11 +131,7 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
     pool = KVPool(pages, config.page_size, heads, text.head_dim, list(layers), dtype, device)
     head = None
     if draft is not None:
-        loaded = load_draft(draft, model_config.text, dtype, device=device)
-        if loaded.cfg.eagle3 is not None:
-            # its fc reads the outputs of layers spread over the earlier stages
-            raise ConfigError(f"{draft}: an EAGLE-3 draft does not run beside a "
-                              "pipeline-parallel prefill yet: run the prefill without "
-                              "pipeline stages, or use an EAGLE-1/2 draft")
-        head = DraftHead(loaded, model, pool)
+        loaded = load_draft(draft, model_config.text, dtype, device=device,
+                            tp=tp.group if tp is not None else SINGLE)
+        head = DraftHead(loaded, model, pool, tp)
     return LaterStageModel(model_config, model, layers, pool, head, tp)

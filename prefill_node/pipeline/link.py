@@ -113,12 +113,14 @@ class NextStageLink:
         return waiting and time.monotonic() - self._last_call >= GATE_POLL_S
 
     def step(
-        self, items: Sequence[wpb.StageItem] = (), hidden: bytes = b"", mrope: bytes = b""
+        self, items: Sequence[wpb.StageItem] = (), hidden: bytes = b"", mrope: bytes = b"",
+        aux: bytes = b"",
     ) -> StepReply:
-        """One ``RunStep`` call; raises ``grpc.RpcError`` when the next stage fails or is gone
-        (pending news is dropped then: the caller fails every room)."""
+        """One ``RunStep`` call (``aux``: :mod:`prefill_node.pipeline.aux_layers`); raises
+        ``grpc.RpcError`` when the next stage fails or is gone (pending news is dropped then:
+        the caller fails every room)."""
         msg = wpb.StageStep(new_rooms=list(self._new.values()), aborted=self._aborted,
-                            items=list(items), hidden=hidden, mrope_positions=mrope)
+                            items=list(items), hidden=hidden, mrope_positions=mrope, aux=aux)
         self._announced.update(self._new)
         self._new, self._aborted = {}, []
         self._last_call = time.monotonic()

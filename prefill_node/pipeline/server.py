@@ -31,7 +31,7 @@ from pathlib import Path
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import BufferInfo, KVPool, pages_for_budget
+from engine.kv_cache import KVPool, pages_for_budget
 from engine.llm_engine import LLMEngine
 from prefill_node.kv_transfer import (
     PrefillRankTransfer,
@@ -92,6 +92,7 @@ class _Endpoints:
     link: NextStageLink | None
     chain: str  # the bootstrap addresses of this stage and every later one, comma-separated
     draft_band: tuple[int, ...]  # the KV layer ids of the pipeline's draft (empty: none)
+    aux_ids: tuple[int, ...]  # the target layers its EAGLE-3 draft fuses (empty: none)
 
 
 async def serve_first_stage(args: StageArgs) -> None:
@@ -107,10 +108,10 @@ async def serve_first_stage(args: StageArgs) -> None:
     authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
     engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages),
                        rank_attach=_rank_attach(args, text, authkey))
-    runner = first_stage_runner(engine)
-    ends = await _open_endpoints(args, layers, engine.pool, engine.pool.buffer_infos(), text,
+    ends = await _open_endpoints(args, layers, [engine.pool], text,
                                  remote_ranks(engine.rank_payloads, authkey))
     assert ends.link is not None  # the first stage is never the last: size > 1
+    runner = first_stage_runner(engine, ends.aux_ids)
     service = PrefillService(args.max_waiting)
     loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link,
                           send_prompt_ids=bool(ends.draft_band))
@@ -127,12 +128,14 @@ async def serve_later_stage(args: StageArgs) -> None:
     authkey = secrets.token_bytes(32)
     share = load_later_stage(args.model_dir, args.config, args.layout, args.draft,
                              _rank_attach(args, text, authkey))
-    ends = await _open_endpoints(args, share.layers, share.pool, share.buffer_infos(), text,
-                                 remote_ranks(share.rank_payloads, authkey))
-    stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link)
+    aux = share.draft.aux_layers if share.draft is not None else ()
+    ends = await _open_endpoints(args, share.layers, share.pools(), text,
+                                 remote_ranks(share.rank_payloads, authkey), aux)
+    stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link, ends.aux_ids)
     info = wpb.StageInfo(pp_rank=args.layout.rank, pp_size=args.layout.size,
                          layer_start=share.layers.start, layer_end=share.layers.stop,
-                         bootstrap=ends.chain, draft_layer_ids=ends.draft_band)
+                         bootstrap=ends.chain, draft_layer_ids=ends.draft_band,
+                         aux_layer_ids=ends.aux_ids)
     face = LaterStageWorkerFace(stage, info)
     await _serve(args, ends, [
         (worker_pb2_grpc.add_PipelineStageServicer_to_server, LaterStageService(stage, info),
@@ -147,35 +150,37 @@ def _rank_attach(args: StageArgs, text: TextConfig, authkey: bytes) -> PrefillRa
                                authkey)
 
 
-async def _open_endpoints(args: StageArgs, layers: range, pool: KVPool,
-                          buffers: list[BufferInfo], text: TextConfig,
-                          ranks: Sequence[RemoteRank]) -> _Endpoints:
-    """Link to the next stage (waiting for it), register ``buffers`` (``pool``'s entries, then
-    the draft's) for transfer (:mod:`prefill_node.kv_transfer`) and open the bootstrap
-    endpoint, with the stage's other TP ``ranks`` writing their heads (``pool`` is rank 0's);
+async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
+                          text: TextConfig, ranks: Sequence[RemoteRank],
+                          aux_ids: Sequence[int] = ()) -> _Endpoints:
+    """Link to the next stage (waiting for it), register ``pools`` (the stage's, then the
+    draft's) for transfer (:mod:`prefill_node.kv_transfer`) and open the bootstrap
+    endpoint, with the stage's other TP ``ranks`` writing their heads (``pools`` are rank 0's);
     it accepts a decode with a draft only when the pipeline's last stage
-    runs the same one (the draft band: this stage's own on the last, else the next's)."""
+    runs the same one (the draft band: this stage's own on the last, else the next's; so are
+    ``aux_ids``, the target layers an EAGLE-3 draft fuses, given on the last stage)."""
     secret = args.bootstrap_config.secret if args.bootstrap_config is not None else None
     linked = await asyncio.to_thread(_link, args.layout, layers, args.pp_next,
                                      internal_metadata(secret))
     link, later = None, ""  # later: the bootstrap addresses of the later stages
     if linked is None:
-        band = tuple(sorted({b.layer_id for b in buffers
-                             if b.layer_id >= text.num_hidden_layers}))
+        band = tuple(sorted({lid for p in pools for lid in p.layer_ids
+                             if lid >= text.num_hidden_layers}))
     else:
         link, info = linked
         band, later = tuple(info.draft_layer_ids), "," + info.bootstrap
+        aux_ids = tuple(info.aux_layer_ids)
     identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
                              args.config.dtype, text.num_hidden_layers,
                              pipeline_draft_band=band,
-                             heads=prefill_heads(text, pool, args.config.tp_size))
-    manager = prefill_manager(args.transfer_backend, pool, buffers,
-                              hidden_size=text.hidden_size, hostname=args.advertise_host)
+                             heads=prefill_heads(text, pools[0], args.config.tp_size))
+    manager = prefill_manager(args.transfer_backend, pools, hidden_size=text.hidden_size,
+                              hostname=args.advertise_host)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
                                        port=args.bootstrap_port, config=args.bootstrap_config,
                                        ranks=ranks)
     chain = f"{args.advertise_host}:{bootstrap.address[1]}{later}"
-    return _Endpoints(manager, bootstrap, link, chain, band)
+    return _Endpoints(manager, bootstrap, link, chain, band, tuple(aux_ids))
 
 
 def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Metadata

@@ -3,8 +3,8 @@ draft's feature and computing the draft's prompt KV, decode nodes running chain 
 behind routers, twice (the second time from both prefix caches), and a colocated EAGLE-3 worker.
 Greedy output must equal plain decoding token for token; with a draft built to reproduce its
 target, every guess of a token in the draft's vocabulary is accepted through the prefill node's
-aux row (the fused feature it ships) and the decode's rounds. (A pipeline-parallel prefill refuses
-an EAGLE-3 draft: tests/cli/test_cli.py.)"""
+aux row (the fused feature it ships) and the decode's rounds. (An EAGLE-3 draft on a
+pipeline-parallel prefill: tests/cluster/test_eagle_tp_cluster.py.)"""
 
 from __future__ import annotations
 

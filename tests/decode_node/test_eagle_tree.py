@@ -203,7 +203,7 @@ def test_worked_example_of_the_docs(pair_dir: Path, monkeypatch: pytest.MonkeyPa
                           [1, 1, 0, 1, 1]]], dtype=torch.bool)
     real_select, real_accept = TreeDraft.select, tree_round.accept_tree_greedy
     moves: list[tuple[list[int], list[int]]] = []
-    real_move = tree_round.move_kv
+    real_move = spec.engine.runner.move_kv
 
     def select(self, num):  # noqa: ANN001, ANN202
         return DraftTree(real_select(self, num).tokens, parents, depths, mask)
@@ -216,13 +216,13 @@ def test_worked_example_of_the_docs(pair_dir: Path, monkeypatch: pytest.MonkeyPa
             return [0, 1, 3], [tokens[1], tokens[3], argmax[3]]
         return real_accept(tokens, par, argmax)
 
-    def move(pool, src, dst):  # noqa: ANN001, ANN202
+    def move(src, dst):  # noqa: ANN001, ANN202
         moves.append((src.tolist(), dst.tolist()))
-        real_move(pool, src, dst)
+        real_move(src, dst)
 
     monkeypatch.setattr(TreeDraft, "select", select)
     monkeypatch.setattr(tree_round, "accept_tree_greedy", accept)
-    monkeypatch.setattr(tree_round, "move_kv", move)
+    monkeypatch.setattr(spec.engine.runner, "move_kv", move)
     prepared = spec.engine.prepare(image_prompt([7], (1, 4, 6), [8], 5))
     assert len(prepared.token_ids) == 10
     req = spec.engine.add_request(prepared.token_ids, prepared.images,

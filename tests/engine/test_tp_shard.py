@@ -7,6 +7,7 @@ heads) and replicated (1 KV head)."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,15 @@ from engine.kv_cache import KVPool
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
 from engine.parallel import TPGroup
-from engine.tp_messages import Command, RankReport, StepHeader, pack_step, step_header, unpack_step
+from engine.tp_messages import (
+    Command,
+    RankReport,
+    StepHeader,
+    move_header,
+    pack_step,
+    step_header,
+    unpack_step,
+)
 from engine.tp_shard import TextShard, check_tp_size
 
 
@@ -95,7 +104,23 @@ def test_step_messages_round_trip() -> None:
         assert torch.equal(getattr(got, name), getattr(batch, name)), name
         assert getattr(got, name).dtype == getattr(batch, name).dtype, name
     assert (got.max_q, got.max_kv) == (batch.max_q, batch.max_kv)
+    assert got.tree_mask is None
     assert StepHeader.decode(StepHeader(Command.STOP).encode()).command == Command.STOP
+
+
+def test_a_draft_steps_tree_mask_and_a_kv_move_round_trip() -> None:
+    mask = torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]] * 2, dtype=torch.bool)  # [2, 3, 3]
+    batch = AttentionBatch.from_lists([3, 3], [8, 11], [[4, 2], [7, 1]],
+                                      torch.arange(40, 46))
+    batch = replace(batch, tree_mask=mask)
+    mrope = mrope_from_1d(torch.tensor([5, 6, 6, 8, 9, 9]), torch.tensor([0, 0, 0, 2, 2, 2]))
+    header = StepHeader.decode(step_header(torch.zeros(6, 12), batch, Command.DRAFT).encode())
+    assert (header.command, header.hidden, header.mask_width) == (Command.DRAFT, 12, 3)
+    got_mrope, got = unpack_step(header, pack_step(mrope, batch))
+    assert torch.equal(got_mrope, mrope) and torch.equal(got.slot_mapping, batch.slot_mapping)
+    assert got.tree_mask is not None and torch.equal(got.tree_mask, mask)
+    move = StepHeader.decode(move_header(5).encode())
+    assert (move.command, move.num_tokens, move.packed_len()) == (Command.MOVE_KV, 5, 10)
     assert RankReport.decode(RankReport(3, "boom: é").encode()) == RankReport(3, "boom: é")
 
 
@@ -157,10 +182,11 @@ def test_two_ranks_give_the_whole_models_hidden_states(
         torch.testing.assert_close(out[rank], expected, rtol=1e-5, atol=1e-5)
 
 
-def test_an_eagle_draft_beside_a_tensor_parallel_target_is_refused(hf_dir: Path) -> None:
+def test_a_draft_beside_a_tensor_parallel_target_without_its_ranks_is_refused(
+        hf_dir: Path) -> None:
     cfg = ModelConfig.from_dir(hf_dir)
     with torch.device("meta"):
         target = Qwen2VLModel(cfg, TPGroup(0, 2))
     pool = KVPool(4, 8, 1, cfg.text.head_dim, [0])
-    with pytest.raises(ConfigError, match="tensor-parallel target"):
+    with pytest.raises(ConfigError, match="tensor-parallel target needs its other ranks"):
         DraftHead(None, target, pool)  # type: ignore[arg-type]  # refused before it is read

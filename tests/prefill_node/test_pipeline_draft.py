@@ -2,7 +2,8 @@
 the first stage's hidden states chunk by chunk, it writes the same draft KV into the pages it
 pushes, and puts the same first token and last-row feature in the aux row, as a whole-model
 prefill with the draft (``engine/draft_runner.py``), for text and image prompts batched
-together. A room announced without its prompt ids fails there, naming why."""
+together, with an EAGLE-1/2 draft and an EAGLE-3 one (whose target layers lie on both stages). A
+room announced without its prompt ids fails there, naming why."""
 
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from engine.request import SamplingParams
-from engine.tiny_model import tiny_config_dict, write_tiny_draft, write_tiny_model
+from engine.tiny_model import (
+    tiny_config_dict,
+    write_tiny_draft,
+    write_tiny_eagle3_draft,
+    write_tiny_model,
+)
+from prefill_node.pipeline.aux_layers import pack_aux
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage
 from prefill_node.pipeline.layout import StageLayout, load_later_stage
@@ -77,6 +84,15 @@ class RecordingBootstrap:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = write_tiny_model(tmp_path_factory.mktemp("pipeline-draft") / "model")
     write_tiny_draft(path / "draft")
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with an EAGLE-3 draft of layers (1, 0, 1): one on each stage, out of
+    order and repeated."""
+    path = write_tiny_model(tmp_path_factory.mktemp("pipeline-eagle3") / "model")
+    write_tiny_eagle3_draft(path / "draft")
     return path
 
 
@@ -135,27 +151,34 @@ def announce(engine: LLMEngine, room: int, ids: list[int], images: list[ImageInp
                          prompt_ids=ids if with_ids else ())
 
 
-def test_last_stage_draft_equals_the_whole_model_draft(model_dir: Path) -> None:
+@pytest.mark.parametrize("flavour", ["eagle", "eagle3"])
+def test_last_stage_draft_equals_the_whole_model_draft(model_dir: Path, eagle3_dir: Path,
+                                                       flavour: str) -> None:
+    """With EAGLE-3 the first stage sends its layer's output on with the hidden states, and
+    the last stage fuses it with its own layer's."""
+    model_dir = eagle3_dir if flavour == "eagle3" else model_dir
     want = whole_model(model_dir)
     first = LLMEngine(model_dir, config(layers=range(0, 1)))
     first.disable_prefix_cache()
-    runner = first_stage_runner(first)
     share = load_later_stage(model_dir, config(), StageLayout(2, 1), model_dir / "draft")
+    assert share.draft is not None
+    assert share.draft.aux_layers == ((1, 0, 1) if flavour == "eagle3" else ())
+    runner = first_stage_runner(first, share.draft.aux_layers)
     bootstrap = RecordingBootstrap()
     stage = LaterStage(share, cast(PrefillBootstrapServer, bootstrap), PAGE, None)
     new = [announce(first, room, ids, ims) for room, (ids, ims) in cases().items()]
-    assert share.draft is not None
     got: dict[int, Done] = {}
     steps = 0
     while first.scheduler.has_unfinished():
         out = first.scheduler.schedule()
-        hidden, mrope = runner.execute(out)
+        hidden, mrope, aux_out = runner.execute(out)
+        assert aux_out.shape[1] == (hidden.shape[1] if flavour == "eagle3" else 0)  # layer 0
         items = [wpb.StageItem(room=int(it.request.request_id), start=it.start,
                                num_tokens=it.num_tokens, needs_sample=it.needs_sample)
                  for it in out.items]
         packed = pack_step_tensors(hidden, mrope)
         reply = stage.run_step(wpb.StageStep(new_rooms=new, items=items, hidden=packed[0],
-                                             mrope_positions=packed[1]))
+                                             mrope_positions=packed[1], aux=pack_aux(aux_out)))
         assert not reply.failed
         for it in out.items:
             room = int(it.request.request_id)

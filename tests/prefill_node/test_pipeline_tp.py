@@ -1,13 +1,14 @@
 """A two-stage prefill with two tensor-parallel ranks on each stage (CPU processes, gloo) equals
 the same pipeline in one process per stage: the first stage's hidden states, the last stage's
-first tokens, and each stage's KV of rank 0's heads in the pages it pushed. Both stages' other
-ranks hold a layer range (the last one not starting at layer 0) and end with their stage. The
-stages' TP sizes may differ. A later stage whose rank died fails the step ``UNAVAILABLE`` and
-ends itself."""
+first tokens, and each stage's KV of rank 0's heads in the pages it pushed (the last stage's
+EAGLE draft band too). Both stages' other ranks hold a layer range (the last one not starting at
+layer 0) and end with their stage. The stages' TP sizes may differ. A later stage whose rank
+died fails the step ``UNAVAILABLE`` and ends itself."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing as mp
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +18,10 @@ import grpc
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.errors import ConfigError, TensorParallelError
+from engine.errors import TensorParallelError
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
+from engine.tiny_model import write_random_draft
 from prefill_node.pipeline import service
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage
@@ -60,7 +61,7 @@ def run_first(model_dir: Path, tp_size: int, run: Run) -> list[wpb.StageStep]:
         steps, pages = [], []
         while first.scheduler.has_unfinished():
             out = first.scheduler.schedule()
-            hidden, mrope = runner.execute(out)
+            hidden, mrope, _ = runner.execute(out)
             run.hidden.append(hidden.clone())
             pages += [p for it in out.items for p in it.request.page_ids if p not in pages]
             items = [wpb.StageItem(room=int(it.request.request_id), start=it.start,
@@ -77,10 +78,10 @@ def run_first(model_dir: Path, tp_size: int, run: Run) -> list[wpb.StageStep]:
         first.close()
 
 
-def run_pipeline(model_dir: Path, first_tp: int, later_tp: int) -> Run:
+def run_pipeline(model_dir: Path, first_tp: int, later_tp: int, draft: Path | None) -> Run:
     run = Run([], [], [])
     steps = run_first(model_dir, first_tp, run)
-    share = load_later_stage(model_dir, config(tp_size=later_tp), StageLayout(2, 1))
+    share = load_later_stage(model_dir, config(tp_size=later_tp), StageLayout(2, 1), draft)
     try:
         assert share.layers == range(1, 3)
         bootstrap = RecordingBootstrap()
@@ -90,20 +91,27 @@ def run_pipeline(model_dir: Path, first_tp: int, later_tp: int) -> Run:
             assert not reply.failed
             run.samples += [(s.token, s.logprob) for s in reply.samples]
         pages = sorted({p for ps in bootstrap.pages.values() for p in ps})
-        run.kv += pushed_kv(share.pool, pages, share.pool.num_kv_heads)
+        for pool in share.pools():  # the stage's, then the draft's
+            run.kv += pushed_kv(pool, pages, pool.num_kv_heads)
         assert stage.stats()["kv_pages_used"] == 0
         return run
     finally:
         share.close()
 
 
-@pytest.mark.parametrize(("first_tp", "later_tp"), [(2, 2), (1, 2)])
+@pytest.mark.parametrize(("first_tp", "later_tp", "with_draft"),
+                         [(2, 2, False), (1, 2, True)])
 def test_a_tp_pipeline_equals_the_one_process_pipeline(
-    hf_dir: Path, first_tp: int, later_tp: int
+    hf_dir: Path, tmp_path: Path, first_tp: int, later_tp: int, with_draft: bool
 ) -> None:
-    """Each stage's TP size is its own: (1, 2) mixes them."""
-    want = run_pipeline(hf_dir, 1, 1)
-    got = run_pipeline(hf_dir, first_tp, later_tp)
+    """Each stage's TP size is its own: (1, 2) mixes them, with an EAGLE draft on the last
+    stage (its layer split over the stage's ranks, its band pushed like the stage's layers)."""
+    draft = None
+    if with_draft:
+        text = json.loads((hf_dir / "config.json").read_text())["text_config"]
+        draft = write_random_draft(tmp_path / "draft", text)
+    want = run_pipeline(hf_dir, 1, 1, draft)
+    got = run_pipeline(hf_dir, first_tp, later_tp, draft)
     assert not mp.active_children(), "a rank's process outlived its stage"
     assert len(got.hidden) == len(want.hidden) > 2  # chunked prompts
     for mine, ref in zip(got.hidden, want.hidden, strict=True):
@@ -111,18 +119,12 @@ def test_a_tp_pipeline_equals_the_one_process_pipeline(
     assert [t for t, _ in got.samples] == [t for t, _ in want.samples]
     torch.testing.assert_close([lp for _, lp in got.samples], [lp for _, lp in want.samples],
                                atol=1e-4, rtol=1e-4)
-    assert len(got.kv) == len(want.kv) == 2 * 3  # first stage's layer, then the later's two
+    # first stage's layer, then the later's two, then the draft's
+    assert len(got.kv) == len(want.kv) == 2 * (3 + with_draft)
     for i, (mine, ref) in enumerate(zip(got.kv, want.kv, strict=True)):
         tp = first_tp if i < 2 else later_tp
         assert mine.shape[2] == 2 // tp  # 2 KV heads over the stage's ranks: rank 0's
         torch.testing.assert_close(mine, ref[:, :, : 2 // tp], atol=1e-4, rtol=1e-4)
-
-
-def test_a_tp_later_stage_refuses_a_draft(hf_dir: Path) -> None:
-    with pytest.raises(ConfigError, match="--draft does not run with --tp-size"):
-        load_later_stage(hf_dir, EngineConfig(num_pages=8, tp_size=2), StageLayout(2, 1),
-                         hf_dir / "draft")
-    assert not mp.active_children()
 
 
 class Aborted(Exception):

@@ -170,18 +170,20 @@ class StageAbort(_message.Message):
     def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StageStep(_message.Message):
-    __slots__ = ("new_rooms", "aborted", "items", "hidden", "mrope_positions")
+    __slots__ = ("new_rooms", "aborted", "items", "hidden", "mrope_positions", "aux")
     NEW_ROOMS_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MROPE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
     new_rooms: _containers.RepeatedCompositeFieldContainer[StageRoom]
     aborted: _containers.RepeatedCompositeFieldContainer[StageAbort]
     items: _containers.RepeatedCompositeFieldContainer[StageItem]
     hidden: bytes
     mrope_positions: bytes
-    def __init__(self, new_rooms: _Optional[_Iterable[_Union[StageRoom, _Mapping]]] = ..., aborted: _Optional[_Iterable[_Union[StageAbort, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StageItem, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., mrope_positions: _Optional[bytes] = ...) -> None: ...
+    aux: bytes
+    def __init__(self, new_rooms: _Optional[_Iterable[_Union[StageRoom, _Mapping]]] = ..., aborted: _Optional[_Iterable[_Union[StageAbort, _Mapping]]] = ..., items: _Optional[_Iterable[_Union[StageItem, _Mapping]]] = ..., hidden: _Optional[bytes] = ..., mrope_positions: _Optional[bytes] = ..., aux: _Optional[bytes] = ...) -> None: ...
 
 class StageSample(_message.Message):
     __slots__ = ("token", "logprob")
@@ -206,17 +208,19 @@ class DescribeStageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageInfo(_message.Message):
-    __slots__ = ("pp_rank", "pp_size", "layer_start", "layer_end", "bootstrap", "draft_layer_ids")
+    __slots__ = ("pp_rank", "pp_size", "layer_start", "layer_end", "bootstrap", "draft_layer_ids", "aux_layer_ids")
     PP_RANK_FIELD_NUMBER: _ClassVar[int]
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    AUX_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
     pp_rank: int
     pp_size: int
     layer_start: int
     layer_end: int
     bootstrap: str
     draft_layer_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bootstrap: _Optional[str] = ..., draft_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    aux_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., bootstrap: _Optional[str] = ..., draft_layer_ids: _Optional[_Iterable[int]] = ..., aux_layer_ids: _Optional[_Iterable[int]] = ...) -> None: ...
