@@ -60,6 +60,10 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp-size", type=int, default=1, metavar="N",
                    help="tensor-parallel processes of every decode worker; the two sizes may "
                         "differ: each prefill rank sends each decode rank its KV heads")
+    p.add_argument("--prefill-pp-size", type=int, default=1, metavar="N",
+                   help="pipeline stages of every prefill worker, one server each (the first "
+                        "serves the router, the last runs the draft; --prefill-gpus and "
+                        "--prefill-resources are per stage)")
     p.add_argument("--worker-args", default="", metavar="'FLAGS'",
                    help="engine flags passed to every worker, e.g. '--num-pages 512'")
     add_device_args(p)  # passed to every worker as given: each resolves auto on its own node
@@ -82,6 +86,8 @@ def run_launch(args: argparse.Namespace) -> int:
     from decode_node.spec.tree import TreeShape
 
     TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # bad flags fail here too
+    if args.prefill_pp_size < 1:
+        raise rl.LaunchError(f"--prefill-pp-size must be at least 1, got {args.prefill_pp_size}")
     model_dir = ensure_model(args.model)
     opts = rl.LaunchOptions(
         model=str(model_dir), name=name, prefill=args.prefill, decode=args.decode,
@@ -89,7 +95,7 @@ def run_launch(args: argparse.Namespace) -> int:
         decode_gpus=args.decode_gpus, prefill_resources=_resources(args.prefill_resources),
         decode_resources=_resources(args.decode_resources),
         worker_args=args.worker_args.split(), prefill_tp=args.prefill_tp_size,
-        decode_tp=args.decode_tp_size,
+        decode_tp=args.decode_tp_size, prefill_pp=args.prefill_pp_size,
         detached=args.detach,
         draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
         draft_topk=args.draft_topk, draft_steps=args.draft_steps,

@@ -32,9 +32,9 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class BootstrapClients:
     """``ranks``: the registrations of this decode's TP ranks ``1..`` (empty with one rank).
-    ``landings``: rank 0's landing buffers (:mod:`decode_node.landing`); with them, rank 0
-    registers again with a prefill whose ranks each fill a slice of its heads, taking a
-    landing slot per such rank (the first registration told it the prefill's layout)."""
+    ``landings``: every rank's landing buffers (:mod:`decode_node.landing`); with them, a rank
+    registers again with a prefill whose ranks each fill a slice of its heads, taking a landing
+    slot per such prefill rank (the first registration told it the prefill's layout)."""
 
     def __init__(
         self,
@@ -75,20 +75,32 @@ class BootstrapClients:
                                                        rank=reg))
                 group.append(DecodeBootstrapClient(self.manager, self.identity, host,
                                                    self._free_pages, config=self.config))
-                landing = (self._landings.for_prefill(group[-1].prefill_ranges)
-                           if self._landings is not None else None)
-                if landing is not None:  # register rank 0 again, with its landing slots
-                    group.pop().close()
-                    buffer, pages = landing
-                    group.append(DecodeBootstrapClient(
-                        self.manager, self.identity, host, self._free_pages, config=self.config,
-                        landing=(buffer, None), landing_pages=pages))
+                if self._landings is not None:
+                    self._land(group, host)
             except BaseException:
                 for c in group:
                     c.close()
                 raise
             self._clients[address] = group
             return list(group)
+
+    def _land(self, group: list[DecodeBootstrapClient], host: tuple[str, int]) -> None:
+        """Register again, with its landing slots, every rank of ``group`` (rank 0's client
+        last) whose heads the prefill's ranks write in slices (the first registration told its
+        layout)."""
+        assert self._landings is not None
+        ranges = group[-1].prefill_ranges
+        for i, client in enumerate(group):
+            rank = client.tp_rank
+            landing = self._landings.for_prefill(ranges, rank)
+            if landing is None:
+                continue
+            client.close()
+            buffer, pages = landing
+            group[i] = DecodeBootstrapClient(
+                self.manager, self.identity, host, self._free_pages, config=self.config,
+                rank=self._ranks[rank - 1] if rank else None, landing=(buffer, None),
+                landing_pages=pages)
 
     def num_rooms(self) -> int:
         with self._lock:
@@ -100,6 +112,8 @@ class BootstrapClients:
                 c.close()
             self._clients.clear()
             self._retired.clear()
+            if self._landings is not None:
+                self._landings.close()
 
     def _all(self) -> list[DecodeBootstrapClient]:
         return [*(c for group in self._clients.values() for c in group), *self._retired]

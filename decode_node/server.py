@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 from pathlib import Path
 
 from decode_node.clients import BootstrapClients
@@ -10,7 +11,7 @@ from decode_node.landing import Landings
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
 from decode_node.spec.eagle_engine import EagleEngine
-from decode_node.tp_ranks import RankTransfer, rank_registrations
+from decode_node.tp_ranks import RankTransfer, landing_agents, rank_registrations
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
@@ -44,11 +45,13 @@ async def serve_decode(
     With ``config.tp_size`` above 1 the engine's other ranks run in their own processes, ended
     at shutdown. Each registers its key/value heads of every page with a transfer engine of its
     own (:mod:`decode_node.tp_ranks`); rank 0 registers them all with each prefill, which writes
-    every rank its heads (:mod:`transfer.heads`).
+    every rank its heads (:mod:`transfer.heads`), into a rank's landing slots when several
+    prefill ranks hold slices of its heads (:mod:`decode_node.landing`).
     """
     text = ModelConfig.from_dir(model_dir).text
+    authkey = secrets.token_bytes(32)  # the other TP ranks' landing agents take orders from us
     engine = LLMEngine(model_dir, config, rank_attach=RankTransfer(
-        transfer_backend, advertise_host, text.hidden_size), draft=draft)
+        transfer_backend, advertise_host, text.hidden_size, authkey), draft=draft)
     spec = None
     pools = [engine.pool]
     if draft is not None:
@@ -69,10 +72,9 @@ async def serve_decode(
     service = DecodeService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
     loop = DecodeLoop(engine, service.emit, spec)
-    landings = None
-    if spec is None:  # a draft's band has no landing slot: its prefill's TP equals this one's
-        longest = -(-engine.scheduler.config.max_model_len // config.page_size)
-        landings = Landings(engine.pool, manager, heads, min(engine.scratch_page, longest))
+    longest = -(-engine.scheduler.config.max_model_len // config.page_size)
+    landings = Landings(pools, manager, heads, min(engine.scratch_page, longest),
+                        landing_agents(engine.rank_payloads, authkey))
     clients = BootstrapClients(manager, identity, loop.remote.free_later, bootstrap_config,
                                rank_registrations(engine.rank_payloads, identity), landings)
     service.bind(loop, asyncio.get_running_loop(), clients)

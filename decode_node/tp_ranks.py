@@ -3,22 +3,28 @@ the KV (its key/value heads of every page) with a transfer engine of its own, in
 process; rank 0 runs every handshake for them (:mod:`transfer.bootstrap_decode`).
 
 :class:`RankTransfer` is the engine's attach hook (:data:`engine.tp_rank.RankAttach`): it runs
-in each rank's process once its pool exists and returns that rank's registration, encoded.
-Rank 0 completes it with what both sides must agree on (:func:`rank_registrations`).
+in each rank's process once its pools exist, starts the rank's landing agent
+(:mod:`decode_node.rank_landing`) and returns that rank's registration and the agent's port.
+Rank 0 completes the registration with what both sides must agree on
+(:func:`rank_registrations`) and connects to the agents (:func:`landing_agents`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from decode_node.rank_landing import LandingAgent, RankLandingAgent
 from engine.kv_cache import KVPool
 from serving.process_exit import keep_until_exit
 from transfer.bootstrap import ModelIdentity
-from transfer.errors import TransferError
+from transfer.errors import MessageError, TransferError
 from transfer.messages import Registration, decode, encode
 from transfer.setup import make_kv_manager
+
+_PORT = struct.Struct("<I")  # a rank's payload: its agent's port, then its registration
 
 
 @dataclass(frozen=True)
@@ -26,33 +32,59 @@ class RankTransfer:
     """The attach hook of a decode's TP ranks: a KV manager of ``backend`` on ``hostname`` with
     the rank's pools registered (the target's, then a draft's) and a one-row aux buffer of
     ``hidden_size`` (the registration needs one; the prefill writes the aux row into rank 0's
-    only). The manager lives until the rank's process exits."""
+    only), and the rank's landing agent (``authkey`` proves rank 0). Both live until the
+    rank's process exits."""
 
     backend: str
     hostname: str
     hidden_size: int
+    authkey: bytes = field(repr=False)
 
     def __call__(self, pools: Sequence[KVPool], rank: int) -> bytes:
         manager = make_kv_manager(self.backend, [b for p in pools for b in p.buffer_infos()],
                                   hidden_size=self.hidden_size, aux_rows=1,
                                   hostname=self.hostname)
         keep_until_exit(manager)
-        return encode(manager.registration(page_size=0, dtype="", model_fingerprint="",
-                                           tp_rank=rank))
+        agent = LandingAgent(pools, manager, self.authkey)
+        keep_until_exit(agent)
+        reg = manager.registration(page_size=0, dtype="", model_fingerprint="", tp_rank=rank)
+        return _PORT.pack(agent.port) + encode(reg)
+
+
+def _read(rank: int, payload: bytes) -> tuple[Registration, int]:
+    """A rank's registration and agent port from what its hook returned."""
+    try:
+        (port,) = _PORT.unpack_from(payload)
+        reg = decode(payload[_PORT.size :])
+    except (struct.error, MessageError) as exc:
+        raise TransferError(f"decode rank {rank} reported no registration of its KV") from exc
+    if not isinstance(reg, Registration) or reg.tp_rank != rank:
+        raise TransferError(f"decode rank {rank} reported no registration of its KV")
+    return reg, port
 
 
 def rank_registrations(payloads: list[bytes], identity: ModelIdentity) -> list[Registration]:
     """The registrations of ranks ``1..`` from what their hooks returned, completed with rank
     0's ``identity`` (model, page size, dtype, and every rank's KV heads)."""
     heads = identity.heads
+    if payloads and heads is None:
+        raise TransferError("a tensor-parallel decode must describe its KV heads")
     out = []
     for rank, payload in enumerate(payloads, 1):
-        reg = decode(payload)
-        if not isinstance(reg, Registration) or reg.tp_rank != rank or heads is None:
-            raise TransferError(f"decode rank {rank} reported no registration of its KV")
+        reg, _ = _read(rank, payload)
+        assert heads is not None
         out.append(dataclasses.replace(
             reg, page_size=identity.page_size, dtype=identity.dtype,
             model_fingerprint=identity.model_fingerprint,
             kv_head_ranges=[x for pair in heads.ranges for x in pair],
             num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim))
+    return out
+
+
+def landing_agents(payloads: list[bytes], authkey: bytes) -> list[RankLandingAgent]:
+    """Rank 0's connections to the landing agents of ranks ``1..``."""
+    out = []
+    for rank, payload in enumerate(payloads, 1):
+        reg, port = _read(rank, payload)
+        out.append(RankLandingAgent(rank, port, authkey, reg.kv_layer_ids))
     return out

@@ -128,6 +128,9 @@ class LaunchOptions:
     decode_resources: dict[str, float] = field(default_factory=dict)
     worker_args: list[str] = field(default_factory=list)  # engine flags for both worker roles
     prefill_tp: int = 1  # --tp-size of every prefill worker (prefill_gpus covers its processes)
+    # pipeline stages of every prefill worker, one actor each (prefill_gpus and
+    # prefill_resources are per stage); the draft goes to the last stage
+    prefill_pp: int = 1
     decode_tp: int = 1  # --tp-size of every decode worker (its processes; decode_gpus covers all)
     draft: str | None = None  # EAGLE draft directory for both roles
     num_draft_tokens: int = 3
@@ -186,20 +189,35 @@ def launch(opts: LaunchOptions) -> Cluster:
 
 
 def _start(opts: LaunchOptions, started: list[Any]) -> Cluster:
-    """:func:`launch`'s body; every actor it creates goes into ``started`` at once."""
+    """:func:`launch`'s body; every actor it creates goes into ``started`` at once.
+
+    The decode workers and each prefill's last pipeline stage (the whole prefill without
+    stages) start first; then each earlier stage, last to first, pointed at the stage after it
+    (a stage waits for its next one to serve)."""
     host = bind_host()
     lifetime = {"lifetime": "detached"} if opts.detached else {}
     labels: list[str] = []
-    for role, count, gpus, res in (("prefill", opts.prefill, opts.prefill_gpus,
-                                    opts.prefill_resources),
-                                   ("decode", opts.decode, opts.decode_gpus,
-                                    opts.decode_resources)):
-        args = worker_argv(role, opts)
-        for i in range(count):
-            labels.append(f"{role}-{i}")
-            started.append(_ACTOR.options(name=actor_name(opts.name, labels[-1]), num_gpus=gpus,
-                                          resources=res, **lifetime).remote(role, args, host))
+
+    def start(label: str, role: str, args: list[str]) -> None:
+        gpus, res = ((opts.decode_gpus, opts.decode_resources) if role == "decode"
+                     else (opts.prefill_gpus, opts.prefill_resources))
+        labels.append(label)
+        started.append(_ACTOR.options(name=actor_name(opts.name, label), num_gpus=gpus,
+                                      resources=res, **lifetime).remote(role, args, host))
+
+    pp = opts.prefill_pp
+    for i in range(opts.prefill):
+        start(stage_label(i, pp - 1), "prefill", worker_argv("prefill", opts, stage=pp - 1))
+    for i in range(opts.decode):
+        start(f"decode-{i}", "decode", worker_argv("decode", opts))
     _wait_started(opts.name, labels, started)
+    for stage in range(pp - 2, -1, -1):
+        after = {i: started[labels.index(stage_label(i, stage + 1))] for i in range(opts.prefill)}
+        nexts = ray.get([after[i].address.remote() for i in range(opts.prefill)])
+        for i, nxt in enumerate(nexts):
+            start(stage_label(i, stage), "prefill",
+                  worker_argv("prefill", opts, stage=stage, pp_next=nxt))
+        _wait_started(opts.name, labels[-opts.prefill:], started[-opts.prefill:])
     addresses = dict(zip(labels, ray.get([a.address.remote() for a in started]), strict=True))
     router_args = ["--model", opts.model, "--prefill", _joined(addresses, "prefill"),
                    "--decode", _joined(addresses, "decode")]
@@ -223,8 +241,15 @@ def _wait_started(name: str, labels: list[str], actors: list[Any]) -> None:
             raise LaunchError(f"{actor_name(name, label)} did not start: {failure}")
 
 
+def stage_label(worker: int, stage: int) -> str:
+    """The label of stage ``stage`` of prefill worker ``worker``: ``prefill-I`` for the first
+    (the whole worker without stages: it serves the router), ``prefill-I-stage-K`` after it."""
+    return f"prefill-{worker}" if stage == 0 else f"prefill-{worker}-stage-{stage}"
+
+
 def _joined(addresses: dict[str, str], role: str) -> str:
-    """The addresses of the ``role`` servers (labels ``ROLE-I``), comma-separated."""
+    """The addresses of the ``role`` servers (labels ``ROLE-I``: a prefill's first stage),
+    comma-separated."""
     return ",".join(a for label, a in addresses.items() if label.rsplit("-", 1)[0] == role)
 
 
@@ -233,14 +258,21 @@ def actor_name(cluster: str, label: str) -> str:
     return f"{cluster}/{label}"
 
 
-def worker_argv(role: str, opts: LaunchOptions) -> list[str]:
+def worker_argv(role: str, opts: LaunchOptions, stage: int = 0,
+                pp_next: str | None = None) -> list[str]:
     """The ``pdserve ROLE`` flags of a worker (its server flags come from :class:`ServerActor`):
-    model, device flags, the role's ``--tp-size``, then ``worker_args`` (so a flag given there
-    wins), then the draft's."""
+    model, device flags, the role's ``--tp-size``, a prefill's pipeline flags (``stage`` of
+    ``opts.prefill_pp``, ``pp_next`` the address of the stage after it), then ``worker_args``
+    (so a flag given there wins), then the draft's (on a prefill's last stage only)."""
     size = opts.decode_tp if role == "decode" else opts.prefill_tp
     tp = ["--tp-size", str(size)] if size > 1 else []
-    return ["--model", opts.model, *device_args(opts), *tp, *opts.worker_args,
-            *draft_args(role, opts)]
+    pp: list[str] = []
+    if role == "prefill" and opts.prefill_pp > 1:
+        pp = ["--pp-size", str(opts.prefill_pp), "--pp-rank", str(stage)]
+        pp += ["--pp-next", pp_next] if pp_next is not None else []
+    last = role != "prefill" or stage == opts.prefill_pp - 1
+    return ["--model", opts.model, *device_args(opts), *tp, *pp, *opts.worker_args,
+            *(draft_args(role, opts) if last else [])]
 
 
 def device_args(opts: LaunchOptions) -> list[str]:

@@ -24,7 +24,8 @@ Tensor-parallel decode (``rank``): every rank's KV lives in its own process and 
 engine, but rank 0 runs every handshake. It registers each other rank with a client of its own,
 given that rank's :class:`~transfer.messages.Registration` (which the rank's process built): the
 prefill writes into that rank's engine directly, and such a client sends only destinations
-without the aux row (``aux=False``), which rank 0's client of the same prefill holds.
+without the aux row (``aux=False``), which rank 0's client of the same prefill holds. Such a
+client's landing buffer lives in the rank's process too (:mod:`decode_node.rank_landing`).
 """
 
 from __future__ import annotations
@@ -120,8 +121,12 @@ class DecodeBootstrapClient:
         sock = socket.create_connection(prefill_address, timeout=self.config.connect_timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = FramedSocket(sock)
-        if rank is not None and landing is not None:
-            raise TransferError("a landing buffer is rank 0's; another rank's client has none")
+        if rank is not None and landing is not None:  # the rank's own landing entries
+            infos = landing[0].buffer_infos(landing[1])
+            rank = dataclasses.replace(
+                rank, landing_ptrs=[b.ptr for b in infos],
+                landing_bytes_per_page=[b.bytes_per_page for b in infos],
+                landing_num_pages=landing[0].num_pages)
         self._remote_rank = rank is not None
         reg = dataclasses.replace(rank, auth_token=self.config.secret or "") if rank else \
             manager.registration(

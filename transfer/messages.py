@@ -179,15 +179,59 @@ class SendReply:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class LandingOrder:
+    """Rank 0 of a tensor-parallel decode to another rank: make (or find) a landing buffer of
+    ``num_pages`` pages with one slot per slice ``(head_start, count)`` of that rank's heads
+    (flattened) and register it (:mod:`decode_node.rank_landing`)."""
+
+    slices: list[int]
+    num_pages: int
+
+
+@dataclass(frozen=True)
+class LandingReply:
+    """The rank's landing buffer ``landing_id`` on ``device``: its entries, every slot's in slot
+    order, each slot's parallel to the rank's ``kv_layer_ids`` (empty with ``reason`` when it
+    failed)."""
+
+    landing_id: int
+    landing_ptrs: list[int]
+    landing_bytes_per_page: list[int]
+    device: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ScatterOrder:
+    """Rank 0 of a tensor-parallel decode to another rank: scatter landing pages of buffer
+    ``landing_id`` into pool ``pages`` (``slot`` -1: every slot; ``layer_ids`` empty: every
+    layer), as :meth:`engine.kv_staging.HeadLandingBuffer.scatter`."""
+
+    landing_id: int
+    landing_pages: list[int]
+    pages: list[int]
+    slot: int
+    layer_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScatterReply:
+    """The rank's answer to a :class:`ScatterOrder` (``reason`` empty: done)."""
+
+    reason: str
+
+
 Message = typing.Union[  # noqa: UP007 (a runtime alias)
     Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck,
-    RankBuffers, SendOrder, SendReply,
+    RankBuffers, SendOrder, SendReply, LandingOrder, LandingReply, ScatterOrder, ScatterReply,
 ]
 _TYPES: dict[str, type] = {
     cls.__name__: cls
     for cls in (
         Registration, RegisterReply, Destination, Status, Abort, AbortAck, Heartbeat, HeartbeatAck,
-        RankBuffers, SendOrder, SendReply,
+        RankBuffers, SendOrder, SendReply, LandingOrder, LandingReply, ScatterOrder,
+        ScatterReply,
     )
 }
 

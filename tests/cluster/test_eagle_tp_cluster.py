@@ -13,14 +13,19 @@ drafted and accepted counts equal those of the same EAGLE loop in one process: t
 approximates its target, so acceptance depends on the draft KV every decode rank received.
 Nothing is retried or recomputed, and every node ends idle (the leak check).
 
-Last, an EAGLE-3 draft on a two-stage prefill whose last stage runs TP 2, into a D TP2: the first
+An EAGLE-3 draft on a two-stage prefill whose last stage runs TP 2, into a D TP2: the first
 stage sends its layer's output on with the hidden states, and the last stage fuses it with its
 own (tests/prefill_node/test_pipeline_draft.py checks the draft KV and the shipped feature
 exactly).
+
+Last, P TP4 -> D TP2 with four KV heads: each decode rank's two heads come from two prefill
+ranks, which write whole pages into that rank's landing slots (rank 1's made and scattered by
+its landing agent, in its process), draft band included.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,10 +34,13 @@ import torch
 
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
-from engine.config import EngineConfig
+from engine.checkpoint import save_weights
+from engine.config import EngineConfig, ModelConfig
 from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
+from engine.models.qwen2_vl import Qwen2VLModel
 from engine.request import SamplingParams
+from engine.tiny_model import init_weights, write_random_draft, write_tiny_model
 from tests.cluster.harness import Node, free_port
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all
@@ -133,6 +141,43 @@ def test_an_eagle3_draft_on_a_tp_pipeline_prefill_feeds_a_tp_decode(eagle3_dir: 
         usage = [msgs[-1].usage for msgs in streams]
         assert [(u.drafted_tokens, u.accepted_tokens) for u in usage] == counts
         assert all(u.drafted_tokens > 0 for u in usage)
+        assert_all_idle([n.address for n in started])
+        router = get_stats(started[-1].address)
+        assert (router.kv_retries, router.kv_recomputes, router.transfers_failed) == (0, 0, 0)
+    finally:
+        stop_all(started)
+
+
+@pytest.fixture(scope="module")
+def four_kv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with four KV heads (one per query head) and a random EAGLE draft."""
+    path = write_tiny_model(tmp_path_factory.mktemp("four-kv") / "model")
+    raw = json.loads((path / "config.json").read_text())
+    raw["text_config"]["num_key_value_heads"] = 4
+    model = Qwen2VLModel(ModelConfig.from_dict(raw))
+    init_weights(model, seed=4)
+    save_weights(model, path)
+    (path / "config.json").write_text(json.dumps(raw))
+    write_random_draft(path / "draft", raw["text_config"])
+    return path
+
+
+def test_a_tp4_prefill_lands_in_every_rank_of_a_tp2_decode(four_kv_dir: Path) -> None:
+    model, draft = ["--model", str(four_kv_dir)], ["--draft", str(four_kv_dir / "draft")]
+    want, counts = one_process(four_kv_dir, CHAIN)
+    started: list[Node] = []
+    try:
+        started += start_all([["prefill", *model, *NODE, *draft, "--tp-size", "4"],
+                              ["decode", *model, *NODE, *draft, "--tp-size", "2",
+                               *shape_flags(CHAIN)]])
+        prefill, decode = started
+        started += start_all([["router", *model, "--port", "0", "--prefill", prefill.address,
+                               "--decode", decode.address]])
+        for _ in range(2):  # the second time from the decode's prefix cache
+            streams = generate_all(started[-1])
+            assert [[t for m in msgs for t in m.token_ids] for msgs in streams] == want
+            usage = [msgs[-1].usage for msgs in streams]
+            assert [(u.drafted_tokens, u.accepted_tokens) for u in usage] == counts
         assert_all_idle([n.address for n in started])
         router = get_stats(started[-1].address)
         assert (router.kv_retries, router.kv_recomputes, router.transfers_failed) == (0, 0, 0)

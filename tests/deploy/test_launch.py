@@ -1,5 +1,7 @@
 """``pdserve launch`` on a local Ray cluster: serves over gRPC, answers like the colocated
-engine, and Ctrl-C leaves no server, actor or Ray process behind."""
+engine, and Ctrl-C leaves no server, actor or Ray process behind. Its prefill runs in two
+pipeline stages (``--prefill-pp-size 2``: the second started first, the draft on it), the whole
+launch path otherwise being that of tests/deploy/test_launch_errors.py."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "launch", "--model", str(model),
-                             "--port", "0", "--draft", "auto", "--num-draft-tokens", "2"],
+                             "--port", "0", "--draft", "auto", "--num-draft-tokens", "2",
+                             "--prefill-pp-size", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None
@@ -73,6 +76,7 @@ def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
                                      SamplingParams(max_new_tokens=12, ignore_eos=True))
         assert got == expected.token_ids  # EAGLE on (the draft was passed on) changes nothing
         assert msgs[-1].usage.drafted_tokens > 0
+        assert len(processes_matching("--pp-rank")) == 2  # one server per stage
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from cli.main import build_parser
-from deploy.ray_launcher import LaunchOptions, worker_argv
+from deploy.ray_launcher import LaunchOptions, stage_label, worker_argv
 
 
 @pytest.mark.parametrize("flags", [[], ["--device", "cuda:1", "--dtype", "bfloat16",
@@ -55,3 +55,21 @@ def test_launch_tp_sizes_reach_their_roles(prefill: int, decode: int) -> None:
         argv = worker_argv(role, opts)
         assert parser.parse_args([role, *argv]).tp_size == n
         assert ("--tp-size" in argv) == (n > 1)
+
+
+@pytest.mark.parametrize("draft", [None, "d"])
+def test_launch_pipeline_stages_get_their_flags_and_the_last_the_draft(
+        draft: str | None) -> None:
+    parser = build_parser()
+    launch = parser.parse_args(["launch", "--prefill-pp-size", "3"])
+    opts = LaunchOptions(model="m", prefill_pp=launch.prefill_pp_size, draft=draft)
+    stages = [parser.parse_args(["prefill", *worker_argv("prefill", opts, stage=k,
+                                                         pp_next=f"n:{k + 1}" if k < 2 else None)])
+              for k in range(3)]
+    assert [(s.pp_size, s.pp_rank, s.pp_next) for s in stages] == [
+        (3, 0, "n:1"), (3, 1, "n:2"), (3, 2, None)]
+    assert [s.draft for s in stages] == [None, None, draft]
+    assert [stage_label(0, k) for k in range(3)] == ["prefill-0", "prefill-0-stage-1",
+                                                      "prefill-0-stage-2"]
+    decode = parser.parse_args(["decode", *worker_argv("decode", opts)])
+    assert decode.draft == draft  # the decode is not staged
