@@ -13,14 +13,12 @@ drafted and accepted counts equal those of the same EAGLE loop in one process: t
 approximates its target, so acceptance depends on the draft KV every decode rank received.
 Nothing is retried or recomputed, and every node ends idle (the leak check).
 
-An EAGLE-3 draft on a two-stage prefill whose last stage runs TP 2, into a D TP2: the first
-stage sends its layer's output on with the hidden states, and the last stage fuses it with its
-own (tests/prefill_node/test_pipeline_draft.py checks the draft KV and the shipped feature
-exactly).
-
-Last, P TP4 -> D TP2 with four KV heads: each decode rank's two heads come from two prefill
-ranks, which write whole pages into that rank's landing slots (rank 1's made and scattered by
-its landing agent, in its process), draft band included.
+Last, four KV heads and an EAGLE-3 draft on a two-stage prefill whose last stage runs TP 4,
+into a D TP2: the first stage sends its layer's output on with the hidden states and the last
+fuses it with its own (tests/prefill_node/test_pipeline_draft.py checks the draft KV and the
+shipped feature exactly); two of the last stage's ranks write slices of each decode rank's
+heads, which land in that rank's slots (rank 1's made and scattered by its landing agent, in its
+process), draft band included.
 """
 
 from __future__ import annotations
@@ -38,15 +36,20 @@ from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
+from engine.models.eagle import Eagle3Spec
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.request import SamplingParams
-from engine.tiny_model import init_weights, write_random_draft, write_tiny_model
+from engine.tiny_model import (
+    TINY_EAGLE3_LAYERS,
+    init_weights,
+    write_random_eagle3_draft,
+    write_tiny_model,
+)
 from tests.cluster.harness import Node, free_port
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all
 from tests.cluster.test_eagle_cluster import NEW, NODE, cases, generate_all
 from tests.decode_node.test_eagle import write_oracle_pair
-from tests.eagle3_pair import write_eagle3_model
 
 pytestmark = pytest.mark.slow
 
@@ -118,39 +121,9 @@ def test_streams_and_acceptance_equal_the_one_process_eagle_loop(
 
 
 @pytest.fixture(scope="module")
-def eagle3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The two-layer tiny model with a random EAGLE-3 draft of layers (1, 0, 1)."""
-    return write_eagle3_model(tmp_path_factory.mktemp("eagle3-pp"))
-
-
-def test_an_eagle3_draft_on_a_tp_pipeline_prefill_feeds_a_tp_decode(eagle3_dir: Path) -> None:
-    model, draft = ["--model", str(eagle3_dir)], ["--draft", str(eagle3_dir / "draft")]
-    tp2, stage = ["--tp-size", "2"], ["prefill", *model, *NODE, "--pp-size", "2"]
-    last_port = free_port()
-    want, counts = one_process(eagle3_dir, CHAIN)
-    started: list[Node] = []
-    try:  # a later --port wins over NODE's
-        started += start_all([[*stage, "--pp-rank", "1", "--port", str(last_port), *draft, *tp2],
-                              [*stage, "--pp-rank", "0", "--pp-next", f"127.0.0.1:{last_port}"],
-                              ["decode", *model, *NODE, *draft, *tp2, *shape_flags(CHAIN)]])
-        _, first, decode = started
-        started += start_all([["router", *model, "--port", "0", "--prefill", first.address,
-                               "--decode", decode.address]])
-        streams = generate_all(started[-1])
-        assert [[t for m in msgs for t in m.token_ids] for msgs in streams] == want
-        usage = [msgs[-1].usage for msgs in streams]
-        assert [(u.drafted_tokens, u.accepted_tokens) for u in usage] == counts
-        assert all(u.drafted_tokens > 0 for u in usage)
-        assert_all_idle([n.address for n in started])
-        router = get_stats(started[-1].address)
-        assert (router.kv_retries, router.kv_recomputes, router.transfers_failed) == (0, 0, 0)
-    finally:
-        stop_all(started)
-
-
-@pytest.fixture(scope="module")
 def four_kv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with four KV heads (one per query head) and a random EAGLE draft."""
+    """The two-layer tiny model with four KV heads (one per query head) and a random EAGLE-3
+    draft of layers (1, 0, 1): one on each pipeline stage, out of order and repeated."""
     path = write_tiny_model(tmp_path_factory.mktemp("four-kv") / "model")
     raw = json.loads((path / "config.json").read_text())
     raw["text_config"]["num_key_value_heads"] = 4
@@ -158,26 +131,40 @@ def four_kv_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     init_weights(model, seed=4)
     save_weights(model, path)
     (path / "config.json").write_text(json.dumps(raw))
-    write_random_draft(path / "draft", raw["text_config"])
+    vocab = raw["text_config"]["vocab_size"]
+    write_random_eagle3_draft(path / "draft", raw["text_config"],
+                              Eagle3Spec(TINY_EAGLE3_LAYERS, vocab // 2))
     return path
 
 
-def test_a_tp4_prefill_lands_in_every_rank_of_a_tp2_decode(four_kv_dir: Path) -> None:
+def test_an_eagle3_tp_pipeline_prefill_lands_in_every_rank_of_a_tp2_decode(
+        four_kv_dir: Path) -> None:
+    """Stage 0 (TP 1) gathers each decode rank's heads of its layer into its staging buffer;
+    stage 1 (TP 4, the EAGLE-3 draft split over its ranks, fusing stage 0's layer output that
+    came with the hidden states) has two of its ranks write slices of each decode rank's heads,
+    which land in that rank's slots, draft band included. Twice: the second time from the
+    decode's prefix cache."""
     model, draft = ["--model", str(four_kv_dir)], ["--draft", str(four_kv_dir / "draft")]
+    stage = ["prefill", *model, *NODE, "--pp-size", "2"]
+    last_port = free_port()
     want, counts = one_process(four_kv_dir, CHAIN)
     started: list[Node] = []
-    try:
-        started += start_all([["prefill", *model, *NODE, *draft, "--tp-size", "4"],
+    try:  # a later --port wins over NODE's
+        started += start_all([[*stage, "--pp-rank", "1", "--port", str(last_port), *draft,
+                               "--tp-size", "4"],
+                              [*stage, "--pp-rank", "0", "--pp-next", f"127.0.0.1:{last_port}"],
                               ["decode", *model, *NODE, *draft, "--tp-size", "2",
                                *shape_flags(CHAIN)]])
-        prefill, decode = started
-        started += start_all([["router", *model, "--port", "0", "--prefill", prefill.address,
+        _, first, decode = started
+        started += start_all([["router", *model, "--port", "0", "--prefill", first.address,
                                "--decode", decode.address]])
-        for _ in range(2):  # the second time from the decode's prefix cache
+        for _ in range(2):
             streams = generate_all(started[-1])
             assert [[t for m in msgs for t in m.token_ids] for msgs in streams] == want
             usage = [msgs[-1].usage for msgs in streams]
             assert [(u.drafted_tokens, u.accepted_tokens) for u in usage] == counts
+            assert all(u.drafted_tokens > 0 for u in usage)
+        assert get_stats(decode.address).kv_pages_not_sent > 0  # the second pass's cache hits
         assert_all_idle([n.address for n in started])
         router = get_stats(started[-1].address)
         assert (router.kv_retries, router.kv_recomputes, router.transfers_failed) == (0, 0, 0)

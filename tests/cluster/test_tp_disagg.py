@@ -1,13 +1,16 @@
 """Different tensor-parallel sizes on the two sides of a disaggregated cluster, through routers,
 over real Mooncake TCP (every rank in its own process, gloo, with its own transfer engine):
 
-- P TP1 -> D TP2 and P PP2 -> D TP2: the prefill gathers each decode rank's KV head into its
-  staging buffer and writes that rank whole pages;
-- P TP2 -> D TP1: each prefill rank writes its head into the decode's pages, one block per
-  token (the decode registers no landing buffer yet);
-- P TP2 -> D TP2: each prefill rank writes its decode rank whole pages;
+- P TP1 -> D TP2: the prefill gathers each decode rank's KV head into its staging buffer and
+  writes that rank whole pages;
+- P TP2 -> D TP1: each prefill rank writes whole pages of its head into its landing slot of
+  the decode, which scatters them into its pages;
 - P PP2 x TP2 -> D TP1 and -> D TP2: a prefill of two pipeline stages with two ranks each; every
-  rank of every stage writes its heads of its stage's layers, as above.
+  rank of every stage writes its heads of its stage's layers, as above (into D TP2: rank to
+  rank, each prefill rank its decode rank's whole pages).
+
+(P PP2 -> D TP2 with a TP1 first stage, and P TP2 -> D TP2 alone, run with EAGLE drafts in
+tests/cluster/test_eagle_tp_cluster.py.)
 
 Greedy streams equal transformers' ``generate`` (the oracle of
 tests/engine/test_generation_vs_transformers.py) for text and image prompts, sent together;
@@ -42,28 +45,25 @@ NODE = ["--port", "0", "--page-size", "8", "--num-pages", "128", "--max-num-batc
 @pytest.fixture(scope="module")
 def nodes(hf_dir: Path) -> Iterator[dict[str, Node]]:
     model = ["--model", str(hf_dir)]
-    pp = ["prefill", *model, *NODE, "--pp-size", "2"]
-    pp_tp = [*pp, "--tp-size", "2"]
+    pp_tp = ["prefill", *model, *NODE, "--pp-size", "2", "--tp-size", "2"]
     started: list[Node] = []
     try:
-        started += start_all([[*pp, "--pp-rank", "1"], [*pp_tp, "--pp-rank", "1"],
+        started += start_all([[*pp_tp, "--pp-rank", "1"],
                               ["prefill", *model, *NODE],
                               ["prefill", *model, *NODE, "--tp-size", "2"],
                               ["decode", *model, *NODE, "--tp-size", "2"],
                               ["decode", *model, *NODE]])
-        last, last_tp, prefill, prefill2, decode2, decode = started
-        started += start_all([[*pp, "--pp-rank", "0", "--pp-next", last.address],
-                              [*pp_tp, "--pp-rank", "0", "--pp-next", last_tp.address]])
-        first, first_tp = started[-2:]
+        last_tp, prefill, prefill2, decode2, decode = started
+        started += start_all([[*pp_tp, "--pp-rank", "0", "--pp-next", last_tp.address]])
+        first_tp = started[-1]
         router = ["router", *model, "--port", "0"]
-        pairs = {"tp1_to_tp2": (prefill, decode2), "pp2_to_tp2": (first, decode2),
-                 "tp2_to_tp1": (prefill2, decode), "tp2_to_tp2": (prefill2, decode2),
+        pairs = {"tp1_to_tp2": (prefill, decode2), "tp2_to_tp1": (prefill2, decode),
                  "pp2tp2_to_tp1": (first_tp, decode), "pp2tp2_to_tp2": (first_tp, decode2)}
         started += start_all([[*router, "--prefill", p.address, "--decode", d.address]
                               for p, d in pairs.values()])
         yield {**dict(zip(pairs, started[-len(pairs):], strict=True)), "prefill": prefill,
-               "prefill2": prefill2, "first": first, "last": last, "first_tp": first_tp,
-               "last_tp": last_tp, "decode2": decode2, "decode": decode}
+               "prefill2": prefill2, "first_tp": first_tp, "last_tp": last_tp,
+               "decode2": decode2, "decode": decode}
     finally:
         stop_all(started)
 
@@ -83,8 +83,8 @@ def stream_all(router: Node) -> list[list[gpb.GenerateResponse]]:
             return list(pool.map(lambda r: list(stub.Generate(r, timeout=120)), reqs))
 
 
-PAIRS = {"tp1_to_tp2": "decode2", "pp2_to_tp2": "decode2", "tp2_to_tp1": "decode",
-         "tp2_to_tp2": "decode2", "pp2tp2_to_tp1": "decode", "pp2tp2_to_tp2": "decode2"}
+PAIRS = {"tp1_to_tp2": "decode2", "tp2_to_tp1": "decode", "pp2tp2_to_tp1": "decode",
+         "pp2tp2_to_tp2": "decode2"}
 
 
 @pytest.mark.parametrize("path", list(PAIRS))
