@@ -10,28 +10,24 @@ rank 0's word:
   :mod:`decode_node.tp_ranks`) serves :class:`~transfer.messages.LandingOrder` (make and
   register a buffer of those slices, once per slicing; answer its entries) and
   :class:`~transfer.messages.ScatterOrder` (scatter landing pages into pool pages) over a local
-  connection with a shared key (a peer without it is refused before a message is read);
+  connection with a shared key (:mod:`transfer.local_agent`);
 - on rank 0, :class:`RankLandingAgent` is that rank's agent, and :meth:`~RankLandingAgent.landing`
   returns a :class:`RemoteLanding`: the :class:`~transfer.staging.HeadLanding` a bootstrap
   client lands into, whose scatter runs in the rank's process and returns once done (the room
   is ready only after that).
 
-One order at a time per rank (a lock on rank 0's side). The agent thread serves the first peer
-that has the key and ends when that connection closes.
+One order at a time per rank.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Collection, Sequence
-from contextlib import suppress
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
 
 from engine.kv_cache import BufferInfo, KVPool
 from engine.kv_staging import HeadLandingBuffer
 from transfer.base import KVManager
 from transfer.errors import MessageError, TransferError
+from transfer.local_agent import AgentLink, AgentServer
 from transfer.messages import (
     LandingOrder,
     LandingReply,
@@ -39,10 +35,7 @@ from transfer.messages import (
     ScatterOrder,
     ScatterReply,
     decode,
-    encode,
 )
-
-HOST = "127.0.0.1"  # the ranks of one node share its loopback
 
 
 class LandingAgent:
@@ -56,22 +49,7 @@ class LandingAgent:
         self.manager = manager
         self._buffers: list[HeadLandingBuffer] = []
         self._made: dict[tuple[tuple[tuple[int, int], ...], int], int] = {}
-        self._listener = Listener((HOST, 0), authkey=authkey)
-        self.port: int = self._listener.address[1]
-        threading.Thread(target=self._serve, name="landing-agent", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except AuthenticationError:
-                continue  # a peer without the key; rank 0 is still to come
-            except OSError:
-                return
-            with suppress(OSError, EOFError), conn:
-                while True:
-                    conn.send_bytes(encode(self._run(conn.recv_bytes())))
-            return
+        self.port = AgentServer(authkey, self._run, "landing-agent").port
 
     def _run(self, data: bytes) -> Message:
         try:
@@ -120,8 +98,7 @@ class RankLandingAgent:
     def __init__(self, rank: int, port: int, authkey: bytes, layer_ids: Sequence[int]) -> None:
         self.rank = rank
         self.layer_ids = list(layer_ids)
-        self._conn: Connection = Client((HOST, port), authkey=authkey)
-        self._lock = threading.Lock()
+        self._link = AgentLink(port, authkey, f"decode rank {rank}'s landing agent")
 
     def landing(self, slices: Sequence[tuple[int, int]], num_pages: int) -> RemoteLanding:
         """The rank's landing buffer of ``num_pages`` pages with a slot per slice of its heads,
@@ -137,17 +114,10 @@ class RankLandingAgent:
 
     def call(self, order: LandingOrder | ScatterOrder) -> Message:
         """Send ``order`` and wait for the answer; ``TransferError`` when the agent is gone."""
-        with self._lock:
-            try:
-                self._conn.send_bytes(encode(order))
-                return decode(self._conn.recv_bytes())
-            except (OSError, EOFError, MessageError) as exc:
-                raise TransferError(f"decode rank {self.rank}'s landing agent did not answer: "
-                                    f"{exc}") from exc
+        return self._link.call(order)
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self._link.close()
 
 
 class RemoteLanding:

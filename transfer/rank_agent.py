@@ -5,9 +5,8 @@ transfer engine of its own; only that engine can write them out. Rank 0 runs the
 endpoint and every room, and has each other rank write its heads on its word:
 
 - in the rank's process, :class:`RankAgent` serves :class:`~transfer.messages.SendOrder` s from
-  rank 0 over a local connection (``multiprocessing.connection`` with a shared key: a peer
-  without it is refused before a message is read) and answers each with a
-  :class:`~transfer.messages.SendReply` once the write returned;
+  rank 0 over a local connection with a shared key (:mod:`transfer.local_agent`) and answers
+  each with a :class:`~transfer.messages.SendReply` once the write returned;
 - on rank 0, :class:`RemoteRank` stands for that rank: its buffers, as the handshake checks them
   (:class:`transfer.bootstrap.SourceRank`), and ``send_kvcache`` with the keywords the bootstrap
   server passes, which orders the write and raises the error class the rank's manager raised
@@ -15,26 +14,21 @@ endpoint and every room, and has each other rank write its heads on its word:
   :class:`~transfer.errors.TransferError` when nothing moved). A rank that cannot be reached
   (its process died) raises ``EngineCallError``: what it had in flight is unknown.
 
-One order at a time per rank (a lock on rank 0's side). The agent thread refuses peers without
-the key, serves the first that has it, and ends when that connection closes.
+One order at a time per rank.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from contextlib import suppress
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Connection, Listener
 
 from transfer import errors
 from transfer.aux import AuxBuffer
 from transfer.base import KVManager, SendResult
 from transfer.errors import EngineCallError, MessageError, TransferError
 from transfer.heads import HeadCopy
-from transfer.messages import RankBuffers, SendOrder, SendReply, decode, encode
+from transfer.local_agent import AgentLink, AgentServer
+from transfer.messages import RankBuffers, SendOrder, SendReply, decode
 
-HOST = "127.0.0.1"  # the ranks of one node share its loopback
 _ERRORS: dict[str, type[errors.TransferError]] = {
     name: cls for name, cls in vars(errors).items()
     if isinstance(cls, type) and issubclass(cls, errors.TransferError)}
@@ -45,28 +39,13 @@ class RankAgent:
 
     def __init__(self, manager: KVManager, authkey: bytes) -> None:
         self.manager = manager
-        self._listener = Listener((HOST, 0), authkey=authkey)
-        self.port: int = self._listener.address[1]
-        threading.Thread(target=self._serve, name="rank-agent", daemon=True).start()
+        self.port = AgentServer(authkey, self._run, "rank-agent").port
 
     def buffers(self) -> RankBuffers:
         """What rank 0 needs of this rank (its registration and this agent's port)."""
         m = self.manager
         return RankBuffers(m.session_id, list(m.kv_ptrs), list(m.kv_bytes_per_page),
                            list(m.kv_layer_ids or []), m.num_pages, m.has_staging, self.port)
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn = self._listener.accept()
-            except AuthenticationError:
-                continue  # a peer without the key; rank 0 is still to come
-            except OSError:
-                return
-            with suppress(OSError, EOFError), conn:
-                while True:
-                    conn.send_bytes(encode(self._run(conn.recv_bytes())))
-            return
 
     def _run(self, data: bytes) -> SendReply:
         try:
@@ -103,8 +82,7 @@ class RemoteRank:
         self.kv_layer_ids: list[int] | None = list(buffers.kv_layer_ids) or None
         self.num_pages = buffers.num_pages
         self.has_staging = buffers.has_staging
-        self._conn: Connection = Client((HOST, buffers.agent_port), authkey=authkey)
-        self._lock = threading.Lock()
+        self._link = AgentLink(buffers.agent_port, authkey, f"prefill rank {rank}")
 
     def send_kvcache(
         self, session: str, src_pages: Sequence[int], dst_ptrs: Sequence[int],
@@ -118,12 +96,7 @@ class RemoteRank:
         order = SendOrder(session, [int(p) for p in src_pages], list(dst_ptrs),
                           [int(p) for p in dst_pages], list(dst_layer_ids or []),
                           list(dst_bytes_per_page or []), heads)
-        with self._lock:
-            try:
-                self._conn.send_bytes(encode(order))
-                reply = decode(self._conn.recv_bytes())
-            except (OSError, EOFError, MessageError) as exc:
-                raise EngineCallError(f"prefill rank {self.rank} did not answer: {exc}") from exc
+        reply = self._link.call(order, gone=EngineCallError)
         if not isinstance(reply, SendReply):
             raise EngineCallError(f"prefill rank {self.rank} answered {type(reply).__name__}")
         if not reply.ok:  # an error class this side does not know may have moved bytes
@@ -132,5 +105,4 @@ class RemoteRank:
         return SendResult(reply.blocks, reply.batches, reply.nbytes)
 
     def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+        self._link.close()
