@@ -117,6 +117,8 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
 
 @dataclass
 class _DraftShare:
+    """This rank's share of the draft's layer, its draft pool and that pool's attention."""
+
     draft: Draft
     pool: KVPool
     attn: AttentionBackend
