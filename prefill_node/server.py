@@ -75,9 +75,9 @@ async def serve_prefill(
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
                              text.num_hidden_layers,
                              heads=prefill_heads(text, engine.pool, config.tp_size))
+    ranks = remote_ranks(engine.rank_payloads, authkey)
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
-                                       config=bootstrap_config,
-                                       ranks=remote_ranks(engine.rank_payloads, authkey))
+                                       config=bootstrap_config, ranks=ranks)
     service = PrefillService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
     loop = PrefillLoop(engine, bootstrap, service.on_done, drafter)
@@ -86,7 +86,7 @@ async def serve_prefill(
     server, bound, _ = await start_server(
         [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
         role="prefill", stats=service.stats, security=security,
-        metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager),
+        metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager, *ranks),
     )
     await serve_until_signal(server, bound, loop.stop, bootstrap.close, engine.close,
                              on_signal=hub.close if hub is not None else None)

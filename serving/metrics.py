@@ -149,9 +149,11 @@ class TransferMetrics:
         self.failures = Counter("pdserve_transfer_failures", "sends that failed in the engine",
                                 registry=None)
 
-    def watch(self, sender: Sender) -> list[Collector]:
-        """Observe every send of ``sender``; returns the collectors to register."""
-        sender.on_send = self.observe
+    def watch(self, *senders: Sender) -> list[Collector]:
+        """Observe every send of ``senders`` (a node's manager, and the stand-ins of its other
+        TP ranks); returns the collectors to register."""
+        for sender in senders:
+            sender.on_send = self.observe
         return [self.bytes, self.seconds, self.failures]
 
     def observe(self, nbytes: int, seconds: float, ok: bool) -> None:

@@ -19,7 +19,8 @@ One order at a time per rank.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from transfer import errors
 from transfer.aux import AuxBuffer
@@ -73,6 +74,8 @@ class RemoteRank:
     through its agent (see the module docstring)."""
 
     aux: AuxBuffer | None = None  # rank 0 writes the aux rows
+    # called after every send as a manager calls it: (bytes moved, seconds, whether it worked)
+    on_send: Callable[[int, float, bool], None] | None = None
 
     def __init__(self, rank: int, buffers: RankBuffers, authkey: bytes) -> None:
         self.rank = rank
@@ -96,13 +99,24 @@ class RemoteRank:
         order = SendOrder(session, [int(p) for p in src_pages], list(dst_ptrs),
                           [int(p) for p in dst_pages], list(dst_layer_ids or []),
                           list(dst_bytes_per_page or []), heads)
-        reply = self._link.call(order, gone=EngineCallError)
-        if not isinstance(reply, SendReply):
-            raise EngineCallError(f"prefill rank {self.rank} answered {type(reply).__name__}")
-        if not reply.ok:  # an error class this side does not know may have moved bytes
-            error = _ERRORS.get(reply.error, EngineCallError)
-            raise error(f"prefill rank {self.rank}: {reply.reason}")
+        start = time.perf_counter()
+        try:
+            reply = self._link.call(order, gone=EngineCallError)
+            if not isinstance(reply, SendReply):
+                raise EngineCallError(f"prefill rank {self.rank} answered "
+                                      f"{type(reply).__name__}")
+            if not reply.ok:  # an error class this side does not know may have moved bytes
+                error = _ERRORS.get(reply.error, EngineCallError)
+                raise error(f"prefill rank {self.rank}: {reply.reason}")
+        except EngineCallError:
+            self._report(0, start, False)  # an engine failure, as a manager reports it
+            raise
+        self._report(reply.nbytes, start, True)
         return SendResult(reply.blocks, reply.batches, reply.nbytes)
+
+    def _report(self, nbytes: int, start: float, ok: bool) -> None:
+        if self.on_send is not None:
+            self.on_send(nbytes, time.perf_counter() - start, ok)
 
     def close(self) -> None:
         self._link.close()

@@ -93,6 +93,7 @@ class _Endpoints:
     chain: str  # the bootstrap addresses of this stage and every later one, comma-separated
     draft_band: tuple[int, ...]  # the KV layer ids of the pipeline's draft (empty: none)
     aux_ids: tuple[int, ...]  # the target layers its EAGLE-3 draft fuses (empty: none)
+    ranks: tuple[RemoteRank, ...]  # the stand-ins of the stage's other TP ranks
 
 
 async def serve_first_stage(args: StageArgs) -> None:
@@ -180,7 +181,7 @@ async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
                                        port=args.bootstrap_port, config=args.bootstrap_config,
                                        ranks=ranks)
     chain = f"{args.advertise_host}:{bootstrap.address[1]}{later}"
-    return _Endpoints(manager, bootstrap, link, chain, band, tuple(aux_ids))
+    return _Endpoints(manager, bootstrap, link, chain, band, tuple(aux_ids), tuple(ranks))
 
 
 def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Metadata
@@ -212,7 +213,8 @@ async def _serve(args: StageArgs, ends: _Endpoints, services: Sequence[Registrat
     close the endpoints and end the stage's other TP ranks (``close_ranks``)."""
     server, bound, _ = await start_server(
         services, args.host, args.port, role=role, stats=stats, security=args.security,
-        metrics_port=args.metrics_port, metrics_collectors=TransferMetrics().watch(ends.manager))
+        metrics_port=args.metrics_port,
+        metrics_collectors=TransferMetrics().watch(ends.manager, *ends.ranks))
     cleanups = [*stop_first, ends.bootstrap.close]
     if ends.link is not None:
         cleanups.append(ends.link.close)

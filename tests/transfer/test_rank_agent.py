@@ -49,9 +49,12 @@ def _send(remote: RemoteRank, dst: Node, src_pages: list[int], dst_pages: list[i
 
 def test_an_ordered_send_lands_the_rank_heads_as_a_direct_one() -> None:
     src, dst, agent, remote = _pair(2, 4)  # rank 1 holds heads 2, 3; decode rank 1 holds 1
+    sends: list[tuple[int, bool]] = []
+    remote.on_send = lambda nbytes, seconds, ok: sends.append((nbytes, ok))  # rank 0's metrics
     (copy,) = [c for c in plan_head_copies(_layout(2), _layout(4), 1) if c.dst_rank == 2]
     result = _send(remote, dst, [3, 5, 6], [0, 1, 2], dst_heads=copy)
     assert result.nbytes == 3 * sum(dst.manager.kv_bytes_per_page)  # type: ignore[attr-defined]
+    assert sends == [(result.nbytes, True)]
     for got, want in zip(dst.entries(), src.entries(), strict=True):
         assert torch.equal(got[[0, 1, 2], :, 0], want[[3, 5, 6], :, 0])
     assert remote.has_staging and remote.kv_ptrs == src.manager.kv_ptrs
@@ -60,12 +63,16 @@ def test_an_ordered_send_lands_the_rank_heads_as_a_direct_one() -> None:
 
 def test_a_refused_order_moves_nothing_and_a_gone_agent_is_an_engine_error() -> None:
     _, dst, _, remote = _pair(2, 2)
+    sends: list[tuple[int, bool]] = []
+    remote.on_send = lambda nbytes, seconds, ok: sends.append((nbytes, ok))
     with pytest.raises(PageListError, match="prefill rank 1: source page 99 is outside"):
         _send(remote, dst, [99], [0])
     assert not any(e.any() for e in dst.entries())
+    assert sends == []  # a refusal is no engine failure
     remote.close()
     with pytest.raises(EngineCallError, match="prefill rank 1 did not answer"):
         _send(remote, dst, [0], [0])
+    assert sends == [(0, False)]
 
 
 def test_a_peer_without_the_key_is_refused_and_rank_0_still_connects() -> None:
