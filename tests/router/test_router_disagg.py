@@ -165,7 +165,11 @@ def test_prefill_failure_fails_stream_and_aborts_decode(setup: Setup) -> None:
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "no KV pages" in err.value.details() and "prefill worker 127.0.0.1:" in \
         err.value.details()
-    room = setup.decode.decode_requests[-1].request.room
+    # this request's room (the decode may record it after the stream already ended)
+    _wait(lambda: any(d.request.token_ids[:1] == [FAIL_TOKEN]
+                      for d in setup.decode.decode_requests))
+    [room] = [d.request.room for d in setup.decode.decode_requests
+              if d.request.token_ids[:1] == [FAIL_TOKEN]]
     _wait(lambda: room in setup.decode.aborted)
 
 
