@@ -100,6 +100,9 @@ class DraftRunner(DraftHead):
     """A :class:`DraftHead` beside an :class:`LLMEngine`'s pool, run over the engine's steps."""
 
     def __init__(self, engine: LLMEngine, draft: Draft) -> None:
+        if engine.tp is not None and engine.draft_dir is None:
+            raise ConfigError("a draft beside a tensor-parallel engine must be given to the "
+                              "engine (LLMEngine(..., draft=DIR)), so its ranks hold their share")
         super().__init__(draft, engine.model, engine.pool, engine.runner.peers)
         self.engine = engine
         engine.runner.aux_layers = self.aux_layers  # every forward returns what the draft fuses

@@ -20,6 +20,8 @@ from test_eagle import GREEDY, PROMPTS, write_oracle_pair
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.config import EngineConfig
+from engine.draft_runner import DraftRunner
+from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from tests.eagle3_pair import write_eagle3_model
 
@@ -74,6 +76,10 @@ def test_tp2_draft_tree_equals_the_one_process_draft(drafts: dict[str, Path],
     spec = spec_engine(model_dir, shape, 2)
     try:
         assert spec.engine.pool.num_kv_heads == 1 and spec.drafter.pool.num_kv_heads == 1
+        kept, spec.engine.draft_dir = spec.engine.draft_dir, None  # as if its ranks had none
+        with pytest.raises(ConfigError, match="must be given to the engine"):
+            DraftRunner(spec.engine, spec.drafter.draft)
+        spec.engine.draft_dir = kept
         tp_tokens, tp_counts, tp_features = run(spec)
     finally:
         spec.engine.close()
