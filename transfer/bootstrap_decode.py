@@ -319,12 +319,20 @@ class DecodeBootstrapClient:
             self._landing_pages.give(r.landing)
         r.landing = None
 
-    def _land(self, r: _Room) -> None:
-        """Scatter a successful room's landing pages into its pages, then free them."""
+    def _land(self, r: _Room) -> bool:
+        """Scatter a successful room's landing pages into its pages, then free them. A scatter
+        that fails (another rank's landing agent gone or refusing) fails the room instead: the
+        prefill has finished writing, so its pages wait only for the release."""
         if self._landing is not None and r.landing and r.pages is not None:
             buf, slot = self._landing
-            buf.scatter(r.landing, r.pages, slot, self._prefill_layers)
+            try:
+                buf.scatter(r.landing, r.pages, slot, self._prefill_layers)
+            except TransferError as exc:
+                self._fail(r, f"landing the prefill's pages failed: {exc}")
+                r.quiesced = True
+                return False
         self._free_landing(r)
+        return True
 
     def _send(self, msg: Message) -> None:
         if self.manager.faults is not None and not self.manager.faults.outgoing([msg]):
@@ -365,8 +373,8 @@ class DecodeBootstrapClient:
 
     def _on_success(self, r: _Room) -> None:
         if r.status is not KVPoll.Failed and r.pages is not None and not r.expects_aux:
-            self._land(r)
-            r.status = advance(r.status, KVPoll.Success)  # no aux row to check
+            if self._land(r):
+                r.status = advance(r.status, KVPoll.Success)  # no aux row to check
             return
         if r.status is KVPoll.Failed or r.aux_slot is None:
             r.quiesced = True  # the prefill has finished writing
@@ -376,8 +384,8 @@ class DecodeBootstrapClient:
             self._fail(r, f"aux row corrupt: room {echoed} echoed for room {r.room}")
             r.quiesced = True
             return
-        self._land(r)
-        r.status = advance(r.status, KVPoll.Success)
+        if self._land(r):
+            r.status = advance(r.status, KVPoll.Success)
 
     def _peer_dead(self, reason: str) -> None:
         """Fail every unfinished room; their pages wait out the quarantine."""

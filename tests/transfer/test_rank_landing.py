@@ -30,30 +30,51 @@ pytestmark = pytest.mark.slow
 KEY = b"k" * 32
 
 
-def test_a_tp4_prefill_lands_in_both_ranks_of_a_tp2_decode() -> None:
-    prefill = [Node(_spec(1, (KV, 4, r)), fill_seed=20 + r) for r in range(4)]
-    remote = [RemoteRank(r, RankAgent(prefill[r].manager, KEY).buffers(), KEY)
-              for r in range(1, 4)]
-    server = PrefillBootstrapServer(prefill[0].manager, prefill[0].spec.identity, config=CFG,
-                                    ranks=remote)
-    decode = [Node(_spec(2, (KV, 2, r))) for r in range(2)]
-    agent = LandingAgent(decode[1].pools, decode[1].manager, KEY)
-    rank1 = RankLandingAgent(1, agent.port, KEY, decode[1].layer_ids())
-    landings = Landings(decode[0].pools, decode[0].manager, _layout(2), NUM_PAGES, [rank1])
-    pages = FreeList(NUM_PAGES)
-    ident = decode[0].spec.identity
-    clients = BootstrapClients(decode[0].manager, ident, pages.give, CFG,
-                               [decode[1].registration()], landings)
-    group = clients.get(f"{server.address[0]}:{server.address[1]}")
-    assert [c.tp_rank for c in group] == [1, 0]
-    try:
-        server.add_room(ROOM)
-        dst, src = pages.take(3), [2, 5, 8]
-        for c in group:
+class Tp4IntoTp2:
+    """A TP 4 prefill (its bootstrap server and rank stand-ins) and both ranks of a TP 2
+    decode, rank 1's landing behind its agent, with the decode's clients of the prefill."""
+
+    def __init__(self) -> None:
+        self.prefill = [Node(_spec(1, (KV, 4, r)), fill_seed=20 + r) for r in range(4)]
+        self.remote = [RemoteRank(r, RankAgent(self.prefill[r].manager, KEY).buffers(), KEY)
+                       for r in range(1, 4)]
+        self.server = PrefillBootstrapServer(self.prefill[0].manager,
+                                             self.prefill[0].spec.identity, config=CFG,
+                                             ranks=self.remote)
+        self.decode = [Node(_spec(2, (KV, 2, r))) for r in range(2)]
+        # kept, as the rank's process keeps it: its landing buffers stay registered after
+        # rank 0's link closes
+        self.agent = LandingAgent(self.decode[1].pools, self.decode[1].manager, KEY)
+        self.rank1 = RankLandingAgent(1, self.agent.port, KEY, self.decode[1].layer_ids())
+        landings = Landings(self.decode[0].pools, self.decode[0].manager, _layout(2),
+                            NUM_PAGES, [self.rank1])
+        self.pages = FreeList(NUM_PAGES)
+        self.clients = BootstrapClients(self.decode[0].manager, self.decode[0].spec.identity,
+                                        self.pages.give, CFG, [self.decode[1].registration()],
+                                        landings)
+        address = self.server.address
+        self.group = self.clients.get(f"{address[0]}:{address[1]}")
+        assert [c.tp_rank for c in self.group] == [1, 0]
+
+    def send(self, dst: list[int]) -> None:
+        self.server.add_room(ROOM)
+        for c in self.group:
             c.add_room(ROOM)
             c.send_destination(ROOM, dst, aux=c.tp_rank == 0)
-        wait_for(lambda: server.poll(ROOM) is KVPoll.WaitingForInput, 3)
-        blocks = record_blocks([prefill[0].manager, *remote])
+        wait_for(lambda: self.server.poll(ROOM) is KVPoll.WaitingForInput, 3)
+
+    def close(self) -> None:
+        self.clients.close()
+        self.server.close()
+
+
+def test_a_tp4_prefill_lands_in_both_ranks_of_a_tp2_decode() -> None:
+    nodes = Tp4IntoTp2()
+    prefill, decode, server, group = nodes.prefill, nodes.decode, nodes.server, nodes.group
+    try:
+        dst, src = nodes.pages.take(3), [2, 5, 8]
+        nodes.send(dst)
+        blocks = record_blocks([prefill[0].manager, *nodes.remote])
         assert server.send_chunk(ROOM, src, last=ROW) is KVPoll.Success
         for c in group:
             wait_for(lambda c=c: c.poll(ROOM) is KVPoll.Success, 3)
@@ -71,8 +92,32 @@ def test_a_tp4_prefill_lands_in_both_ranks_of_a_tp2_decode() -> None:
         server.release(ROOM)
         assert server.num_rooms == 0 and all(c.num_rooms == 0 for c in group)
     finally:
-        clients.close()
-        server.close()
+        nodes.close()
+
+
+def test_a_scatter_that_fails_on_a_rank_fails_its_room_and_the_client_lives_on() -> None:
+    """Rank 1's landing agent is gone when the prefill's Success comes: that rank's room fails
+    naming it (its pages wait only for the release), rank 0's succeeds, both clients stay."""
+    nodes = Tp4IntoTp2()
+    try:
+        dst = nodes.pages.take(2)
+        nodes.send(dst)
+        nodes.rank1.close()
+        assert nodes.server.send_chunk(ROOM, [1, 2], last=ROW) is KVPoll.Success
+        rank1, rank0 = nodes.group
+        wait_for(lambda: rank1.poll(ROOM) is KVPoll.Failed, 3)
+        assert "landing the prefill's pages failed: decode rank 1's landing agent did not " \
+               "answer" in rank1.failure_reason(ROOM)
+        wait_for(lambda: rank0.poll(ROOM) is KVPoll.Success, 3)
+        assert rank1.alive and rank0.alive
+        rank1.release(ROOM)
+        rank0.commit(ROOM)
+        nodes.server.release(ROOM)
+        wait_for(lambda: rank1.num_rooms == 0, 3)  # quiesced: freed at once
+        assert rank1.free_landing_pages == list(range(NUM_PAGES))
+        assert nodes.pages.held == 0  # the release handed the room's pages back
+    finally:
+        nodes.close()
 
 
 def record_blocks(ranks: list) -> list[int]:  # noqa: ANN001 - managers and RemoteRanks
