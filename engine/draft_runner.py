@@ -16,6 +16,7 @@ prefill's seed, the aux row and the decode loop's buffers all carry that size.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -76,9 +77,10 @@ class DraftHead:
         ``batch.slot_mapping``; returns the output features ``[T, H]``."""
         self.attn.prepare(batch)
         x = self.draft.layer_input(self.target.embed(ids), features)
-        if self.peers is None:
-            return self.draft.finish(self.draft.run_layer(x, mrope, self.attn))
-        with self.peers.step(x, mrope, batch, Command.DRAFT):
+        # under TP the other ranks run their share of the layer on the same rows
+        peers = nullcontext() if self.peers is None else self.peers.step(x, mrope, batch,
+                                                                          Command.DRAFT)
+        with peers:
             return self.draft.finish(self.draft.run_layer(x, mrope, self.attn))
 
     @property

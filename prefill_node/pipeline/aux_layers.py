@@ -52,10 +52,11 @@ def merge_aux(aux_ids: Sequence[int], layers: range, received: torch.Tensor,
     before, after = carried(aux_ids, layers.start), carried(aux_ids, layers.stop)
     if not after:
         return received
-    t, hidden = received.shape[0], received.shape[1] // max(1, len(before))
-    blocks = dict(zip(before, received.split(hidden, dim=1), strict=True)) if before else {}
+    blocks: dict[int, torch.Tensor] = {}
+    if before:  # a repeated layer's blocks are equal: either serves
+        width = received.shape[1] // len(before)
+        blocks.update(zip(before, received.split(width, dim=1), strict=True))
     for lid, out in own.items():
-        hidden = out.shape[1]
-        blocks[lid] = received.new_zeros(t, hidden)
+        blocks[lid] = received.new_zeros(received.shape[0], out.shape[1])
         blocks[lid][rows] = out.float()
     return torch.cat([blocks[i] for i in after], dim=1)
