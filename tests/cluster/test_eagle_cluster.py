@@ -1,7 +1,7 @@
 """EAGLE through the whole cluster: a prefill node computing the draft's prompt KV next to the
-target's, a decode node running speculative rounds, behind the router; a prefill split into two
-pipeline stages whose last runs the draft; and a colocated EAGLE worker. Greedy output must
-equal plain decoding token for token."""
+target's, a decode node running speculative rounds, behind the router; and a colocated EAGLE
+worker. (A pipelined prefill whose last stage runs the draft: ``test_eagle_tp_cluster.py`` and
+``tests/deploy/test_launch.py``.) Greedy output must equal plain decoding token for token."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from proto.convert import patches_message
 from proto.pdserve.v1 import admin_pb2, generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
-from tests.cluster.harness import Node, free_port, running
+from tests.cluster.harness import Node, running
 from tests.cluster.stats import get_stats
 from tests.cluster.test_cluster import start_all, stop_all
 
@@ -179,44 +179,6 @@ def test_repeated_prompts_hit_both_caches_and_still_equal_plain_decoding(
     assert after.kv_pages_not_sent - before.kv_pages_not_sent == 6 + 1 + 5  # full pages held
     assert get_stats(prefill.address).prefix_cache_hit_tokens > 0
     idle([(prefill, worker_pb2_grpc.PrefillWorkerStub), (decode, worker_pb2_grpc.DecodeWorkerStub)])
-
-
-@pytest.fixture(scope="module")
-def pipelined(model_dir: Path) -> Iterator[dict[str, Node]]:
-    """A prefill in two pipeline stages (one layer each), the last with the draft, an EAGLE
-    decode (k=3) and a router on them. The stages and the decode start at once (the last stage
-    on a port picked ahead, so the first finds it)."""
-    model, draft = ["--model", str(model_dir)], ["--draft", str(model_dir / "draft")]
-    last_port = free_port()
-    stage = ["prefill", *model, *NODE, "--pp-size", "2"]  # a later --port wins over NODE's
-    nodes: list[Node] = []
-    try:
-        nodes += start_all([[*stage, "--pp-rank", "1", "--port", str(last_port), *draft],
-                            [*stage, "--pp-rank", "0", "--pp-next", f"127.0.0.1:{last_port}"],
-                            ["decode", *model, *NODE, *draft, "--num-draft-tokens", "3"]])
-        stage1, stage0, decode = nodes
-        nodes += start_all([["router", *model, "--port", "0", "--prefill", stage0.address,
-                             "--decode", decode.address]])
-        yield {"stage0": stage0, "stage1": stage1, "decode": decode, "router": nodes[-1]}
-    finally:
-        stop_all(nodes)
-
-
-def test_two_stage_prefill_with_the_draft_on_its_last_stage_equals_plain_decoding(
-    pipelined: dict[str, Node], want: list[list[int]]
-) -> None:
-    """A prefill in two pipeline stages whose last runs the draft, feeding an EAGLE decode
-    (k=3): text and image prompts decode exactly as plain decoding, with drafts. First every
-    page travels (the decode holds nothing yet), draft band included; then the decode's cache
-    holds the full pages and both stages skip them. Leak check after, on both stages and the
-    decode. (tests/prefill_node/test_pipeline_draft.py checks that the last stage's draft KV
-    and aux-row feature equal a whole-model prefill's.)"""
-    stage0, stage1, decode = pipelined["stage0"], pipelined["stage1"], pipelined["decode"]
-    for _ in range(2):
-        check(generate_all(pipelined["router"]), want)
-    assert get_stats(decode.address).kv_pages_not_sent == 6 + 1 + 5  # the second pass only
-    idle([(stage0, worker_pb2_grpc.PrefillWorkerStub), (stage1, worker_pb2_grpc.PrefillWorkerStub),
-          (decode, worker_pb2_grpc.DecodeWorkerStub)])
 
 
 def colocated_twice(model_dir: Path, want: list[list[int]], flags: list[str]

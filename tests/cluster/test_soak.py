@@ -11,7 +11,7 @@ restarted nodes serve again (no sticky failure); and every node holds nothing at
 leak check).
 
 Small by default (CI): ``PDSERVE_SOAK_REQUESTS`` (200) in ``PDSERVE_SOAK_BURSTS`` (2) bursts
-``PDSERVE_SOAK_IDLE_S`` (10) seconds apart, at ``PDSERVE_SOAK_CONCURRENCY`` (32) streams, with
+``PDSERVE_SOAK_IDLE_S`` (5) seconds apart, at ``PDSERVE_SOAK_CONCURRENCY`` (32) streams, with
 ``PDSERVE_SOAK_CANCEL_P`` (0.1) and ``PDSERVE_SOAK_FAIL_P`` (0.01 per engine write).
 ``PDSERVE_SOAK_MINUTES=30`` runs bursts of ``REQUESTS / BURSTS`` requests until that time has
 passed and records every node's resident memory and open file descriptors after each burst: after
@@ -49,7 +49,7 @@ MINUTES = float(os.environ.get("PDSERVE_SOAK_MINUTES", "0"))  # 0: just BURSTS b
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600 + 60 * MINUTES)]
 REQUESTS = int(os.environ.get("PDSERVE_SOAK_REQUESTS", "200"))
 BURSTS = int(os.environ.get("PDSERVE_SOAK_BURSTS", "2"))
-IDLE_S = float(os.environ.get("PDSERVE_SOAK_IDLE_S", "10"))
+IDLE_S = float(os.environ.get("PDSERVE_SOAK_IDLE_S", "5"))
 CONCURRENCY = int(os.environ.get("PDSERVE_SOAK_CONCURRENCY", "32"))
 CANCEL_P = float(os.environ.get("PDSERVE_SOAK_CANCEL_P", "0.1"))
 FAIL_P = os.environ.get("PDSERVE_SOAK_FAIL_P", "0.01")
