@@ -1,7 +1,7 @@
 """Train the built-in tiny Qwen2-VL-architecture model and its EAGLE draft on CPU, from a seed.
 
     python scripts/train_tiny.py --out engine/builtin/tiny-qwen2-vl [--seed 0] [--steps N]
-        [--draft-steps M] [--threads 2]
+        [--draft-kind eagle3|eagle] [--draft-prompts P] [--draft-steps M] [--threads 2]
 
 The corpus is the running interpreter's own standard library: the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]`` in sorted order (source and docstrings). Every
@@ -11,11 +11,14 @@ of :mod:`engine.tiny_tokenizer` taking the last ids.
 
 The target is the engine's own :class:`Qwen2VLModel` (the tiny vision tower included, so images
 still work); training runs a functional causal forward over its modules (q/k/v/o and gate/up/down
-projections, RMSNorm, 1-D rope, which equals mrope for text). The EAGLE head is then trained on the
-target's final-normed hidden states over the target's own greedy continuations: row ``p`` =
-(feature of ``p``, token ``p + 1``) predicts the target's greedy token ``p + 2``, with a regression
-of its output feature onto the target's feature of ``p + 1`` and a second, unrolled pass that feeds
-the draft its own features (as drafting does). Output layout of ``--out``: ``config.json``,
+projections, RMSNorm, 1-D rope, which equals mrope for text). The draft is then trained over the
+target's own greedy continuations of corpus windows: row ``p`` = (feature of ``p``, token
+``p + 1``) predicts the target's greedy token ``p + 2``. The default draft is an EAGLE-3 one
+(:mod:`tiny_eagle3`: three target layers fused, its own vocabulary of the target's most frequent
+tokens, trained unrolled over its own features as drafting runs it); ``--draft-kind eagle``
+trains an EAGLE-1/2 head on the target's final-normed hidden states instead, with a regression
+of its output feature onto the target's feature of ``p + 1`` and a second, unrolled pass that
+feeds the draft its own features. Output layout of ``--out``: ``config.json``,
 ``model.safetensors``, ``tokenizer.json``, ``generation_config.json``,
 ``preprocessor_config.json``, ``draft/{config.json, model.safetensors}``, ``TRAINING.md``.
 """
@@ -31,18 +34,21 @@ import sys
 import sysconfig
 import textwrap
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import tiny_eagle3  # scripts/, beside this file
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tiny_settings import Settings
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.chat import chat_prompt, chat_turn
 from engine.config import ModelConfig
 from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict
+from engine.models.eagle3 import Draft
 from engine.models.layers import RotaryTables
 from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
 from engine.stdlib_corpus import heldout_prompts, read_text, split_files, stdlib_files
@@ -53,34 +59,6 @@ SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def pus
                   chat_prompt("Write a Python function fibonacci(n). Return the n-th Fibonacci "
                               "number."))
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class Settings:
-    """Everything that determines the trained weights (besides the Python version's stdlib)."""
-
-    seed: int = 0
-    vocab_size: int = 2048
-    hidden_size: int = 192
-    num_layers: int = 8
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 512
-    seq_len: int = 128
-    batch_size: int = 16
-    steps: int = 1000
-    lr: float = 3e-3
-    warmup: int = 30
-    draft_prompts: int = 1024  # greedy continuations generated for the draft's data
-    draft_prompt_len: int = 32
-    draft_new_tokens: int = 96
-    draft_steps: int = 800
-    draft_batch: int = 16
-    draft_lr: float = 3e-3
-    feature_weight: float = 0.5  # smooth-L1 regression of draft features onto target features
-    unroll_weight: float = 0.5  # loss of the second pass that sees the draft's own features
-    threads: int = 1  # the same count reproduces the same weights
-    bf16_autocast: bool = False  # CPU bf16 matmuls; measured slower than float32 here
 
 
 # ---- corpus and tokenizer --------------------------------------------------------------------
@@ -151,7 +129,7 @@ def config_dict(s: Settings) -> dict[str, Any]:
 # ---- a functional causal forward over the engine's modules -----------------------------------
 
 
-def rotary(model: Qwen2VLModel | EagleDraft, start: int, length: int) -> RotaryTables:
+def rotary(model: Qwen2VLModel | Draft, start: int, length: int) -> RotaryTables:
     """Rope tables for 1-D positions ``start .. start + length - 1`` (all three mrope axes)."""
     pos = torch.arange(start, start + length).expand(3, length)
     return model.rotary(pos, torch.float32)
@@ -269,16 +247,23 @@ def greedy_continue(model: Qwen2VLModel, prompts: torch.Tensor, new: int, s: Set
 def draft_data(model: Qwen2VLModel, stream: torch.Tensor, s: Settings
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sequences of corpus prompts + the target's greedy continuations ``[N, T]``, the target's
-    features ``[N, T, H]`` and its greedy next token at every index ``[N, T]``."""
+    features ``[N, T, H]`` (an EAGLE-3 draft's: the outputs of its three layers ``[N, T, 3H]``)
+    and its greedy next token at every index ``[N, T]``."""
     gen = torch.Generator().manual_seed(s.seed + 2)
     starts = torch.randint(0, len(stream) - s.draft_prompt_len, (s.draft_prompts,), generator=gen)
     prompts = torch.stack([stream[i : i + s.draft_prompt_len] for i in starts.tolist()])
+    rot = rotary(model, 0, s.draft_prompt_len + s.draft_new_tokens)
     seqs, feats, nexts = [], [], []
     for chunk in prompts.split(128):
         seq = greedy_continue(model, chunk, s.draft_new_tokens, s)
+        seqs.append(seq)
+        if s.draft_kind == "eagle3":
+            aux, nxt = tiny_eagle3.target_aux(model, seq, s.draft_layers, rot)
+            feats.append(aux)
+            nexts.append(nxt)
+            continue
         with autocast(s):
             hidden = target_forward(model, seq)
-        seqs.append(seq)
         feats.append(hidden.float())
         nexts.append(model.lm_head(hidden).float().argmax(-1))
     return torch.cat(seqs), torch.cat(feats), torch.cat(nexts)
@@ -331,8 +316,8 @@ def draft_loss(out: torch.Tensor, want_h: torch.Tensor, want_t: torch.Tensor,
 # ---- writing and checking --------------------------------------------------------------------
 
 
-def write_checkpoint(out: Path, model: Qwen2VLModel, draft: EagleDraft, tok: Tokenizer,
-                     raw: dict[str, Any]) -> None:
+def write_checkpoint(out: Path, model: Qwen2VLModel, draft: Draft, draft_raw: dict[str, Any],
+                     tok: Tokenizer, raw: dict[str, Any]) -> None:
     """Write the layout of the module docstring (float32 weights; lm_head tied to the embedding)."""
     (out / "draft").mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -346,7 +331,6 @@ def write_checkpoint(out: Path, model: Qwen2VLModel, draft: EagleDraft, tok: Tok
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
-    draft_raw = draft_config_dict(raw["text_config"], raw["text_config"]["num_hidden_layers"])
     dstate = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
     save_file(dstate, str(out / "draft" / "model.safetensors"), metadata={"format": "pt"})
     (out / "draft" / "config.json").write_text(json.dumps(draft_raw, indent=2) + "\n")
@@ -415,12 +399,32 @@ def write_report(out: Path, s: Settings, command: str, facts: dict[str, Any]) ->
     (out / "TRAINING.md").write_text("\n".join(lines))
 
 
+def make_draft(model: Qwen2VLModel, data: tuple[torch.Tensor, ...], raw: dict[str, Any],
+               s: Settings) -> tuple[Draft, dict[str, Any], list[float]]:
+    """Train the draft of ``s.draft_kind`` on ``data``: the draft, its ``config.json`` and its
+    loss curve."""
+    text = raw["text_config"]
+    if s.draft_kind == "eagle3":
+        vocab = tiny_eagle3.vocabulary(data[2], s.draft_vocab_size, s.vocab_size)
+        draft3 = tiny_eagle3.new_draft(text, s, vocab)
+        init_weights(draft3, s.seed + 10)
+        rot = rotary(draft3, 0, s.draft_prompt_len + s.draft_new_tokens - 1)
+        losses = tiny_eagle3.train(draft3, model, data, vocab, rot, s, lr_at)
+        return draft3, tiny_eagle3.draft_config(text, s), losses
+    draft_raw = draft_config_dict(text, s.num_layers)
+    draft = EagleDraft(DraftConfig.from_dict(draft_raw))
+    init_weights(draft, s.seed + 10)
+    return draft, draft_raw, train_draft(draft, model, data, s)
+
+
 def parse_args() -> tuple[Path, Settings, bool]:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--draft-kind", choices=["eagle3", "eagle"], default=d.draft_kind)
+    p.add_argument("--draft-prompts", type=int, default=d.draft_prompts)
     p.add_argument("--draft-steps", type=int, default=d.draft_steps)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
@@ -435,7 +439,8 @@ def parse_args() -> tuple[Path, Settings, bool]:
     s = Settings(seed=a.seed, steps=a.steps, draft_steps=a.draft_steps, batch_size=a.batch_size,
                  hidden_size=a.hidden_size, num_layers=a.num_layers,
                  intermediate_size=a.intermediate_size, lr=a.lr, draft_batch=a.draft_batch,
-                 threads=a.threads, bf16_autocast=a.bf16)
+                 threads=a.threads, bf16_autocast=a.bf16, draft_kind=a.draft_kind,
+                 draft_prompts=a.draft_prompts)
     return a.out, s, not a.no_eval
 
 
@@ -462,13 +467,11 @@ def main() -> None:
     target_losses = train_target(model, stream, s)
     t2 = time.perf_counter()
     model.requires_grad_(False)
-    draft = EagleDraft(DraftConfig.from_dict(draft_config_dict(raw["text_config"], s.num_layers)))
-    init_weights(draft, s.seed + 10)
     data = draft_data(model, stream, s)
     t3 = time.perf_counter()
-    draft_losses = train_draft(draft, model, data, s)
+    draft, draft_raw, draft_losses = make_draft(model, data, raw, s)
     t4 = time.perf_counter()
-    write_checkpoint(out, model, draft, tok, raw)
+    write_checkpoint(out, model, draft, draft_raw, tok, raw)
     facts: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__,
         "stdlib": sysconfig.get_paths()["stdlib"],
