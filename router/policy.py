@@ -23,7 +23,7 @@ blocks of the worker's page size (``LoadReport.page_size``):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from router.config import CACHE_AWARE, RoutingConfig
@@ -127,3 +127,20 @@ class CacheAware(Policy):
 def make_policy(config: RoutingConfig) -> Policy:
     """The policy ``config`` names."""
     return CacheAware(config) if config.policy == CACHE_AWARE else LeastLoaded()
+
+
+async def pick_answering(policy: Policy, pool: WorkerPool, workers: Sequence[Worker],
+                         token_ids: Sequence[int],
+                         usable: Callable[[Worker], bool]) -> Worker:
+    """``policy``'s pick among ``workers`` (none: the policy's error), asked now when in doubt
+    (:meth:`WorkerPool.ensure`); a pick that is not ``usable`` after that (it did not answer:
+    killed, restarting) is set aside and the policy picks again among the rest. Returns the
+    first usable pick, or the last one tried when none is (the caller fails the request with
+    its error), so one dead worker does not cost a request while another one answers."""
+    left = list(workers)
+    while True:
+        worker = policy.pick(left, token_ids)
+        await pool.ensure(worker)
+        left.remove(worker)
+        if usable(worker) or not left:
+            return worker

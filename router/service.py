@@ -28,7 +28,7 @@ from proto.pdserve.v1 import generate_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.config import RouterConfig
 from router.errors import DoorError, WorkerFailure
-from router.policy import LeastLoaded, Policy
+from router.policy import LeastLoaded, Policy, pick_answering
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
 from router.recovery import RECOVERABLE, Recovery, Step
 from router.relay import Outgoing, relay
@@ -201,13 +201,14 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
 
         A picked worker that the background poll has not reached, that a request failed on since
         (or, for a prefill, whose bootstrap address is unknown) is asked right then
-        (:meth:`WorkerPool.ensure`). A decode that does not answer fails the request with
-        ``UNAVAILABLE`` naming it; a prefill that does not answer too, unless the recovery policy
-        lets the decode compute the prompt (then it does).
+        (:meth:`WorkerPool.ensure`); one that does not answer is set aside and another one of its
+        kind picked (:func:`router.policy.pick_answering`). When no decode answers the request
+        fails with ``UNAVAILABLE`` naming the last one asked; when no prefill does too, unless
+        the recovery policy lets the decode compute the prompt (then it does).
         """
         prompt = [*prepared.token_ids, *resumed]
-        decode = self.policy.pick(self.pool.decode, prompt)
-        await self.pool.ensure(decode)
+        decode = await pick_answering(self.policy, self.pool, self.pool.decode, prompt,
+                                      lambda w: w.healthy)
         if not decode.healthy:
             raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
                                 f"decode worker {decode.address} is unreachable ({decode.error})")
@@ -216,8 +217,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         short = len(prepared.token_ids) < self.config.local_prefill_threshold
         local = self.config.mode == "colocated" or short or step is Step.LOCAL
         if not local:
-            prefill = self.policy.pick(self.pool.prefill, prompt)
-            await self.pool.ensure(prefill)
+            prefill = await pick_answering(self.policy, self.pool, self.pool.prefill, prompt,
+                                           lambda w: w.healthy and bool(w.report.bootstrap))
             bootstrap = prefill.report.bootstrap if prefill.healthy else ""
             if not bootstrap:
                 cause = prefill.error or "it reports no bootstrap address"

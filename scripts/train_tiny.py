@@ -441,6 +441,10 @@ def parse_args() -> tuple[Path, Settings, bool]:
                  intermediate_size=a.intermediate_size, lr=a.lr, draft_batch=a.draft_batch,
                  threads=a.threads, bf16_autocast=a.bf16, draft_kind=a.draft_kind,
                  draft_prompts=a.draft_prompts)
+    if s.draft_kind == "eagle3" and max(s.draft_layers) >= s.num_layers:
+        p.error(f"the EAGLE-3 draft fuses target layers {list(s.draft_layers)}, but "
+                f"--num-layers {s.num_layers} has layers 0..{s.num_layers - 1} "
+                "(use --draft-kind eagle, or more layers)")
     return a.out, s, not a.no_eval
 
 

@@ -6,6 +6,7 @@ cache when a request failed on it or it restarted; its approximate trees stay wi
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.config import CACHE_AWARE, RoutingConfig
 from router.errors import WorkerFailure
-from router.policy import CacheAware, LeastLoaded, make_policy
+from router.policy import CacheAware, LeastLoaded, make_policy, pick_answering
 from router.prefix_tree import ApproxTree
 from router.workers import DECODE, PREFILL, Worker
 
@@ -127,3 +128,34 @@ def test_least_loaded_ignores_the_prompt() -> None:
     assert isinstance(make_policy(RoutingConfig()), LeastLoaded)
     with pytest.raises(ValueError, match="--kv-events needs"):
         RoutingConfig(kv_events=True)
+
+
+class _Pool:
+    """What :func:`pick_answering` uses of a ``WorkerPool``: ``ensure`` asks a worker, here
+    finding the ``dead`` ones unreachable (as a killed or restarting node's ``GetLoad`` is)."""
+
+    def __init__(self, *dead: Worker) -> None:
+        self.dead, self.asked = set(map(id, dead)), []
+
+    async def ensure(self, w: Worker) -> None:
+        self.asked.append(w.address)
+        if id(w) in self.dead:
+            w.healthy, w.error = False, "GetLoad failed: DEADLINE_EXCEEDED"
+
+
+def test_a_pick_that_does_not_answer_goes_to_the_next_worker() -> None:
+    """The soak caught it: a decode killed and not yet seen dead by the poll was picked, did not
+    answer, and its request failed while the other decode was idle."""
+    w0, w1, w2 = worker("d:0"), worker("d:1", running=1), worker("d:2", running=2)
+    pool = _Pool(w0, w1)
+    got = asyncio.run(pick_answering(LeastLoaded(), cast(Any, pool), [w0, w1, w2], A,
+                                     lambda w: w.healthy))
+    assert got is w2 and pool.asked == ["d:0", "d:1", "d:2"]
+    everyone = _Pool(w2)  # none answers: the last one asked comes back, its error names it
+    w0.healthy = w1.healthy = False
+    got = asyncio.run(pick_answering(LeastLoaded(), cast(Any, everyone), [w2], A,
+                                     lambda w: w.healthy))
+    assert got is w2 and not got.healthy and "GetLoad failed" in got.error
+    with pytest.raises(WorkerFailure):
+        asyncio.run(pick_answering(LeastLoaded(), cast(Any, everyone), [], A,
+                                   lambda w: w.healthy))
