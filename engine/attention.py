@@ -132,12 +132,14 @@ class TorchPagedAttention(AttentionBackend):
         self.flat_k = [pool.flat_k(i) for i in range(pool.num_layers)]
         self.flat_v = [pool.flat_v(i) for i in range(pool.num_layers)]
         self._keys: torch.Tensor | None = None  # the last key positions [1, 1, 1, S] built
+        self._grouped: tuple[int, torch.Tensor] | None = None  # (group, mask) of this forward
 
     def prepare(self, batch: AttentionBatch) -> None:
         ps = self.pool.page_size
         bsz, max_q = batch.num_seqs, batch.max_q
         max_pages = -(-batch.max_kv // ps)
         self.bsz, self.max_q = bsz, max_q
+        self._grouped = None
         table = batch.page_table
         if table.shape[1] != max_pages:
             table = table[:, :max_pages]
@@ -191,13 +193,27 @@ class TorchPagedAttention(AttentionBackend):
             qq = q.view(bsz, kv_heads, -1, dim)  # [B, kv_heads, heads / kv_heads, D]
             out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask)
             return out.reshape(bsz, heads, dim)
-        if self.q_index is None:  # every sequence has max_q rows: a view, no gather
-            qq = q.view(bsz, self.max_q, heads, dim).transpose(1, 2)
-        else:
-            qq = q[self.q_index].transpose(1, 2)  # [B, heads, max_q, D]
-        out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * max_q, heads, D]
+        # so too with several rows: a kv head's (query head, row) pairs are its query rows,
+        # [B, kv_heads, group * max_q, D] against its own keys (SDPA's enable_gqa path repeats
+        # the keys per query head instead: about a fifth slower at a verify's shapes)
+        group, max_q = heads // kv_heads, self.max_q
+        rows = q.view(bsz, max_q, heads, dim) if self.q_index is None else q[self.q_index]
+        qq = rows.view(bsz, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+        out = F.scaled_dot_product_attention(
+            qq.reshape(bsz, kv_heads, group * max_q, dim), keys, vals,
+            attn_mask=self._group_mask(group))
+        out = out.view(bsz, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(-1, heads, dim)  # [B * max_q, heads, D]
         return out if self.out_index is None else out[self.out_index]
+
+    def _group_mask(self, group: int) -> torch.Tensor:
+        """The mask ``[B, 1, max_q, S]`` repeated for each of a kv head's ``group`` query heads,
+        ``[B, 1, group * max_q, S]``; built on a forward's first layer, kept for the others."""
+        if self._grouped is None or self._grouped[0] != group:
+            bsz, _, max_q, span = self.mask.shape
+            mask = self.mask.unsqueeze(2).expand(bsz, 1, group, max_q, span)
+            self._grouped = (group, mask.reshape(bsz, 1, group * max_q, span))
+        return self._grouped[1]
 
 
 def tree_key_mask(keys: torch.Tensor, kv_len: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
