@@ -97,6 +97,11 @@ class DraftHead:
         """Float32 logits ``[n, V]`` over the target's vocabulary of draft output features."""
         return self.draft.logits(features, self.target)
 
+    def greedy_tokens(self, features: torch.Tensor) -> torch.Tensor:
+        """The argmax of :meth:`logits` per row ``[n]`` int64 (a draft with its own vocabulary
+        skips building the full rows)."""
+        return self.draft.greedy_tokens(features, self.target)
+
 
 class DraftRunner(DraftHead):
     """A :class:`DraftHead` beside an :class:`LLMEngine`'s pool, run over the engine's steps."""

@@ -174,7 +174,7 @@ class EagleEngine:
                                                                          strict=True)],
                            device=device).flatten()
         hidden, features = self.graph.verify(rnd, ids)
-        self._log_rows("verify", rows, *self._graph_positions(len(reqs)))
+        self._log_graph("verify", rows)
         logits = self.engine.model.logits(hidden).view(len(reqs), n, -1)
         committed = [self._accept(r, d, q, lg) for r, d, q, lg in zip(reqs, drafts, qs, logits,
                                                                        strict=True)]
@@ -182,7 +182,7 @@ class EagleEngine:
         ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed],
                            device=device).flatten()
         seeds = self.graph.draft_extend(rnd, ext, features, [len(c) - 1 for c in committed])
-        self._log_rows("draft_extend", rows, *self._graph_positions(len(reqs)))
+        self._log_graph("draft_extend", rows)
         tokens, seed_qs = self._pick(seeds, reqs)
         return self._commit(reqs, starts, committed, logits, tokens, seed_qs, seeds)
 
@@ -237,9 +237,9 @@ class EagleEngine:
                 logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor | None],
                 seeds: torch.Tensor) -> tuple[list[tuple[Request, int]], list[Request]]:
         new, finished = [], []
-        logprobs = torch.log_softmax(logits, dim=-1)  # [B, N, V]
+        logprobs = committed_logprobs(logits, committed)
         for i, (r, c) in enumerate(zip(reqs, committed, strict=True)):
-            lps = [float(logprobs[i, j, tok]) for j, tok in enumerate(c)]
+            lps = logprobs[i]
             before = r.num_output_tokens
             done = self.engine.scheduler.commit(r, starts[i] + len(c), list(zip(c, lps,
                                                                                  strict=True)))
@@ -265,6 +265,8 @@ class EagleEngine:
               ) -> tuple[list[int], list[torch.Tensor | None]]:
         """The draft's token per row (argmax, or sampled with the request's settings) and the
         distribution it came from."""
+        if all(r.sampling.is_greedy for r in reqs):
+            return self.drafter.greedy_tokens(feats).tolist(), [None] * len(reqs)
         logits = self.drafter.logits(feats)
         tokens = logits.argmax(dim=-1).tolist()
         qs: list[torch.Tensor | None] = [None] * len(reqs)
@@ -294,12 +296,29 @@ class EagleEngine:
         if self.position_log is not None:
             self.position_log(phase, rows, pos, mrope)
 
-    def _graph_positions(self, raw_bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mrope, 1-D) positions the last static-buffer forward read, for the audit."""
-        pos, mrope = self.graph.positions(raw_bs)
-        return mrope.clone(), pos.clone()
+    def _log_graph(self, phase: str, rows: list[str]) -> None:
+        """Log the (1-D, mrope) positions the last static-buffer forward read, for the audit."""
+        if self.position_log is not None:
+            pos, mrope = self.graph.positions(len(rows) // self.graph.n)
+            self.position_log(phase, rows, pos.clone(), mrope.clone())
 
 
 def _state(req: Request) -> RequestState:
     assert isinstance(req.payload, RequestState)
     return req.payload
+
+
+def committed_logprobs(logits: torch.Tensor, committed: list[list[int]]) -> list[list[float]]:
+    """Each committed token's log-probability under its verify row: request ``i``'s ``j``-th
+    token ``committed[i][j]`` under row ``logits[i, j]`` (``[B, N, V]``). Only the committed
+    rows are normalized, in one call (row by row the same values as over the whole batch)."""
+    lens = [len(c) for c in committed]
+    index = torch.tensor([[i, j, tok] for i, c in enumerate(committed) for j, tok in enumerate(c)],
+                         dtype=torch.int64, device=logits.device)  # [M, 3]
+    rows = torch.log_softmax(logits[index[:, 0], index[:, 1]], dim=-1)  # [M, V]
+    flat = rows.gather(1, index[:, 2:]).squeeze(1).tolist()
+    out, at = [], 0
+    for n in lens:
+        out.append(flat[at : at + n])
+        at += n
+    return out

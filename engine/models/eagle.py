@@ -247,6 +247,10 @@ class EagleDraft(nn.Module):
         target's LM head."""
         return target.logits(features)
 
+    def greedy_tokens(self, features: torch.Tensor, target: Qwen2VLModel) -> torch.Tensor:
+        """``logits(features, target).argmax(-1)`` ``[n]``: the draft's greedy tokens."""
+        return self.logits(features, target).argmax(dim=-1)
+
 
 def load_draft(
     path: str | Path, target: TextConfig, dtype: torch.dtype,

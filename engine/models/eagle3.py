@@ -77,6 +77,7 @@ class Eagle3Draft(nn.Module):
         self.d2t: torch.Tensor
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))
         self.target_ids = torch.empty(0, dtype=torch.int64)  # set by fuse()
+        self.ids_increasing = False  # whether target_ids ascend (set by fuse())
         self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
 
     @property
@@ -91,6 +92,7 @@ class Eagle3Draft(nn.Module):
         self.layer.self_attn.fuse()
         self.layer.mlp.fuse()
         self.target_ids = vocab_map(self.d2t, self.cfg.text.vocab_size)
+        self.ids_increasing = bool((self.target_ids[1:] > self.target_ids[:-1]).all())
 
     def target_feature(self, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """The feature a target row hands the draft: ``fc`` over the outputs ``aux``
@@ -128,9 +130,21 @@ class Eagle3Draft(nn.Module):
     def logits(self, features: torch.Tensor, target: Qwen2VLModel) -> torch.Tensor:
         """Float32 logits ``[n, V]`` over the target's vocabulary of ``features`` ``[n, H]``:
         the draft vocabulary's logits at their target ids, ``-inf`` at every other id."""
-        small = F.linear(self.norm.forward(features), self.lm_head.weight).float()  # [n, Vd]
+        small = self._draft_logits(features).float()  # [n, Vd]
         out = small.new_full((small.shape[0], self.cfg.text.vocab_size), float("-inf"))
         return out.index_copy_(1, self.target_ids, small)
+
+    def greedy_tokens(self, features: torch.Tensor, target: Qwen2VLModel) -> torch.Tensor:
+        """``logits(features, target).argmax(-1)`` ``[n]`` (target ids), without building the
+        full-vocabulary rows when the draft -> target map ascends (the usual layout): the first
+        maximum over the draft vocabulary is then the first over the target's."""
+        if not self.ids_increasing:
+            return self.logits(features, target).argmax(dim=-1)
+        return self.target_ids[self._draft_logits(features).argmax(dim=-1)]
+
+    def _draft_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary ``[n, Vd]``, in the model's dtype."""
+        return F.linear(self.norm.forward(features), self.lm_head.weight)
 
 
 def vocab_map(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:

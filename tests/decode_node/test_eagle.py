@@ -15,7 +15,7 @@ from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.inputs import ImageInput
-from engine.llm_engine import LLMEngine, Prompt
+from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict, load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import rope_index
@@ -71,8 +71,17 @@ def test_greedy_equals_plain_decoding(model_dir: Path, case: str, k: int) -> Non
     spec = spec_engine(model_dir, k)
     got = spec.generate(prompts, GREEDY)
     assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    assert_same_logprobs(got, plain)
     assert spec.stats.rounds > 0 and spec.stats.drafted == k * spec.stats.rounds
     spec.engine.scheduler.check_no_leaks()
+
+
+def assert_same_logprobs(got: list[GenerationResult], plain: list[GenerationResult]) -> None:
+    """Each committed token's logprob is the one plain decoding reports for it (a verify row's
+    logits equal a decode step's up to float rounding)."""
+    for g, p in zip(got, plain, strict=True):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(p.logprobs),
+                                   atol=1e-4, rtol=0)
 
 
 def write_oracle_pair(path: Path, exact: bool = True) -> Path:
@@ -123,6 +132,7 @@ def test_draft_reproducing_the_target_accepts_every_token(tmp_path: Path, k: int
     spec = spec_engine(model_dir, k)
     got = spec.generate(prompts, params)
     assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    assert_same_logprobs(got, plain)  # every verify row committed, each under its own row
     assert spec.stats.rounds == 4 * len(prompts)
     assert spec.stats.accepted == spec.stats.drafted  # every draft token, every round
     assert spec.stats.acceptance_length == k + 1

@@ -128,6 +128,29 @@ def test_draft_logits_sit_at_their_target_ids(tmp_path: Path) -> None:
     assert got.argmax(-1).tolist() == ids[small.argmax(-1)].tolist()
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["ascending map", "descending map"])
+def test_greedy_tokens_are_the_argmax_of_the_full_logits(tmp_path: Path,
+                                                         descending: bool) -> None:
+    """``greedy_tokens`` (the loop's greedy pick, which skips the full-vocabulary rows when the
+    draft -> target map ascends) equals the argmax of :meth:`Eagle3Draft.logits`, ties
+    included: with every draft logit equal, the first maximum is the smallest target id."""
+    draft_dir = write_tiny_eagle3_draft(tmp_path / "draft", draft_vocab=40)
+    target = ModelConfig.from_dict(tiny_config_dict()).text
+    draft = load_draft(draft_dir, target, torch.float32)
+    assert isinstance(draft, Eagle3Draft) and draft.ids_increasing
+    if descending:
+        ids = (torch.arange(40) + draft.d2t).flip(0)
+        draft.d2t.copy_(ids - torch.arange(40))
+        draft.fuse()
+        assert not draft.ids_increasing
+    feats = torch.randn(6, 64, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # random logits, then every logit of a row equal
+        want = draft.logits(feats, None).argmax(-1)  # type: ignore[arg-type]
+        assert draft.greedy_tokens(feats, None).tolist() == want.tolist()  # type: ignore[arg-type]
+        draft.lm_head.weight.data[:] = draft.lm_head.weight.data[0]
+    assert want.tolist() == [int(draft.target_ids.min())] * 6
+
+
 @pytest.mark.parametrize("shape", [(3, 1, 3), (4, 2, 3)], ids=["chain", "tree"])
 def test_sampled_requests_run_through_the_draft_vocabulary(model_dir: Path,
                                                            shape: tuple[int, int, int]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_eagle import GREEDY, IMG, PROMPTS, image_prompt, write_oracle_pair
+from test_eagle import GREEDY, IMG, PROMPTS, assert_same_logprobs, image_prompt, write_oracle_pair
 
 import decode_node.spec.tree_round as tree_round
 from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
@@ -126,6 +126,7 @@ def test_exact_draft_accepts_its_argmax_path(tmp_path: Path, shape: tuple[int, i
     spec = tree_engine(model_dir, *shape)
     got = spec.generate(prompts, params)
     assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    assert_same_logprobs(got, plain)  # each committed node's logprob under its own row
     if k == 1:
         assert spec.stats.rounds == 4 * len(prompts)
         assert spec.stats.acceptance_length == length
