@@ -118,6 +118,13 @@ class AttentionBackend(ABC):
         ``[T, heads, D]``; returns ``[T, heads, D]``."""
 
 
+# Rows of several tokens fold a kv head's query heads into its query rows when that makes at
+# most this many rows per kv head. On this project's CPU, SDPA's enable_gqa path (which repeats
+# the keys per query head) took about a fifth longer at a verify's 2 x 5 rows; from 32 rows on
+# the fold gained nothing, and from 128 (prefill chunks) it took about a tenth longer
+FOLD_ROWS = 16
+
+
 class TorchPagedAttention(AttentionBackend):
     """Gathers each sequence's pages into a padded batch and runs one SDPA call per layer.
 
@@ -193,11 +200,15 @@ class TorchPagedAttention(AttentionBackend):
             qq = q.view(bsz, kv_heads, -1, dim)  # [B, kv_heads, heads / kv_heads, D]
             out = F.scaled_dot_product_attention(qq, keys, vals, attn_mask=self.mask)
             return out.reshape(bsz, heads, dim)
-        # so too with several rows: a kv head's (query head, row) pairs are its query rows,
-        # [B, kv_heads, group * max_q, D] against its own keys (SDPA's enable_gqa path repeats
-        # the keys per query head instead: about a fifth slower at a verify's shapes)
         group, max_q = heads // kv_heads, self.max_q
         rows = q.view(bsz, max_q, heads, dim) if self.q_index is None else q[self.q_index]
+        if group * max_q > FOLD_ROWS:
+            out = F.scaled_dot_product_attention(rows.transpose(1, 2), keys, vals,
+                                                 attn_mask=self.mask, enable_gqa=True)
+            out = out.transpose(1, 2).reshape(-1, heads, dim)  # [B * max_q, heads, D]
+            return out if self.out_index is None else out[self.out_index]
+        # a few rows (verify, draft extend): as for decode, a kv head's (query head, row) pairs
+        # are its query rows, [B, kv_heads, group * max_q, D] against its own keys
         qq = rows.view(bsz, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         out = F.scaled_dot_product_attention(
             qq.reshape(bsz, kv_heads, group * max_q, dim), keys, vals,

@@ -61,6 +61,8 @@ CASES = [
     ([1, 1], [5, 24]),  # decode, wider span
     ([3, 3], [3, 11]),  # uniform: verify windows
     ([5, 1, 2], [5, 13, 7]),  # ragged: prefill chunks beside decode rows
+    ([9, 9], [9, 21]),  # uniform, more rows than FOLD_ROWS per kv head
+    ([12, 1], [12, 6]),  # ragged, more rows than FOLD_ROWS per kv head
 ]
 
 
