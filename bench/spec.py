@@ -1,4 +1,4 @@
-"""EAGLE on vs off: decode tokens per second on the same prompts, in one run.
+"""EAGLE on vs off: output tokens/s of whole generate calls (prefill included), in one run.
 
     python -m bench.spec [--model DIR (with DIR/draft)] [--k 3] [--topk 1] [--steps S]
         [--batch 1,8] [--groups G] [--repeats R] [--new 64] [--prompts random|heldout] [--json]
