@@ -311,7 +311,7 @@ def _state(req: Request) -> RequestState:
 def committed_logprobs(logits: torch.Tensor, committed: list[list[int]]) -> list[list[float]]:
     """Each committed token's log-probability under its verify row: request ``i``'s ``j``-th
     token ``committed[i][j]`` under row ``logits[i, j]`` (``[B, N, V]``). Only the committed
-    rows are normalized, in one call (row by row the same values as over the whole batch)."""
+    rows are normalized, in one call."""
     lens = [len(c) for c in committed]
     index = torch.tensor([[i, j, tok] for i, c in enumerate(committed) for j, tok in enumerate(c)],
                          dtype=torch.int64, device=logits.device)  # [M, 3]
