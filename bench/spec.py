@@ -10,7 +10,8 @@ files that ``scripts/train_tiny.py`` holds out of training. Each batch size runs
 batches of distinct prompts one after another (``G * batch`` prompts), so a figure does not
 hang on one prompt; tokens/s count all of them. With ``--repeats R`` plain and EAGLE are timed
 alternately ``R`` times on the same engines and the medians are printed (the ratio is the
-median of the ``R`` ratios), which keeps a busy machine's drift out of the ratio.
+median of the ``R`` ratios, with their range), which keeps a busy machine's drift out of the
+ratio.
 """
 
 from __future__ import annotations
@@ -79,9 +80,11 @@ def compare(model_dir: Path, groups: list[list[Prompt]], params: SamplingParams,
             raise AssertionError("EAGLE changed the output")
         offs.append(off)
         ons.append(on)
+    ratios = [b / a for a, b in zip(offs, ons, strict=True)]
     return {"plain_tok_s": round(statistics.median(offs), 1),
             "eagle_tok_s": round(statistics.median(ons), 1),
-            "ratio": round(statistics.median(b / a for a, b in zip(offs, ons, strict=True)), 2),
+            "ratio": round(statistics.median(ratios), 2),
+            "ratio_min": round(min(ratios), 2), "ratio_max": round(max(ratios), 2),
             "acceptance_length": round(spec.stats.acceptance_length, 2)}
 
 
@@ -129,10 +132,11 @@ def main() -> None:
         print(json.dumps(rows))
         return
     print(f"{'batch':>5} {'k':>2} {'plain tok/s':>12} {'eagle tok/s':>12} {'ratio':>6} "
-          f"{'accept len':>10}")
+          f"{'min-max':>10} {'accept len':>10}")
     for r in rows:
+        spread = f"{r['ratio_min']}-{r['ratio_max']}"
         print(f"{r['batch']:>5} {r['k']:>2} {r['plain_tok_s']:>12} {r['eagle_tok_s']:>12} "
-              f"{r['ratio']:>6} {r['acceptance_length']:>10}")
+              f"{r['ratio']:>6} {spread:>10} {r['acceptance_length']:>10}")
 
 
 if __name__ == "__main__":

@@ -21,3 +21,4 @@ def test_spec_bench_reports_a_row_per_batch_size() -> None:
     for row in rows:
         assert row["plain_tok_s"] > 0 and row["eagle_tok_s"] > 0
         assert 1.0 <= row["acceptance_length"] <= 3.0
+        assert row["ratio_min"] <= row["ratio"] <= row["ratio_max"]
