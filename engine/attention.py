@@ -139,7 +139,7 @@ class TorchPagedAttention(AttentionBackend):
         self.flat_k = [pool.flat_k(i) for i in range(pool.num_layers)]
         self.flat_v = [pool.flat_v(i) for i in range(pool.num_layers)]
         self._keys: torch.Tensor | None = None  # the last key positions [1, 1, 1, S] built
-        self._grouped: tuple[int, torch.Tensor] | None = None  # (group, mask) of this forward
+        self._grouped: torch.Tensor | None = None  # this forward's mask per kv head's rows
 
     def prepare(self, batch: AttentionBatch) -> None:
         ps = self.pool.page_size
@@ -219,12 +219,13 @@ class TorchPagedAttention(AttentionBackend):
 
     def _group_mask(self, group: int) -> torch.Tensor:
         """The mask ``[B, 1, max_q, S]`` repeated for each of a kv head's ``group`` query heads,
-        ``[B, 1, group * max_q, S]``; built on a forward's first layer, kept for the others."""
-        if self._grouped is None or self._grouped[0] != group:
+        ``[B, 1, group * max_q, S]``; built on a forward's first layer, kept for the others (a
+        pool's layers share their head counts)."""
+        if self._grouped is None:
             bsz, _, max_q, span = self.mask.shape
             mask = self.mask.unsqueeze(2).expand(bsz, 1, group, max_q, span)
-            self._grouped = (group, mask.reshape(bsz, 1, group * max_q, span))
-        return self._grouped[1]
+            self._grouped = mask.reshape(bsz, 1, group * max_q, span)
+        return self._grouped
 
 
 def tree_key_mask(keys: torch.Tensor, kv_len: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
