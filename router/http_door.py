@@ -41,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.errors import DoorError
-from router.openai_request import BadRequest, OpenAICall, chat_call, completion_call
+from router.openai_request import BadRequest, OpenAICall, chat_call, completion_call, door_seed
 from router.openai_response import (
     Chunks,
     Outcome,
@@ -195,7 +195,7 @@ class HttpDoor:
             req.CopyFrom(base)
             req.request_id = f"{base.request_id}-{i}"
             if base.sampling.HasField("seed"):
-                req.sampling.seed = (base.sampling.seed + i) % (1 << 64)
+                req.sampling.seed = door_seed(base.sampling.seed + i)
             reqs.append(req)
         return reqs
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine.chat_template import ChatTemplate
 from engine.errors import InvalidRequestError
+from engine.request import MAX_SEED
 from proto.pdserve.v1 import generate_pb2 as gpb
 
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg")
@@ -193,11 +194,17 @@ def sampling(body: dict[str, Any]) -> gpb.SamplingParams:
         out.top_k = max(top_k, 0)
     seed = _int(body, "seed")
     if seed is not None:
-        out.seed = seed % (1 << 64)
+        out.seed = door_seed(seed)
     if body.get("ignore_eos"):
         out.ignore_eos = True
     out.stop.extend(stops(body))
     return out
+
+
+def door_seed(seed: int) -> int:
+    """Any integer ``seed`` (OpenAI's is any integer) as one the engine takes: reduced modulo
+    ``MAX_SEED + 1`` (2**63), so ``-1`` is ``MAX_SEED`` and ``MAX_SEED + 1`` is 0."""
+    return seed % (MAX_SEED + 1)
 
 
 def choices(body: dict[str, Any]) -> int:

@@ -11,9 +11,10 @@ import pytest
 
 from engine.chat import IMAGE_BLOCK, chat_turn, conversation_prompt
 from engine.chat import chat_prompt as engine_chat_prompt
+from engine.request import MAX_SEED, SamplingParams
 from router.errors import DoorError
 from router.http_door import error_response
-from router.openai_request import BadRequest, chat_call, chat_prompt
+from router.openai_request import BadRequest, chat_call, chat_prompt, door_seed
 from router.relay import StopMatcher
 from serving.overload import retry_metadata
 
@@ -89,3 +90,14 @@ def test_chat_call_carries_the_stream_options_and_stops() -> None:
     assert call.request.request_id == "r1"
     assert call.request.text == engine_chat_prompt("hi")
     assert call.request.sampling.max_new_tokens == 5
+
+
+@pytest.mark.parametrize(("seed", "wire"), [(7, 7), (-1, MAX_SEED), (MAX_SEED, MAX_SEED),
+                                            (MAX_SEED + 1, 0), (-(2**70), 0), (2**70 + 3, 3)])
+def test_any_integer_seed_is_one_the_engine_takes(seed: int, wire: int) -> None:
+    """OpenAI's seed is any integer; the door reduces it into the engine's range (it used to
+    reduce modulo 2**64, and the validator refused ``-1`` as 18446744073709551615)."""
+    call = chat_call({"messages": [{"role": "user", "content": "hi"}], "seed": seed}, "r1")
+    assert call.request.sampling.seed == wire
+    SamplingParams(seed=call.request.sampling.seed).validate(vocab_size=8)  # does not raise
+    assert door_seed(wire + 1) == (0 if wire == MAX_SEED else wire + 1)  # choice i: seed + i
