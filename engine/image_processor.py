@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.errors import ConfigError, InvalidRequestError
 from engine.mrope import num_image_tokens  # noqa: F401 - re-exported for callers
@@ -232,6 +232,10 @@ def decode_image(data: bytes, cfg: ImageProcessorConfig) -> Image.Image:
         return ImageOps.exif_transpose(img)
     except InvalidRequestError:
         raise
+    except UnidentifiedImageError as exc:  # its message names an in-memory buffer's repr
+        raise InvalidRequestError(
+            f"cannot decode image: not one of the formats {', '.join(ALLOWED_FORMATS)}"
+        ) from exc
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as exc:
         raise InvalidRequestError(f"cannot decode image: {exc}") from exc
 

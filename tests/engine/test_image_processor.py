@@ -223,8 +223,15 @@ def test_expand_image_placeholders() -> None:
     ],
 )
 def test_undecodable_bytes(data: bytes) -> None:
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(InvalidRequestError, match="image") as info:
         process_image(data, ImageProcessorConfig(**SMALL))
+    assert "object at 0x" not in str(info.value)  # no in-memory buffer's repr
+
+
+def test_unknown_format_names_the_accepted_ones() -> None:
+    with pytest.raises(InvalidRequestError,
+                       match="^cannot decode image: not one of the formats PNG, JPEG, WEBP"):
+        process_image(_encode(_image(30, 30), "TIFF"), ImageProcessorConfig(**SMALL))
 
 
 def test_too_many_bytes() -> None:
