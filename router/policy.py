@@ -36,9 +36,19 @@ class Policy(ABC):
     """Picks a worker for a request; :meth:`start` and :meth:`close` bracket its use."""
 
     @abstractmethod
+    def choose(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> Worker:
+        """The worker of ``workers`` (all of one kind) that should get a request of prompt
+        ``token_ids``, changing nothing. Raises :class:`router.errors.WorkerFailure` when
+        ``workers`` is empty."""
+
+    def routed(self, worker: Worker, token_ids: Sequence[int]) -> None:  # noqa: B027
+        """Note that ``worker`` gets the request of prompt ``token_ids`` (nothing by default)."""
+
     def pick(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> Worker:
-        """The worker of ``workers`` (all of one kind) that gets a request of prompt
-        ``token_ids``. Raises :class:`router.errors.WorkerFailure` when ``workers`` is empty."""
+        """:meth:`choose`, then :meth:`routed` for the worker chosen."""
+        worker = self.choose(workers, token_ids)
+        self.routed(worker, token_ids)
+        return worker
 
     async def start(self, pool: WorkerPool) -> None:  # noqa: B027 - nothing to start by default
         """Start what the policy runs in the background over ``pool``'s workers."""
@@ -50,7 +60,7 @@ class Policy(ABC):
 class LeastLoaded(Policy):
     """The least loaded worker (:meth:`WorkerPool.pick`)."""
 
-    def pick(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> Worker:
+    def choose(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> Worker:
         return WorkerPool.pick(workers)
 
 
@@ -78,7 +88,7 @@ class CacheAware(Policy):
         if self.feeds is not None:
             await self.feeds.close()
 
-    def pick(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> Worker:
+    def choose(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> Worker:
         if not workers:
             return WorkerPool.pick(workers)  # raises
         rank = min(w.rank for w in workers)
@@ -89,11 +99,15 @@ class CacheAware(Policy):
             longest = max(matched.values())
             if longest:
                 chosen = WorkerPool.pick([w for w in best if matched[id(w)] == longest])
+        return chosen
+
+    def routed(self, worker: Worker, token_ids: Sequence[int]) -> None:
+        """Approximate trees: insert the prompt into ``worker``'s (precise ones follow the
+        worker's own events)."""
         if self.feeds is None:
-            tree = self.tree(chosen)
+            tree = self.tree(worker)
             if tree is not None:
                 tree.insert(token_ids)
-        return chosen
 
     def imbalanced(self, workers: Sequence[Worker]) -> bool:
         """Whether the loads of ``workers`` differ beyond both thresholds."""
@@ -136,11 +150,16 @@ async def pick_answering(policy: Policy, pool: WorkerPool, workers: Sequence[Wor
     (:meth:`WorkerPool.ensure`); a pick that is not ``usable`` after that (it did not answer:
     killed, restarting) is set aside and the policy picks again among the rest. Returns the
     first usable pick, or the last one tried when none is (the caller fails the request with
-    its error), so one dead worker does not cost a request while another one answers."""
+    its error), so one dead worker does not cost a request while another one answers. Only a
+    usable pick is :meth:`Policy.routed` (a cache-aware policy's approximate tree gets the
+    prompt of a worker that is sent it, not of one set aside)."""
     left = list(workers)
     while True:
-        worker = policy.pick(left, token_ids)
+        worker = policy.choose(left, token_ids)
         await pool.ensure(worker)
         left.remove(worker)
-        if usable(worker) or not left:
+        if usable(worker):
+            policy.routed(worker, token_ids)
+            return worker
+        if not left:
             return worker

@@ -159,3 +159,19 @@ def test_a_pick_that_does_not_answer_goes_to_the_next_worker() -> None:
     with pytest.raises(WorkerFailure):
         asyncio.run(pick_answering(LeastLoaded(), cast(Any, everyone), [], A,
                                    lambda w: w.healthy))
+
+
+def test_a_pick_that_does_not_answer_gets_nothing_in_its_tree() -> None:
+    """The approximate tree of a worker set aside (it did not answer, but did not restart: its
+    cache epoch stays) must not claim the prompt it was never sent; the worker that is sent it
+    gets it."""
+    policy = cache_aware()
+    w0, w1 = worker("d:0"), worker("d:1", running=1)
+    got = asyncio.run(pick_answering(policy, cast(Any, _Pool(w0)), [w0, w1], A,
+                                     lambda w: w.healthy))
+    assert got is w1
+    w0.healthy, w0.error = True, ""  # it answers again, same instance: same cache epoch
+    assert policy.matched(w0, A) == 0 and policy.matched(w1, A) == len(A)
+    none = asyncio.run(pick_answering(policy, cast(Any, _Pool(w0)), [w0], B,
+                                      lambda w: w.healthy))
+    assert none is w0 and not none.healthy and policy.matched(w0, B) == 0
