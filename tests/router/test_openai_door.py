@@ -213,3 +213,37 @@ def test_grpc_stop_string_cuts_the_text_and_frees_the_worker(door: Door) -> None
         while (load := stub_w.GetLoad(wpb.GetLoadRequest())).kv_pages_used:
             assert time.monotonic() < deadline, load
             time.sleep(0.05)
+
+
+def test_a_streaming_client_that_goes_away_frees_the_worker(door: Door) -> None:
+    """A stream asked for 2,000 tokens, read for its first chunks and then dropped (the socket
+    closed): the door cancels the generation, so the worker holds no request and no page, and
+    the router's request line says it was cancelled short of its 2,000 tokens."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", door.http_port, timeout=60)
+    body = json.dumps({"model": door.model, "prompt": "def main():", "max_tokens": 2000,
+                       "ignore_eos": True, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json",
+                                                   "x-request-id": "goes-away"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    chunks = 0
+    while chunks < 3:  # a few events: the generation runs on the worker
+        line = resp.readline()
+        chunks += line.startswith(b"data: {")
+    with grpc.insecure_channel(door.decode) as ch:
+        stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+        assert stub.GetLoad(wpb.GetLoadRequest()).running_requests == 1
+        conn.sock.close()  # the client goes away mid-stream
+        conn.close()
+        gone = time.monotonic()
+        while (load := stub.GetLoad(wpb.GetLoadRequest())).running_requests \
+                or load.kv_pages_used:
+            assert time.monotonic() < gone + 15, load
+            time.sleep(0.05)
+    while not (lines := [x for x in door.router.log if '"request_id":"goes-away"' in x]):
+        assert time.monotonic() < gone + 15, "no request line"
+        time.sleep(0.05)
+    [line] = [json.loads(x) for x in lines]
+    assert line["status"] == "CANCELLED" and 3 <= line["completion_tokens"] < 2000, line
