@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from bench import compare, hf_baseline, loadgen
+from cli.arg_types import positive, positive_float
 from cli.engine_args import add_tree_args
 
 
@@ -39,7 +40,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "(default: the built-in model)")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw latency against request rate per target (matplotlib)")
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=positive, default=64)
     p.add_argument("--dataset", default="random",
                    choices=["random", "code", "shared-prefix", "multi-turn", "images", "jsonl"],
                    help="random token ids; code: text cut from the standard-library files "
@@ -50,32 +51,32 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "messages and the answers the server gave) and a new message of "
                         "--turn-len random ids; PNG images; prompts from --jsonl")
     p.add_argument("--jsonl", type=Path, help="prompts file for --dataset jsonl")
-    p.add_argument("--input-len", type=int, default=128, help="mean prompt tokens")
+    p.add_argument("--input-len", type=positive, default=128, help="mean prompt tokens")
     p.add_argument("--shared-prefix-ratio", type=float, default=0.5, metavar="R",
                    help="--dataset shared-prefix: the share of each prompt all prompts have in "
                         "common (0 to 1)")
-    p.add_argument("--num-conversations", type=int, default=8,
+    p.add_argument("--num-conversations", type=positive, default=8,
                    help="--dataset multi-turn: conversations at once (--num-requests is "
                         "conversations x turns; --request-rate counts conversations)")
-    p.add_argument("--num-turns", type=int, default=4, help="--dataset multi-turn: turns each")
-    p.add_argument("--turn-len", type=int, default=None,
+    p.add_argument("--num-turns", type=positive, default=4, help="--dataset multi-turn: turns each")
+    p.add_argument("--turn-len", type=positive, default=None,
                    help="--dataset multi-turn: tokens of each new user message "
                         "(default: --input-len)")
-    p.add_argument("--output-len", type=int, default=64, help="mean new tokens")
-    p.add_argument("--vocab", type=int, default=512, help="token ids are drawn below this")
-    p.add_argument("--request-rate", type=float, action="append", metavar="R",
+    p.add_argument("--output-len", type=positive, default=64, help="mean new tokens")
+    p.add_argument("--vocab", type=positive, default=512, help="token ids are drawn below this")
+    p.add_argument("--request-rate", type=positive_float, action="append", metavar="R",
                    help="Poisson arrivals per second; repeat for several runs "
                         "(default: all at once, 'inf')")
-    p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--num-draft-tokens", type=int, default=None,
+    p.add_argument("--max-concurrency", type=positive, default=32)
+    p.add_argument("--num-draft-tokens", type=positive, default=None,
                    help="the servers' K, to turn accepted/drafted counts into acceptance "
                         f"length (--compare: the EAGLE cluster's K, default {compare.DEFAULT_K})")
     add_tree_args(p)  # --compare: the EAGLE cluster's draft tree
-    p.add_argument("--slo-ttft-ms", type=float, default=None,
+    p.add_argument("--slo-ttft-ms", type=positive_float, default=None,
                    help="goodput: the share of requests with TTFT (and TPOT) within the limits; "
                         "with several runs, goodput_max_rate is the highest rate at which at "
                         "least 90%% of requests met them")
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=positive_float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report")
     p.add_argument("--no-progress", action="store_true")
@@ -94,8 +95,6 @@ def workloads(args: argparse.Namespace) -> loadgen.Load:
         return loadgen.shared_prefix_workloads(n, shared, args.input_len - shared,
                                                args.output_len, args.vocab, args.seed)
     if args.dataset == "multi-turn":
-        if args.num_conversations < 1 or args.num_turns < 1:
-            raise ValueError("--num-conversations and --num-turns must be at least 1")
         return loadgen.multi_turn_workloads(args.num_conversations, args.num_turns,
                                             args.turn_len or args.input_len, args.output_len,
                                             args.vocab, args.seed)

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cli.arg_types import UINT32_MAX, UINT64_MAX, int_in
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -28,21 +28,6 @@ if TYPE_CHECKING:
     from serving.auth import Metadata
 
 EXIT_ERROR = 2
-UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1  # the wire fields' ranges
-
-
-def _unsigned(limit: int) -> Callable[[str], int]:
-    """An argparse type: an integer in ``[0, limit]`` (the range of the wire field it fills),
-    refused with the range in the message instead of protobuf's bare "Value out of range"."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if not 0 <= value <= limit:
-            raise argparse.ArgumentTypeError(f"must be in [0, {limit}], got {value}")
-        return value
-    return parse
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
@@ -67,12 +52,12 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message (after the images) in the chat "
                         "template the router serves (GetModelInfo)")
-    p.add_argument("--max-new-tokens", type=_unsigned(UINT32_MAX), default=0,
+    p.add_argument("--max-new-tokens", type=int_in(0, UINT32_MAX), default=0,
                    help="0 = the router's default")
     p.add_argument("--temperature", type=float, default=None,
                    help="0 means greedy (unset: the checkpoint's generation_config.json, else 0)")
     p.add_argument("--top-p", type=float, default=None, help="1 means off (unset: checkpoint's)")
-    p.add_argument("--top-k", type=_unsigned(UINT32_MAX), default=None,
+    p.add_argument("--top-k", type=int_in(0, UINT32_MAX), default=None,
                    help="0 means off (unset: checkpoint's)")
     p.add_argument("--min-p", type=float, default=None, help="0 means off (unset: checkpoint's)")
     p.add_argument("--repetition-penalty", type=float, default=None,
@@ -81,7 +66,7 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=None, help="in [-2, 2]; 0 = off")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="a stop string: the text ends before it (repeatable)")
-    p.add_argument("--seed", type=_unsigned(UINT64_MAX), default=None)
+    p.add_argument("--seed", type=int_in(0, UINT64_MAX), default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--request-id", default="")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")

@@ -6,6 +6,7 @@ import argparse
 import socket
 from typing import TYPE_CHECKING
 
+from cli.arg_types import port, positive
 from serving.admission import DEFAULT_MAX_WAITING
 
 if TYPE_CHECKING:
@@ -35,14 +36,14 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (default: the built-in tiny model)")
     add_device_args(p)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--num-pages", type=int, default=None,
+    p.add_argument("--page-size", type=positive, default=16)
+    p.add_argument("--num-pages", type=positive, default=None,
                    help="KV pool pages (default: as many as --kv-budget-mb buys)")
-    p.add_argument("--kv-budget-mb", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+    p.add_argument("--kv-budget-mb", type=positive, default=256)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=512,
                    help="token budget per step (also the prefill chunk size)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=positive, default=64)
+    p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full instead of reusing the KV of full pages "
                         "of earlier prompts with the same prefix (tokens and images); on a "
@@ -51,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_tp_args(p: argparse.ArgumentParser) -> None:
     """``--tp-size`` (commands whose engine may be split over processes)."""
-    p.add_argument("--tp-size", type=int, default=1, metavar="N",
+    p.add_argument("--tp-size", type=positive, default=1, metavar="N",
                    help="tensor parallelism: split the decoder over N processes of this machine "
                         "(one per rank: gloo on cpu, NCCL on cuda:i..i+N-1, HCCL on npu); N must "
                         "divide the attention heads; not with --draft")
@@ -79,8 +80,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 to serve other machines)")
-    p.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+    p.add_argument("--port", type=port, default=default_port, help="0 picks a free port")
+    p.add_argument("--metrics-port", type=port, default=None, metavar="N",
                    help="serve Prometheus /metrics over HTTP on this port of --host (0 picks a "
                         "free one; printed as METRICS <port>); default: off")
     p.add_argument("--internal-token-file", default=None, metavar="FILE",
@@ -108,7 +109,7 @@ def worker_security(args: argparse.Namespace) -> ServerSecurity:
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     """Admission bound and handshake timeouts of a prefill or decode worker."""
-    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, metavar="N",
+    p.add_argument("--max-waiting", type=positive, default=DEFAULT_MAX_WAITING, metavar="N",
                    help="refuse new rooms with RESOURCE_EXHAUSTED (and a retry-after-ms hint) "
                         "while N already wait here (prefill: gated + queued; decode: waiting "
                         "for pages + queued)")

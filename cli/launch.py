@@ -24,6 +24,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cli.arg_types import port, positive
 from cli.engine_args import add_device_args, add_tree_args
 from cli.models import cache_dir, ensure_model
 
@@ -43,9 +44,9 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="model directory (default: the built-in tiny model)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--port", type=int, default=50050, help="router port (0 picks a free one)")
+    p.add_argument("--prefill", type=positive, default=1, help="prefill workers")
+    p.add_argument("--decode", type=positive, default=1, help="decode workers")
+    p.add_argument("--port", type=port, default=50050, help="router port (0 picks a free one)")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (HOST:PORT or 'auto'); default: the one running "
                         "on this machine, else a new one")
@@ -54,13 +55,13 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-resources", default="{}", metavar="JSON",
                    help='custom Ray resources per prefill worker, e.g. \'{"NPU": 1}\'')
     p.add_argument("--decode-resources", default="{}", metavar="JSON")
-    p.add_argument("--prefill-tp-size", type=int, default=1, metavar="N",
+    p.add_argument("--prefill-tp-size", type=positive, default=1, metavar="N",
                    help="tensor-parallel processes of every prefill worker (its "
                         "--prefill-gpus cover them all)")
-    p.add_argument("--decode-tp-size", type=int, default=1, metavar="N",
+    p.add_argument("--decode-tp-size", type=positive, default=1, metavar="N",
                    help="tensor-parallel processes of every decode worker; the two sizes may "
                         "differ: each prefill rank sends each decode rank its KV heads")
-    p.add_argument("--prefill-pp-size", type=int, default=1, metavar="N",
+    p.add_argument("--prefill-pp-size", type=positive, default=1, metavar="N",
                    help="pipeline stages of every prefill worker, one server each (the first "
                         "serves the router, the last runs the draft; --prefill-gpus and "
                         "--prefill-resources are per stage)")
@@ -86,8 +87,6 @@ def run_launch(args: argparse.Namespace) -> int:
     from decode_node.spec.tree import TreeShape
 
     TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # bad flags fail here too
-    if args.prefill_pp_size < 1:
-        raise rl.LaunchError(f"--prefill-pp-size must be at least 1, got {args.prefill_pp_size}")
     model_dir = ensure_model(args.model)
     opts = rl.LaunchOptions(
         model=str(model_dir), name=name, prefill=args.prefill, decode=args.decode,

@@ -8,6 +8,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from cli.arg_types import port
 from cli.engine_args import (
     add_draft_args,
     add_engine_args,
@@ -31,7 +32,7 @@ def add_prefill_args(p: argparse.ArgumentParser) -> None:
     add_transfer_args(p)
     add_worker_args(p)
     add_draft_args(p, decode=False)
-    p.add_argument("--bootstrap-port", type=int, default=0,
+    p.add_argument("--bootstrap-port", type=port, default=0,
                    help="port of the KV transfer bootstrap endpoint (0 picks a free one)")
     p.add_argument("--pp-size", type=int, default=1,
                    help="pipeline-parallel prefill: number of stages; stage r owns layers "

@@ -32,6 +32,8 @@ class AdmissionGate:
     """
 
     def __init__(self, max_waiting: int, queued: Callable[[], int], what: str) -> None:
+        if max_waiting < 1:  # 0 or less would refuse every request
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         self.max_waiting = max_waiting
         self.counters: Counter[str] = Counter(requests_total=0, requests_rejected=0)
         self.admitting = 0

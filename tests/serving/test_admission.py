@@ -76,3 +76,10 @@ def test_a_refused_enqueue_is_not_counted() -> None:
         asyncio.run(gate.admit(_Context(), refuse))  # type: ignore[arg-type]
     assert gate.counters == {"requests_total": 0, "requests_rejected": 0}
     assert gate.admitting == 0
+
+
+@pytest.mark.parametrize("bound", [0, -1])
+def test_a_bound_below_one_is_refused(bound: int) -> None:
+    """It would refuse every request (the CLI's ``--max-waiting`` refuses it too)."""
+    with pytest.raises(ValueError, match=f"max_waiting must be at least 1, got {bound}"):
+        AdmissionGate(bound, lambda: 0, "test node")
