@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.arg_types import UINT32_MAX, UINT64_MAX, int_in
+from cli.arg_types import UINT32_MAX, UINT64_MAX, int_in, positive_float
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--request-id", default="")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    p.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline in seconds")
+    p.add_argument("--timeout", type=positive_float, default=None, metavar="S",
+                   help="deadline in seconds")
     p.add_argument("--tls-ca", default=None, metavar="FILE",
                    help="PEM CA certificate (or the router's self-signed one): connect over TLS")
     p.add_argument("--auth-token-file", default=None, metavar="FILE",

@@ -6,7 +6,7 @@ import argparse
 import socket
 from typing import TYPE_CHECKING
 
-from cli.arg_types import port, positive
+from cli.arg_types import non_negative_float, port, positive, positive_float
 from serving.admission import DEFAULT_MAX_WAITING
 
 if TYPE_CHECKING:
@@ -113,14 +113,14 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="refuse new rooms with RESOURCE_EXHAUSTED (and a retry-after-ms hint) "
                         "while N already wait here (prefill: gated + queued; decode: waiting "
                         "for pages + queued)")
-    p.add_argument("--bootstrap-timeout-s", type=float, default=300.0,
+    p.add_argument("--bootstrap-timeout-s", type=positive_float, default=300.0,
                    help="a room whose destination does not arrive in time fails")
-    p.add_argument("--waiting-timeout-s", type=float, default=300.0,
+    p.add_argument("--waiting-timeout-s", type=positive_float, default=300.0,
                    help="decode: a room whose KV does not arrive in time after its "
                         "destination was sent fails")
-    p.add_argument("--heartbeat-interval-s", type=float, default=5.0,
+    p.add_argument("--heartbeat-interval-s", type=positive_float, default=5.0,
                    help="P/D heartbeat period; a peer silent for 2 periods is dead")
-    p.add_argument("--quarantine-s", type=float, default=30.0,
+    p.add_argument("--quarantine-s", type=non_negative_float, default=30.0,
                    help="decode: hold a failed room's pages this long when its prefill died "
                         "without saying it stopped writing")
     add_fault_args(p)

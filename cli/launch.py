@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cli.arg_types import port, positive
+from cli.arg_types import non_negative_float, port, positive
 from cli.engine_args import add_device_args, add_tree_args
 from cli.models import cache_dir, ensure_model
 
@@ -50,8 +50,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (HOST:PORT or 'auto'); default: the one running "
                         "on this machine, else a new one")
-    p.add_argument("--prefill-gpus", type=float, default=0.0)
-    p.add_argument("--decode-gpus", type=float, default=0.0)
+    p.add_argument("--prefill-gpus", type=non_negative_float, default=0.0)
+    p.add_argument("--decode-gpus", type=non_negative_float, default=0.0)
     p.add_argument("--prefill-resources", default="{}", metavar="JSON",
                    help='custom Ray resources per prefill worker, e.g. \'{"NPU": 1}\'')
     p.add_argument("--decode-resources", default="{}", metavar="JSON")

@@ -50,7 +50,7 @@ class RoutingConfig:
                              f"got {self.policy!r}")
         if self.kv_events and self.policy != CACHE_AWARE:
             raise ValueError(f"--kv-events needs --policy {CACHE_AWARE}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+        if self.balance_abs_threshold < 0 or not self.balance_rel_threshold >= 1.0:  # nan too
             raise ValueError("--balance-abs-threshold must be >= 0 and "
                              "--balance-rel-threshold >= 1")
         if self.max_tree_blocks < 1:

@@ -62,6 +62,21 @@ class BootstrapConfig:
     secret: str | None = field(default=None, repr=False)
     faults: FaultConfig = FaultConfig()  # fault injection (tests, drills); off by default
 
+    def __post_init__(self) -> None:
+        """Refuse timings that cannot work: a period or timeout of 0 or less (or nan), a
+        negative quarantine, fewer than one heartbeat miss."""
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "heartbeat_interval_s",
+                     "connect_timeout_s", "tick_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"BootstrapConfig.{name} must be above 0, got "
+                                 f"{getattr(self, name)}")
+        if not self.quarantine_s >= 0:
+            raise ValueError(f"BootstrapConfig.quarantine_s must be at least 0, got "
+                             f"{self.quarantine_s}")
+        if self.heartbeat_misses < 1:
+            raise ValueError(f"BootstrapConfig.heartbeat_misses must be at least 1, got "
+                             f"{self.heartbeat_misses}")
+
     @property
     def peer_timeout_s(self) -> float:
         return self.heartbeat_interval_s * self.heartbeat_misses

@@ -47,6 +47,12 @@ CASES = [
     (["bench", "--request-rate", "-1"], "argument --request-rate: must be above 0, got -1"),
     (["bench", "--request-rate", "nan"], "argument --request-rate: must be above 0, got nan"),
     (["bench", "--slo-ttft-ms", "0"], "argument --slo-ttft-ms: must be above 0, got 0"),
+    (["decode", "--heartbeat-interval-s", "0"], "argument --heartbeat-interval-s: must be above"),
+    (["prefill", "--bootstrap-timeout-s", "-1"], "argument --bootstrap-timeout-s: must be above"),
+    (["decode", "--waiting-timeout-s", "nan"], "argument --waiting-timeout-s: must be above 0"),
+    (["decode", "--quarantine-s", "-5"], "argument --quarantine-s: must be at least 0, got -5"),
+    (["launch", "--prefill-gpus", "-1"], "argument --prefill-gpus: must be at least 0, got -1"),
+    (["client", "--timeout", "-1", "hi"], "argument --timeout: must be above 0, got -1"),
 ]
 
 

@@ -128,6 +128,9 @@ def test_least_loaded_ignores_the_prompt() -> None:
     assert isinstance(make_policy(RoutingConfig()), LeastLoaded)
     with pytest.raises(ValueError, match="--kv-events needs"):
         RoutingConfig(kv_events=True)
+    for rel in (0.5, float("nan")):  # nan compared false both ways, and passed
+        with pytest.raises(ValueError, match="--balance-rel-threshold >= 1"):
+            RoutingConfig(balance_rel_threshold=rel)
 
 
 class _Pool:
