@@ -161,7 +161,8 @@ def run_status(args: argparse.Namespace) -> int:
     name = _checked_name(args.name)
     from deploy import ray_launcher as rl
 
-    rl.connect(_state(name).get("ray", "auto"))
+    if (why := _join(name)) is not None:
+        return _not_running(name, [], why)
     cluster = rl.find_cluster(name)
     if cluster is None:
         return _not_running(name, rl.cluster_names())
@@ -179,7 +180,8 @@ def run_stop(args: argparse.Namespace) -> int:
     name = _checked_name(args.name)
     from deploy import ray_launcher as rl
 
-    rl.connect(_state(name).get("ray", "auto"))
+    if (why := _join(name)) is not None:
+        return _not_running(name, [], why)
     actors = rl.cluster_actors(name)
     if actors:
         rl.stop(list(actors.values()))
@@ -194,9 +196,23 @@ def run_stop(args: argparse.Namespace) -> int:
     return 0 if actors else _not_running(name, left)
 
 
-def _not_running(name: str, others: list[str]) -> int:
-    running = f" (running: {', '.join(others)})" if others else ""
-    print(f"error: no pdserve cluster named {name!r} is running{running}", file=sys.stderr)
+def _join(name: str) -> str | None:
+    """Connect to the Ray cluster ``name``'s launch used (else the one on this machine); when
+    none answers, say so (Ray's own error names only its ``--address`` flag)."""
+    from deploy import ray_launcher as rl
+
+    address = _state(name).get("ray", "auto")
+    try:
+        rl.connect(address)
+    except ConnectionError as exc:
+        return "no Ray cluster runs here" if address == "auto" else str(exc)
+    return None
+
+
+def _not_running(name: str, others: list[str], why: str = "") -> int:
+    detail = f"running: {', '.join(others)}" if others else why
+    suffix = f" ({detail})" if detail else ""
+    print(f"error: no pdserve cluster named {name!r} is running{suffix}", file=sys.stderr)
     return 1
 
 

@@ -17,6 +17,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -158,11 +159,26 @@ _ACTOR: Any = ServerActor
 
 def connect(address: str | None) -> None:
     """Join ``address`` (``"local"``: start a Ray instance of this process) in our namespace.
-    Ray's own log lines are kept to errors, so the command's output stays its own."""
+    Ray's own log lines are kept to errors, so the command's output stays its own. A
+    ``HOST:PORT`` nothing listens on raises ConnectionError at once (Ray retries it for
+    minutes)."""
     if not ray.is_initialized():
+        if address:
+            _check_listening(address)
         logging.getLogger("ray").setLevel(logging.ERROR)
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
+
+
+def _check_listening(address: str, timeout_s: float = 5.0) -> None:
+    """Raise ConnectionError when ``address``, if ``HOST:PORT``, takes no TCP connection."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return  # "auto", "local", "ray://...": Ray's to judge
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"no Ray cluster answers at {address}: {exc}") from exc
 
 
 def bind_host() -> str:

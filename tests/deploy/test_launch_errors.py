@@ -85,6 +85,33 @@ def test_a_usage_error_is_one_line(tmp_path: Path) -> None:
     one_line_error(proc, "pdserve launch: argument --prefill", "'two'")
 
 
+def test_status_and_stop_without_ray_say_the_cluster_is_not_running(tmp_path: Path) -> None:
+    """Before, the answer was Ray's own error naming only its ``--address`` flag."""
+    no_ray_here()
+    for command in ("status", "stop"):
+        proc = pdserve(tmp_path, command, "--name", "nope")
+        assert proc.returncode == 1
+        one_line_error(proc, "no pdserve cluster named 'nope' is running (no Ray cluster runs "
+                             "here)")
+
+
+def test_a_ray_address_nothing_listens_on_fails_at_once(tmp_path: Path) -> None:
+    """``launch --address``, and ``status``/``stop`` of a detached cluster whose recorded Ray
+    cluster is gone: one line within seconds (Ray itself retried for minutes: a ``stop`` took
+    over 2 minutes)."""
+    dead = "127.0.0.1:1"
+    (tmp_path / "launch-gone.json").write_text(f'{{"router": "127.0.0.1:2", "ray": "{dead}"}}')
+    start = time.monotonic()
+    for command in ("status", "stop"):
+        one_line_error(pdserve(tmp_path, command, "--name", "gone", timeout=60),
+                       "no pdserve cluster named 'gone' is running",
+                       f"no Ray cluster answers at {dead}")
+    proc = pdserve(tmp_path, "launch", "--address", dead, "--name", "x", timeout=60)
+    assert proc.returncode == 2
+    one_line_error(proc, f"no Ray cluster answers at {dead}")
+    assert time.monotonic() - start < 45
+
+
 # ------------------------------------------------------------------ on a real local Ray
 
 
