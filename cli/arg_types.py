@@ -31,10 +31,7 @@ positive = int_in(1)
 
 def positive_float(text: str) -> float:
     """A number above 0 (``inf`` included, ``nan`` not)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
     return value
@@ -42,10 +39,14 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     """A number of at least 0 (``nan`` not)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    value = _number(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
     return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None

@@ -307,13 +307,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Refuse settings no engine can run (a page size of 0 divided by zero at start-up; a
         ``num_pages`` of 0 silently meant "from the budget")."""
-        optional = {"num_pages": self.num_pages, "max_model_len": self.max_model_len}
-        for name, value in (("page_size", self.page_size), ("kv_budget_bytes",
-                            self.kv_budget_bytes), ("max_num_seqs", self.max_num_seqs),
-                            ("max_num_batched_tokens", self.max_num_batched_tokens),
-                            ("tp_size", self.tp_size), *optional.items()):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
+        sizes = {"page_size": self.page_size, "kv_budget_bytes": self.kv_budget_bytes,
+                 "max_num_seqs": self.max_num_seqs, "tp_size": self.tp_size,
+                 "max_num_batched_tokens": self.max_num_batched_tokens,
+                 "num_pages": self.num_pages, "max_model_len": self.max_model_len}
+        for name, value in sizes.items():
+            if value is None and name in ("num_pages", "max_model_len"):
+                continue  # unset: from the budget, from the model
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.lookahead_tokens < 0:
             raise ConfigError(f"EngineConfig.lookahead_tokens must be at least 0, got "
