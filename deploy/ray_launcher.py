@@ -173,10 +173,10 @@ def connect(address: str | None) -> None:
 def _check_listening(address: str, timeout_s: float = 5.0) -> None:
     """Raise ConnectionError when ``address``, if ``HOST:PORT``, takes no TCP connection."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if "://" in address or not sep or not host or not port.isdigit():
         return  # "auto", "local", "ray://...": Ray's to judge
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         raise ConnectionError(f"no Ray cluster answers at {address}: {exc}") from exc
 
