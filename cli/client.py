@@ -101,9 +101,10 @@ def build_request(args: argparse.Namespace, template: ChatTemplate | None = None
             raise ValueError("--chat formats a prompt text; it does not apply to --token-ids")
         try:
             ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
+            valid = all(0 <= i <= UINT32_MAX for i in ids)
         except ValueError:
-            ids = [-1]
-        if not all(0 <= i <= UINT32_MAX for i in ids):
+            valid = False
+        if not valid:
             raise ValueError(f"--token-ids must be comma-separated integers in [0, {UINT32_MAX}], "
                              f"got {args.token_ids!r}")
         req.token_ids.ids.extend(ids)

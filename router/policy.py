@@ -44,12 +44,6 @@ class Policy(ABC):
     def routed(self, worker: Worker, token_ids: Sequence[int]) -> None:  # noqa: B027
         """Note that ``worker`` gets the request of prompt ``token_ids`` (nothing by default)."""
 
-    def pick(self, workers: Sequence[Worker], token_ids: Sequence[int]) -> Worker:
-        """:meth:`choose`, then :meth:`routed` for the worker chosen."""
-        worker = self.choose(workers, token_ids)
-        self.routed(worker, token_ids)
-        return worker
-
     async def start(self, pool: WorkerPool) -> None:  # noqa: B027 - nothing to start by default
         """Start what the policy runs in the background over ``pool``'s workers."""
 

@@ -14,7 +14,7 @@ import pytest
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.config import CACHE_AWARE, RoutingConfig
 from router.errors import WorkerFailure
-from router.policy import CacheAware, LeastLoaded, make_policy, pick_answering
+from router.policy import CacheAware, LeastLoaded, Policy, make_policy, pick_answering
 from router.prefix_tree import ApproxTree
 from router.workers import DECODE, PREFILL, Worker
 
@@ -28,6 +28,13 @@ def worker(address: str, kind: str = DECODE, running: int = 0) -> Worker:
     return Worker(address, kind, cast(Any, None), cast(Any, None), report=report, healthy=True)
 
 
+def pick(policy: Policy, workers: list[Worker], token_ids: list[int]) -> Worker:
+    """What the router does with a worker that answers: choose it, then route to it."""
+    worker = policy.choose(workers, token_ids)
+    policy.routed(worker, token_ids)
+    return worker
+
+
 def cache_aware(**kw: Any) -> CacheAware:
     policy = make_policy(RoutingConfig(CACHE_AWARE, **kw))
     assert isinstance(policy, CacheAware)
@@ -37,14 +44,14 @@ def cache_aware(**kw: Any) -> CacheAware:
 def test_longest_match_wins_and_no_match_goes_to_the_least_loaded() -> None:
     policy = cache_aware()
     w0, w1 = worker("d:0"), worker("d:1")
-    assert policy.pick([w0, w1], A + [1]) is w0  # nothing cached anywhere: least loaded (tie)
+    assert pick(policy, [w0, w1], A + [1]) is w0  # nothing cached anywhere: least loaded (tie)
     w0.acquire(12)
-    assert policy.pick([w0, w1], A + [2]) is w0  # busier, but it holds A's three blocks
-    assert policy.pick([w0, w1], B) is w1  # nothing matches: least loaded
+    assert pick(policy, [w0, w1], A + [2]) is w0  # busier, but it holds A's three blocks
+    assert pick(policy, [w0, w1], B) is w1  # nothing matches: least loaded
     w1.acquire(12)
     w1.acquire(12)
-    assert policy.pick([w0, w1], B[:8] + A) is w1  # 2 blocks of B beat 0 blocks of A
-    assert policy.pick([w0, w1], A[:4] + B) is w0  # 1 block of A beats nothing on w1
+    assert pick(policy, [w0, w1], B[:8] + A) is w1  # 2 blocks of B beat 0 blocks of A
+    assert pick(policy, [w0, w1], A[:4] + B) is w0  # 1 block of A beats nothing on w1
     assert policy.matched(w0, A) == 12 and policy.matched(w1, A) == 0
     assert policy.matched(w1, B + [9]) == 12  # prompts are matched by full blocks
 
@@ -52,14 +59,14 @@ def test_longest_match_wins_and_no_match_goes_to_the_least_loaded() -> None:
 def test_imbalanced_loads_go_to_the_least_loaded() -> None:
     policy = cache_aware(balance_abs_threshold=4, balance_rel_threshold=2.0)
     w0, w1 = worker("d:0"), worker("d:1")
-    assert policy.pick([w0, w1], A) is w0
+    assert pick(policy, [w0, w1], A) is w0
     w0.report = wpb.LoadReport(instance_id="one", page_size=PAGE, running_requests=5)
     w1.report = wpb.LoadReport(instance_id="one", page_size=PAGE, running_requests=2)
     assert not policy.imbalanced([w0, w1])  # 3 apart: within the absolute threshold
-    assert policy.pick([w0, w1], A) is w0
+    assert pick(policy, [w0, w1], A) is w0
     w1.report = wpb.LoadReport(instance_id="one", page_size=PAGE, running_requests=0)
     assert policy.imbalanced([w0, w1])  # 5 apart and 5 > 2 * 0
-    assert policy.pick([w0, w1], A) is w1
+    assert pick(policy, [w0, w1], A) is w1
     assert policy.matched(w1, A) == 12  # the prompt is now believed cached there too
     w1.report = wpb.LoadReport(instance_id="one", page_size=PAGE, running_requests=1)
     assert not cache_aware(balance_abs_threshold=2,
@@ -69,33 +76,33 @@ def test_imbalanced_loads_go_to_the_least_loaded() -> None:
 def test_ranking_of_unhealthy_and_cooling_workers_is_kept() -> None:
     policy = cache_aware()
     w0, w1, w2 = worker("d:0"), worker("d:1"), worker("d:2")
-    assert policy.pick([w0], A) is w0
+    assert pick(policy, [w0], A) is w0
     w0.healthy = False
-    assert policy.pick([w0, w1], A) is w1  # the match is on an unreachable worker
+    assert pick(policy, [w0, w1], A) is w1  # the match is on an unreachable worker
     w0.healthy = True
     w0.cooldown_until = float("inf")  # cooling down (without a failure: the tree stays)
     assert policy.matched(w0, A) == 12
-    assert policy.pick([w0, w2], A) is w2
+    assert pick(policy, [w0, w2], A) is w2
     w1.healthy = w2.healthy = False
-    assert policy.pick([w0, w1, w2], B) is w0  # the best rank left
+    assert pick(policy, [w0, w1, w2], B) is w0  # the best rank left
     with pytest.raises(WorkerFailure):
-        policy.pick([], A)
+        pick(policy, [], A)
 
 
 def test_a_failure_or_a_restart_clears_the_workers_tree() -> None:
     policy = cache_aware()
     w0, w1 = worker("d:0"), worker("d:1")
-    policy.pick([w0], A)
-    policy.pick([w1], A)
+    pick(policy, [w0], A)
+    pick(policy, [w1], A)
     w0.note_failure("transfer failed")
     assert policy.matched(w0, A) == 0 and policy.matched(w1, A) == 12
-    policy.pick([w0], A)
+    pick(policy, [w0], A)
     assert policy.matched(w0, A) == 12
     w1.take_report(wpb.LoadReport(instance_id="one", page_size=PAGE))  # the same instance
     assert policy.matched(w1, A) == 12
     w1.take_report(wpb.LoadReport(instance_id="two", page_size=PAGE))  # it restarted
     assert policy.matched(w1, A) == 0
-    policy.pick([w1], A)
+    pick(policy, [w1], A)
     w1.take_report(wpb.LoadReport(instance_id="two", page_size=2 * PAGE))  # other pages
     assert policy.matched(w1, A) == 0
 
@@ -103,7 +110,7 @@ def test_a_failure_or_a_restart_clears_the_workers_tree() -> None:
 def test_prefill_and_decode_trees_are_apart() -> None:
     policy = cache_aware()
     p, d = worker("h:1", PREFILL), worker("h:1", DECODE)
-    policy.pick([p], A)
+    pick(policy, [p], A)
     assert policy.matched(p, A) == 12 and policy.matched(d, A) == 0
 
 
@@ -124,7 +131,7 @@ def test_approx_tree_keeps_its_bound_dropping_least_recent_leaves() -> None:
 def test_least_loaded_ignores_the_prompt() -> None:
     w0, w1 = worker("d:0"), worker("d:1")
     w0.acquire(4)
-    assert LeastLoaded().pick([w0, w1], A) is w1
+    assert pick(LeastLoaded(), [w0, w1], A) is w1
     assert isinstance(make_policy(RoutingConfig()), LeastLoaded)
     with pytest.raises(ValueError, match="--kv-events needs"):
         RoutingConfig(kv_events=True)
