@@ -56,6 +56,7 @@ CASES = [
 ]
 
 
+@pytest.mark.timeout(60)  # a check that regressed would start the server or run the bench here
 @pytest.mark.parametrize(("argv", "says"), CASES, ids=[" ".join(a[:3]) for a, _ in CASES])
 def test_out_of_range_numbers_are_one_line_naming_the_flag(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
