@@ -5,9 +5,9 @@ after an idle pause), the prefill killed (``kill -9``) in the first burst and a 
 the second, each restarted on its address by the test.
 
 The router's default recovery (:mod:`router.recovery`) must hide every fault: every request that
-was not cancelled completes, equal to the in-process engine; the router counts its retries and
-recomputes (and failovers, when the decode kill catches a stream mid-generation); the
-restarted nodes serve again (no sticky failure); and every node holds nothing at the end (the
+was not cancelled completes, equal to the in-process engine; the router counts its retries
+(recomputes and failovers too, when a kill's timing causes them); the restarted nodes serve
+again (no sticky failure); and every node holds nothing at the end (the
 leak check).
 
 Small by default (CI): ``PDSERVE_SOAK_REQUESTS`` (200) in ``PDSERVE_SOAK_BURSTS`` (2) bursts
@@ -251,9 +251,12 @@ def test_soak(cluster: Cluster, expected: list[list[int]]) -> None:
     assert not failed, [(o.code, o.details) for o in failed[:5]]
     assert not wrong, wrong[:10]
     assert len(done) + len(cancelled) == len(outs)
-    # the decode kill may catch every one of its streams before their first token (then they
-    # are retries, not failovers): mid-stream failover is asserted in tests/cluster/test_failover
-    assert router.kv_retries > 0 and router.kv_recomputes > 0
+    # Which recoveries a kill causes depends on its timing, so only retries are required here:
+    # the decode kill may catch every one of its streams before their first token (retries, not
+    # failovers), and when the killed prefill is back within a request's retries nothing is
+    # recomputed (a fresh-clone CI run saw 49 retries and 0 recomputes). Recompute and mid-stream
+    # failover are asserted in tests/cluster/test_faults.py and test_failover.py.
+    assert router.kv_retries > 0
     assert injected > 0
     _restarted_nodes_serve(c, vs, expected)
     assert_all_idle([n.address for n in c.nodes.values()], 20.0)  # the leak check
