@@ -107,7 +107,7 @@ def run_launch(args: argparse.Namespace) -> int:
         _interrupt_on_sigterm()  # again: ray.init installs a SIGTERM handler of its own
         cluster = rl.launch(opts)
     except BaseException:
-        _leave_ray(started_head)
+        _leave_ray(started_head, opts.name)
         raise
     print(f"router: {cluster.router_address}  (prefill {args.prefill}, decode {args.decode})")
     print(f"READY {cluster.router_address}", flush=True)
@@ -146,12 +146,13 @@ def _choose_ray(opts: LaunchOptions) -> bool:
     return True
 
 
-def _leave_ray(started_head: bool) -> None:
-    """After a failed launch: disconnect, and stop the head it started unless a pdserve
-    cluster of someone else runs on it."""
+def _leave_ray(started_head: bool, name: str) -> None:
+    """After a failed launch of cluster ``name``: disconnect, and stop the head it started
+    unless a pdserve cluster of someone else runs on it (``name``'s own actors, just killed, may
+    still be listed: ``ray.kill`` is asynchronous)."""
     from deploy import ray_launcher as rl
 
-    left = rl.disconnect(stop_head_if_unused=started_head)
+    left = rl.disconnect(stop_head_if_unused=started_head, ignore=name)
     if started_head and not left:
         _head_path().unlink(missing_ok=True)
 
@@ -188,7 +189,7 @@ def run_stop(args: argparse.Namespace) -> int:
         print(f"stopped the pdserve cluster {name!r}")
     head = json.loads(_head_path().read_text()) if _head_path().is_file() else {}
     ours = head.get("address") == rl.current_address()
-    left = rl.disconnect(stop_head_if_unused=ours)
+    left = rl.disconnect(stop_head_if_unused=ours, ignore=name)  # its actors were just killed
     if ours and not left:
         _head_path().unlink()
         print("stopped the Ray head pdserve started")
@@ -202,6 +203,8 @@ def _join(name: str) -> str | None:
     from deploy import ray_launcher as rl
 
     address = _state(name).get("ray", "auto")
+    if address == "auto" and rl.local_cluster() is None:  # not even a stale address file's
+        return "no Ray cluster runs here"
     try:
         rl.connect(address)
     except ConnectionError as exc:

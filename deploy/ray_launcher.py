@@ -386,10 +386,11 @@ def current_address() -> str:
     return str(ray.get_runtime_context().gcs_address)
 
 
-def disconnect(stop_head_if_unused: bool = False) -> list[str]:
+def disconnect(stop_head_if_unused: bool = False, ignore: str | None = None) -> list[str]:
     """Leave the Ray cluster; with ``stop_head_if_unused``, also stop its head (``ray stop``)
-    unless a pdserve cluster still runs on it. Returns the names of those still running."""
-    left = cluster_names() if ray.is_initialized() else []
+    unless a pdserve cluster other than ``ignore`` still runs on it. Returns the names of those
+    still running."""
+    left = [n for n in cluster_names() if n != ignore] if ray.is_initialized() else []
     ray.shutdown()
     if stop_head_if_unused and not left:
         stop_head()
