@@ -1,11 +1,14 @@
 """argparse ``type=`` functions that refuse an out-of-range value with the range in the message
 (``error: pdserve CMD: argument --FLAG: must be ...``, exit status 2), instead of letting it wrap
-(a port of 70000 bound 4464), divide by zero or reach protobuf's bare "Value out of range"."""
+(a port of 70000 bound 4464), divide by zero or reach protobuf's bare "Value out of range"; and
+a malformed host, before a server starts anything."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+
+from serving.hosts import check_host
 
 MAX_PORT = 65535
 UINT32_MAX, UINT64_MAX = (1 << 32) - 1, (1 << 64) - 1  # wire fields' ranges
@@ -50,3 +53,11 @@ def _number(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
+def host(text: str) -> str:
+    """A host name or an IP address (:func:`serving.hosts.check_host`)."""
+    try:
+        return check_host(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

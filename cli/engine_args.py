@@ -6,7 +6,7 @@ import argparse
 import socket
 from typing import TYPE_CHECKING
 
-from cli.arg_types import non_negative_float, port, positive, positive_float
+from cli.arg_types import host, non_negative_float, port, positive, positive_float
 from serving.admission import DEFAULT_MAX_WAITING
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", type=host, default="127.0.0.1",
                    help="address to bind (default loopback; 0.0.0.0 to serve other machines)")
     p.add_argument("--port", type=port, default=default_port, help="0 picks a free port")
     p.add_argument("--metrics-port", type=port, default=None, metavar="N",
@@ -173,7 +173,7 @@ def fault_config(args: argparse.Namespace) -> FaultConfig:
 
 def add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "ascend"])
-    p.add_argument("--advertise-host", default=None,
+    p.add_argument("--advertise-host", type=host, default=None,
                    help="address peers use to reach this node's transfer engine and bootstrap "
                         "(default: --host, or this machine's address when --host is 0.0.0.0)")
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from router.recovery import RecoveryConfig
+from serving.hosts import check_host
 
 MODE_DISAGGREGATED = "disaggregated"
 MODE_COLOCATED = "colocated"
@@ -127,6 +128,10 @@ def parse_addresses(text: str | None) -> tuple[str, ...]:
         host, sep, port = item.rpartition(":")
         if not sep or not host or not _valid_port(port):
             raise ValueError(f"worker address must be HOST:PORT or dns:NAME:PORT, got {item!r}")
+        if ":" in host and not host.startswith("["):
+            raise ValueError(f"worker address {item!r}: an IPv6 host goes in brackets, "
+                             "[ADDRESS]:PORT")
+        _check_host(host, item)
         out.append(item)
     return tuple(out)
 
@@ -142,7 +147,15 @@ def split_dns(address: str) -> tuple[str, int] | None:
     name, sep, port = address[len(DNS_PREFIX):].rpartition(":")
     if not sep or not name or ":" in name or not _valid_port(port):
         raise ValueError(f"DNS worker address must be dns:NAME:PORT, got {address!r}")
+    _check_host(name, address)
     return name, int(port)
+
+
+def _check_host(host: str, entry: str) -> None:
+    try:
+        check_host(host)
+    except ValueError as exc:
+        raise ValueError(f"worker address {entry!r}: {exc}") from None
 
 
 def _valid_port(port: str) -> bool:
