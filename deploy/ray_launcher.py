@@ -32,6 +32,7 @@ from ray._private.services import find_gcs_addresses  # what `ray status` uses t
 from ray._private.utils import read_ray_address
 
 from engine.errors import EngineError
+from serving.hosts import host_port
 
 NAMESPACE = "pdserve"
 READY_TIMEOUT_S = 180.0
@@ -91,7 +92,8 @@ class ServerActor:
         return self.why_not
 
     def address(self) -> str:
-        return f"{self.advertise}:{self.port}"
+        """``HOST:PORT`` (``[ADDRESS]:PORT`` when the node's address is an IPv6 one)."""
+        return host_port(self.advertise, self.port)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

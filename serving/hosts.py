@@ -35,3 +35,9 @@ def check_host(text: str) -> str:
         raise ValueError(f"{text!r} is not a host name or an IP address (labels of letters, "
                          "digits, '-' and '_', joined by dots)")
     return text
+
+
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, or ``[ADDRESS]:PORT`` for a bare IPv6 address (the form gRPC targets and
+    the router's worker lists take)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serving.hosts import check_host
+from serving.hosts import check_host, host_port
 
 GOOD = ["127.0.0.1", "0.0.0.0", "localhost", "pdserve-prefill-0.pdserve-prefill.default.svc",
         "node_1", "example.com.", "::", "::1", "[::1]", "fe80::1%eth0", "a" * 63]
@@ -25,3 +25,10 @@ def test_host_names_and_addresses_pass_unchanged(text: str) -> None:
 def test_malformed_hosts_are_refused_saying_why(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         check_host(text)
+
+
+def test_host_port_brackets_bare_ipv6_addresses_only() -> None:
+    assert host_port("10.0.0.1", 7) == "10.0.0.1:7"
+    assert host_port("node-1.cluster", 7) == "node-1.cluster:7"
+    assert host_port("fe80::1", 7) == "[fe80::1]:7"
+    assert host_port("[::1]", 7) == "[::1]:7"
