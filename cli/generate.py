@@ -1,4 +1,5 @@
-"""``pdserve generate``: batched in-process generation from text or exact token ids."""
+"""``pdserve generate``: batched in-process generation from text or exact token ids, plain or in
+EAGLE rounds (``--draft``)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.engine_args import add_engine_args, add_tp_args, engine_config
+from cli.engine_args import add_draft_args, add_engine_args, add_tp_args, engine_config
 from cli.models import ensure_model
 from engine.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
 
+    from decode_node.spec.eagle_engine import EagleEngine
     from engine.inputs import ImageInput, VideoInput
-    from engine.llm_engine import GenerationResult
+    from engine.llm_engine import GenerationResult, LLMEngine
 
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -62,6 +64,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     add_engine_args(p)
     add_tp_args(p)
+    add_draft_args(p, decode=True)
 
 
 def _parse_ids(text: str, what: str) -> list[int]:
@@ -122,7 +125,7 @@ def run_generate(args: argparse.Namespace) -> int:
     """Generate for every prompt in one batch; print each result, then a throughput line
     (or one JSON object per prompt with ``--json``)."""
     from engine.generation_config import GenerationDefaults
-    from engine.llm_engine import LLMEngine, Prompt
+    from engine.llm_engine import Prompt
     from engine.request import SamplingParams
 
     model_dir = ensure_model(args.model)
@@ -144,20 +147,45 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed, ignore_eos=args.ignore_eos, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
     )
-    engine = LLMEngine(model_dir, engine_config(args))
+    engine, spec = _runner(model_dir, args)
     start = time.perf_counter()
     try:
-        results = engine.generate(prompts, sampling)
+        results = (spec or engine).generate(prompts, sampling)
     finally:
         engine.close()
     elapsed = time.perf_counter() - start
     for res in results:
-        print(json.dumps(_as_json(res)) if args.json else (res.text or str(res.token_ids)))
+        print(json.dumps(_as_json(res, spec)) if args.json else (res.text or str(res.token_ids)))
     if not args.json:
         total = sum(len(r.token_ids) for r in results)
+        rounds = (f"; EAGLE: {spec.stats.acceptance_length:.2f} tokens per round"
+                  if spec is not None else "")
         print(f"[{len(results)} prompts, {total} tokens in {elapsed:.2f}s: "
-              f"{total / max(elapsed, 1e-9):.1f} tokens/s]")
+              f"{total / max(elapsed, 1e-9):.1f} tokens/s{rounds}]")
     return 0
+
+
+def _runner(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, EagleEngine | None]:
+    """The engine, and with ``--draft`` the EAGLE rounds over it (the engine then looks ahead
+    as far as a round writes)."""
+    from dataclasses import replace
+
+    from decode_node.spec.eagle_engine import EagleEngine
+    from decode_node.spec.tree import TreeShape
+    from engine.llm_engine import LLMEngine
+
+    config = engine_config(args)
+    if args.draft is None:
+        return LLMEngine(model_dir, config), None
+    shape = TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # checks flags
+    engine = LLMEngine(model_dir, replace(config, lookahead_tokens=shape.lookahead),
+                       draft=Path(args.draft))
+    try:
+        return engine, EagleEngine(engine, engine.load_draft(), args.num_draft_tokens,
+                                   args.draft_topk, args.draft_steps)
+    except BaseException:
+        engine.close()
+        raise
 
 
 def _chat_texts(model_dir: Path, prompts: list[str], images: int, videos: int) -> list[str]:
@@ -169,8 +197,9 @@ def _chat_texts(model_dir: Path, prompts: list[str], images: int, videos: int) -
     return [template.render([user_message(t, images=images, videos=videos)]) for t in prompts]
 
 
-def _as_json(res: GenerationResult) -> dict[str, object]:
-    return {
+def _as_json(res: GenerationResult, spec: EagleEngine | None) -> dict[str, object]:
+    """One prompt's result; with ``--draft`` also its drafted and accepted tokens and rounds."""
+    out: dict[str, object] = {
         "request_id": res.request_id,
         "prompt_token_ids": res.prompt_token_ids,
         "token_ids": res.token_ids,
@@ -178,3 +207,9 @@ def _as_json(res: GenerationResult) -> dict[str, object]:
         "logprobs": res.logprobs,
         "finish_reason": res.finish_reason.value,
     }
+    if spec is not None:
+        stats = spec.request_stats.get(res.request_id)
+        out["drafted_tokens"] = stats.drafted if stats else 0
+        out["accepted_tokens"] = stats.accepted if stats else 0
+        out["rounds"] = stats.rounds if stats else 0
+    return out

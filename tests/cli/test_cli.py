@@ -151,6 +151,28 @@ def test_generate_without_model_uses_the_builtin_model(tmp_path: Path) -> None:
     assert not cache.exists()  # the shipped model is used in place: nothing written
 
 
+@pytest.mark.parametrize("shape", [("4", "1"), ("6", "2")], ids=["chain", "tree"])
+def test_generate_with_a_draft_equals_plain_and_reports_its_rounds(
+        tmp_path: Path, shape: tuple[str, str]) -> None:
+    builtin = REPO / "engine" / "builtin" / "tiny-qwen2-vl"
+    prompts = ["def heappop(heap):\n", "import os\n"]
+    args = [*prompts, "--json", "--max-new-tokens", "24", "--ignore-eos", "--temperature", "0"]
+    plain = json_lines(ok(pdserve(tmp_path, "generate", *args)))
+    spec = json_lines(ok(pdserve(tmp_path, "generate", *args, "--draft", str(builtin / "draft"),
+                                 "--num-draft-tokens", shape[0], "--draft-topk", shape[1])))
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    for row in spec:  # the bonus token and the accepted drafts of every round, the first token
+        assert row["accepted_tokens"] > 0 and row["drafted_tokens"] == int(shape[0]) * row[
+            "rounds"]
+        assert row["accepted_tokens"] + row["rounds"] + 1 >= 24
+    line = ok(pdserve(tmp_path, "generate", prompts[0], "--max-new-tokens", "8", "--draft",
+                      str(builtin / "draft"))).splitlines()[-1]
+    assert "tokens per round]" in line, line
+    bad = pdserve(tmp_path, "generate", "hi", "--draft", str(builtin / "draft"),
+                  "--num-draft-tokens", "0")
+    assert bad.returncode == 2 and "--num-draft-tokens must be at least 1" in bad.stderr
+
+
 def test_generate_chat_wraps_the_prompt_in_the_chat_format(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     out = ok(pdserve(cache, "generate", "--chat", "Write a function.", "--json",
