@@ -2,6 +2,11 @@
 
     python scripts/train_tiny.py --out engine/builtin/tiny-qwen2-vl [--seed 0] [--steps N]
         [--draft-kind eagle3|eagle] [--draft-prompts P] [--draft-steps M] [--threads 2]
+        [--draft-new-tokens T] [--target DIR]
+
+With ``--target DIR`` only the draft is trained, against the target of ``DIR`` (its weights and
+tokenizer, copied to ``--out`` unchanged; the settings must describe that target), and the
+target's own ``TRAINING.md`` is kept below the draft's.
 
 The corpus is the running interpreter's own standard library: the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]`` in sorted order (source and docstrings). Every
@@ -30,6 +35,7 @@ import ast
 import json
 import math
 import platform
+import shutil
 import sys
 import sysconfig
 import textwrap
@@ -46,6 +52,7 @@ from tiny_settings import Settings
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.chat import chat_prompt, chat_turn
+from engine.checkpoint import load_model
 from engine.config import ModelConfig
 from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict
 from engine.models.eagle3 import Draft
@@ -59,6 +66,8 @@ SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def pus
                   chat_prompt("Write a Python function fibonacci(n). Return the n-th Fibonacci "
                               "number."))
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+TARGET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+                "preprocessor_config.json")
 
 
 # ---- corpus and tokenizer --------------------------------------------------------------------
@@ -331,6 +340,12 @@ def write_checkpoint(out: Path, model: Qwen2VLModel, draft: Draft, draft_raw: di
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2) + "\n")
     tok.save(str(out / "tokenizer.json"))
+    write_draft(out, draft, draft_raw)
+
+
+def write_draft(out: Path, draft: Draft, draft_raw: dict[str, Any]) -> None:
+    """``out/draft/{model.safetensors, config.json}``."""
+    (out / "draft").mkdir(parents=True, exist_ok=True)
     dstate = {k: v.detach().contiguous() for k, v in draft.state_dict().items()}
     save_file(dstate, str(out / "draft" / "model.safetensors"), metadata={"format": "pt"})
     (out / "draft" / "config.json").write_text(json.dumps(draft_raw, indent=2) + "\n")
@@ -417,7 +432,7 @@ def make_draft(model: Qwen2VLModel, data: tuple[torch.Tensor, ...], raw: dict[st
     return draft, draft_raw, train_draft(draft, model, data, s)
 
 
-def parse_args() -> tuple[Path, Settings, bool]:
+def parse_args() -> tuple[Path, Settings, bool, Path | None]:
     d = Settings()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
@@ -435,47 +450,82 @@ def parse_args() -> tuple[Path, Settings, bool]:
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast for the matmuls")
     p.add_argument("--no-eval", action="store_true", help="skip the checks after training")
+    p.add_argument("--draft-new-tokens", type=int, default=d.draft_new_tokens,
+                   help="greedy tokens after each draft prompt (sets the positions it learns)")
+    p.add_argument("--target", type=Path, default=None, metavar="DIR",
+                   help="train only the draft, against this trained target (copied to --out)")
     a = p.parse_args()
     s = Settings(seed=a.seed, steps=a.steps, draft_steps=a.draft_steps, batch_size=a.batch_size,
                  hidden_size=a.hidden_size, num_layers=a.num_layers,
                  intermediate_size=a.intermediate_size, lr=a.lr, draft_batch=a.draft_batch,
                  threads=a.threads, bf16_autocast=a.bf16, draft_kind=a.draft_kind,
-                 draft_prompts=a.draft_prompts)
+                 draft_prompts=a.draft_prompts, draft_new_tokens=a.draft_new_tokens)
     if s.draft_kind == "eagle3" and max(s.draft_layers) >= s.num_layers:
         p.error(f"the EAGLE-3 draft fuses target layers {list(s.draft_layers)}, but "
                 f"--num-layers {s.num_layers} has layers 0..{s.num_layers - 1} "
                 "(use --draft-kind eagle, or more layers)")
-    return a.out, s, not a.no_eval
+    if a.target is not None and a.target.resolve() == a.out.resolve():
+        p.error("--out must differ from --target (the target's files are copied there)")
+    return a.out, s, not a.no_eval, a.target
+
+
+def trained_target(target: Path, s: Settings) -> tuple[Qwen2VLModel, Tokenizer, dict[str, Any]]:
+    """The target of ``target`` (weights, tokenizer, ``config.json``), refused unless the
+    settings describe it (the draft's shape follows them)."""
+    raw = json.loads((target / "config.json").read_text())
+    want, got = config_dict(s)["text_config"], raw["text_config"]
+    differ = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+    if differ:
+        raise SystemExit(f"--target {target}: its config differs from the settings "
+                         f"(key: (target, settings)): {differ}")
+    _, model = load_model(target)
+    return model, Tokenizer.from_file(str(target / "tokenizer.json")), raw
+
+
+def copy_target(target: Path, out: Path) -> None:
+    """The target's files into ``out`` (not its draft or report)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in TARGET_FILES:
+        shutil.copyfile(target / name, out / name)
 
 
 def main() -> None:
-    out, s, check = parse_args()
+    out, s, check, target = parse_args()
     command = "python " + " ".join(["scripts/train_tiny.py", *sys.argv[1:]])
     torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     train_files, held = split_files(stdlib_files())
     texts = [read_text(f) for f in train_files]
     t0, c0 = time.perf_counter(), time.process_time()
-    tok = train_tokenizer(texts, s.vocab_size)
+    if target is None:
+        tok = train_tokenizer(texts, s.vocab_size)
+    else:
+        model, tok, raw = trained_target(target, s)
     sep = special_token_ids(s.vocab_size)["<|endoftext|>"]
     chats = chat_examples(texts)
     stream = token_stream(tok, texts + chats, sep)
     print(f"{len(train_files)} training files, {len(chats)} chat examples, {len(held)} held out, "
           f"{len(stream)} tokens, "
           f"tokenizer {time.perf_counter() - t0:.1f}s", flush=True)
-    raw = config_dict(s)
-    model = Qwen2VLModel(ModelConfig.from_dict(raw))
-    init_weights(model, s.seed)
-    model.lm_head.weight = model.model.embed_tokens.weight
     t1 = time.perf_counter()
-    target_losses = train_target(model, stream, s)
+    target_losses: list[float] = []
+    if target is None:
+        raw = config_dict(s)
+        model = Qwen2VLModel(ModelConfig.from_dict(raw))
+        init_weights(model, s.seed)
+        model.lm_head.weight = model.model.embed_tokens.weight
+        target_losses = train_target(model, stream, s)
     t2 = time.perf_counter()
     model.requires_grad_(False)
     data = draft_data(model, stream, s)
     t3 = time.perf_counter()
     draft, draft_raw, draft_losses = make_draft(model, data, raw, s)
     t4 = time.perf_counter()
-    write_checkpoint(out, model, draft, draft_raw, tok, raw)
+    if target is None:
+        write_checkpoint(out, model, draft, draft_raw, tok, raw)
+    else:
+        copy_target(target, out)
+        write_draft(out, draft, draft_raw)
     facts: dict[str, Any] = {
         "python": platform.python_version(), "torch": torch.__version__,
         "stdlib": sysconfig.get_paths()["stdlib"],
@@ -484,7 +534,8 @@ def main() -> None:
         "seconds": {"target": round(t2 - t1, 1), "draft_data": round(t3 - t2, 1),
                     "draft": round(t4 - t3, 1), "total": round(t4 - t0, 1)},
         "cpu_seconds_total": round(time.process_time() - c0, 1),
-        "final_target_loss_avg20": round(sum(target_losses[-20:]) / 20, 3),
+        "final_target_loss_avg20": (round(sum(target_losses[-20:]) / 20, 3) if target_losses
+                                    else f"not trained: --target {target}"),
         "final_draft_loss_avg20": round(sum(draft_losses[-20:]) / 20, 3),
     }
     print(json.dumps(facts, indent=2), flush=True)
@@ -492,6 +543,11 @@ def main() -> None:
         facts["eval"] = evaluate(out, tok, held)
         print(json.dumps(facts["eval"], indent=2), flush=True)
     write_report(out, s, command, facts)
+    if target is not None:
+        with (out / "TRAINING.md").open("a") as f:
+            f.write("\n# The target: its own TRAINING.md\n\n"
+                    + (target / "TRAINING.md").read_text().replace("\n# ", "\n## ")
+                    .removeprefix("# "))
 
 
 if __name__ == "__main__":
