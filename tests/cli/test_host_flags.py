@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli.main import main
+from tests.cli.test_numeric_flags import refused_in_one_line
 
 CASES = [
     (["decode", "--host", "bad host"], "argument --host: 'bad host' is not a host name"),
@@ -27,13 +27,8 @@ CASES = [
 @pytest.mark.parametrize(("argv", "says"), CASES, ids=[" ".join(a[:3]) for a, _ in CASES])
 def test_malformed_hosts_are_one_line_naming_the_flag(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        status = main(argv)
-    except SystemExit as exc:  # argparse's own exit (OneLineParser.error)
-        status = int(exc.code or 0)
-    err = capsys.readouterr().err
-    assert status == 2
-    assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+    err = refused_in_one_line(argv, capsys)
+    assert says in err, err
 
 
 def test_bracketed_ipv6_worker_addresses_are_accepted() -> None:

@@ -62,10 +62,16 @@ def test_out_of_range_numbers_are_one_line_naming_the_flag(
         argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     if argv[0] == "client":
         argv = ["client", "--target", "127.0.0.1:1", *argv[1:]]
+    assert says in refused_in_one_line(argv, capsys)
+
+
+def refused_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """``pdserve ARGV``'s one ``error:`` line, checked to end the command with status 2."""
     try:
         status = main(argv)
     except SystemExit as exc:  # argparse's own exit (OneLineParser.error)
         status = int(exc.code or 0)
     err = capsys.readouterr().err
-    assert status == 2
-    assert err.count("\n") == 1 and err.startswith("error: ") and says in err, err
+    assert status == 2, err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
