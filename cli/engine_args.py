@@ -178,10 +178,15 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
                         "(default: --host, or this machine's address when --host is 0.0.0.0)")
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bind every interface: not an address for peers
+
+
 def advertise_host(args: argparse.Namespace) -> str:
+    """``--advertise-host``; else ``--host``, unless it is a wildcard: then this machine's
+    address."""
     if args.advertise_host:
         return str(args.advertise_host)
-    if args.host not in ("0.0.0.0", "::", ""):
+    if args.host not in WILDCARD_HOSTS:
         return str(args.host)
     return socket.gethostbyname(socket.gethostname())
 

@@ -5,6 +5,9 @@ address served and logged UNAVAILABLE for it every few seconds."""
 
 from __future__ import annotations
 
+import argparse
+import socket
+
 import pytest
 
 from tests.cli.test_numeric_flags import refused_in_one_line
@@ -35,3 +38,13 @@ def test_bracketed_ipv6_worker_addresses_are_accepted() -> None:
     from router.config import parse_addresses
 
     assert parse_addresses("[::1]:50051,dns:svc.ns:7") == ("[::1]:50051", "dns:svc.ns:7")
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::", "[::]"])
+def test_a_wildcard_host_advertises_this_machine(wildcard: str) -> None:
+    from cli.engine_args import advertise_host
+
+    here = socket.gethostbyname(socket.gethostname())
+    assert advertise_host(argparse.Namespace(host=wildcard, advertise_host=None)) == here
+    assert advertise_host(argparse.Namespace(host="10.1.2.3", advertise_host=None)) == "10.1.2.3"
+    assert advertise_host(argparse.Namespace(host=wildcard, advertise_host="node-1")) == "node-1"
