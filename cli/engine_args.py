@@ -175,7 +175,8 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "ascend"])
     p.add_argument("--advertise-host", type=host, default=None,
                    help="address peers use to reach this node's transfer engine and bootstrap "
-                        "(default: --host, or this machine's address when --host is 0.0.0.0)")
+                        "(default: --host, or this machine's address when --host is a wildcard: "
+                        "0.0.0.0, :: or [::])")
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bind every interface: not an address for peers
