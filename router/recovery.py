@@ -3,12 +3,15 @@ the decode compute it itself, or move the stream to another decode, so that the 
 uninterrupted stream.
 
 A failure is *recoverable* when it is the path's fault, not the request's: a worker call that
-ended ``UNAVAILABLE``, ``ABORTED``, ``INTERNAL``, ``UNKNOWN`` or ``DATA_LOSS`` (a transfer that
-failed or timed out, a worker that died or closed its stream early), while the request's own
-deadline has time left. Everything else ends the request with the failure's status, as before:
-the request's deadline (``DEADLINE_EXCEEDED``), a refusal of the request itself
-(``INVALID_ARGUMENT``, ``FAILED_PRECONDITION`` such as an unpaired draft), an overloaded worker
-(``RESOURCE_EXHAUSTED``: backpressure, with its retry hint, for the client), a credential refusal.
+ended ``UNAVAILABLE``, ``ABORTED``, ``INTERNAL``, ``UNKNOWN``, ``DATA_LOSS`` or ``CANCELLED`` (a
+transfer that failed or timed out, a worker that died, shut down or closed its stream early),
+while the request's own deadline has time left. ``CANCELLED`` is always the worker's side: the
+router's own cancels (a closed room, a client gone) end its calls with ``asyncio.CancelledError``,
+never with that status, and an aborted room is never recovered. Everything else ends the
+request with the failure's status, as before: the request's deadline (``DEADLINE_EXCEEDED``), a
+refusal of the request itself (``INVALID_ARGUMENT``, ``FAILED_PRECONDITION`` such as an unpaired
+draft), an overloaded worker (``RESOURCE_EXHAUSTED``: backpressure, with its retry hint, for the
+client), a credential refusal.
 
 Before the first token (the prompt's KV never arrived, or a worker died meanwhile),
 ``--kv-failure-policy`` decides:
@@ -42,7 +45,7 @@ from router.errors import WorkerFailure
 
 RECOVERABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED,
                          grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-                         grpc.StatusCode.DATA_LOSS})
+                         grpc.StatusCode.DATA_LOSS, grpc.StatusCode.CANCELLED})
 
 
 class KVFailurePolicy(str, enum.Enum):

@@ -62,6 +62,71 @@ def test_refusals_and_deadlines_end_the_request(code: grpc.StatusCode) -> None:
     assert rec.next_step(WorkerFailure(code, "x", blame="decode"), 3, False, None) is None
 
 
+def test_a_call_the_worker_cancelled_is_recovered() -> None:
+    """A worker's side ended the call CANCELLED (seen once in a fresh-clone run: a prefill
+    whose TP rank died ended itself, and the router handed the client that CANCELLED)."""
+    cancelled = WorkerFailure(grpc.StatusCode.CANCELLED, "prefill worker p:1: CANCELLED",
+                              blame="prefill")
+    rec = Recovery(RecoveryConfig())
+    assert rec.next_step(cancelled, 0, False, None) is Step.PREFILL
+    assert rec.next_step(cancelled, 4, False, None) is Step.FAILOVER
+
+
+def test_the_routers_own_cancels_never_reach_recovery() -> None:
+    """Recovering ``CANCELLED`` relies on this: a call the router cancels (``call.cancel()``, a
+    cancelled task, a closed channel) raises ``asyncio.CancelledError`` in the router, never an
+    ``AioRpcError`` with that status. Checked against a real server on loopback."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    class Slow(health_pb2_grpc.HealthServicer):
+        async def Check(self, request: Any, context: Any) -> Any:  # noqa: N802
+            await asyncio.sleep(30)
+
+        async def Watch(self, request: Any, context: Any) -> Any:  # noqa: N802
+            yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+            await asyncio.sleep(30)
+
+    async def outcome(call: Any, stream: bool) -> str:
+        try:
+            if stream:
+                async for _ in call:
+                    pass
+            else:
+                await call
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+        except asyncio.CancelledError:
+            return "CancelledError"
+        return "ended"
+
+    async def main() -> list[str]:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(Slow(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        got = []
+        try:
+            for stream in (False, True):
+                channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+                stub = health_pb2_grpc.HealthStub(channel)
+                req = health_pb2.HealthCheckRequest()
+                call = stub.Watch(req) if stream else stub.Check(req)
+                task = asyncio.create_task(outcome(call, stream))
+                await asyncio.sleep(0.2)
+                call.cancel()
+                got.append(await asyncio.wait_for(task, 5))
+                call = stub.Watch(req) if stream else stub.Check(req)
+                task = asyncio.create_task(outcome(call, stream))
+                await asyncio.sleep(0.2)
+                await channel.close()
+                got.append(await asyncio.wait_for(task, 5))
+        finally:
+            await server.stop(0)
+        return got
+
+    assert asyncio.run(main()) == ["CancelledError"] * 4
+
+
 def test_an_expired_deadline_ends_the_request() -> None:
     rec = Recovery(RecoveryConfig())
     assert rec.next_step(DOWN, 0, False, 0.0) is None
