@@ -73,9 +73,11 @@ def test_a_call_the_worker_cancelled_is_recovered() -> None:
 
 
 def test_the_routers_own_cancels_never_reach_recovery() -> None:
-    """Recovering ``CANCELLED`` relies on this: a call the router cancels (``call.cancel()``, a
-    cancelled task, a closed channel) raises ``asyncio.CancelledError`` in the router, never an
-    ``AioRpcError`` with that status. Checked against a real server on loopback."""
+    """Recovering ``CANCELLED`` relies on this: a call the router cancels (``call.cancel()``, as
+    closing a room does, or by closing its channel; a cancelled task raises CancelledError by
+    asyncio's own rule) raises ``asyncio.CancelledError`` in the router, never an
+    ``AioRpcError`` with that status. Checked against a real server on loopback, unary and
+    streaming calls."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     class Slow(health_pb2_grpc.HealthServicer):
