@@ -22,9 +22,9 @@ import torch
 
 from bench.host_time import measure_host_time
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine, Prompt
-from engine.request import SamplingParams
 from engine.tiny_model import write_tiny_model
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
 
 
 @dataclass(frozen=True)

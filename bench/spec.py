@@ -28,9 +28,9 @@ import torch
 from decode_node.spec.eagle_engine import EagleEngine, SpecStats
 from decode_node.spec.tree import TreeShape
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
-from engine.request import SamplingParams
 from engine.stdlib_corpus import heldout_prompts
 from engine.tiny_model import write_tiny_draft, write_tiny_model
 from engine.tokenizer import Tokenizer

@@ -124,9 +124,9 @@ def _load_patches(
 def run_generate(args: argparse.Namespace) -> int:
     """Generate for every prompt in one batch; print each result, then a throughput line
     (or one JSON object per prompt with ``--json``)."""
+    from engine.core.request import SamplingParams
     from engine.generation_config import GenerationDefaults
     from engine.llm_engine import Prompt
-    from engine.request import SamplingParams
 
     model_dir = ensure_model(args.model)
     images = _images(args)

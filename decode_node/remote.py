@@ -7,7 +7,7 @@ A remote room moves through:
   pages its prefix-cache hit brings); then its prompt pages are taken and sent to the prefill as
   the room's destination.
 
-  Delta transfer: with the engine's prefix cache (``engine/prefix_cache.py``) the room first
+  Delta transfer: with the engine's prefix cache (``engine/core/prefix_cache.py``) the room first
   looks up the longest cached prefix of its prompt here and pins those pages
   (``RemoteRoom.cached``); the destination then covers only the pages after them and tells the
   prefill how many it holds (``Destination.cached_pages``), so their KV is never sent. At
@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.core.request import FinishReason, Request
 from engine.inputs import RequestState
 from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, Request
 from engine.sampling import make_generator
 from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.errors import TransferError

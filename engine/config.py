@@ -297,7 +297,7 @@ class EngineConfig:
     # first stage holds its share only and runs through prefill_node.pipeline.first_runner
     layers: range | None = None
     # reuse the KV of full pages of earlier prompts with the same prefix (tokens and images);
-    # see engine/prefix_cache.py
+    # see engine/core/prefix_cache.py
     enable_prefix_cache: bool = True
     # tensor-parallel ranks, one process each (engine/tp_driver.py): this one is rank 0 and
     # starts the others; 1 runs the whole model here. Each rank's KV pool holds its own key/value

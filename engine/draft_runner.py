@@ -22,14 +22,14 @@ import torch
 
 from engine.attention import AttentionBatch
 from engine.attention_select import make_attention
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
 from engine.errors import ConfigError
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepForward
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
 from engine.tp_driver import TPDriver
 from engine.tp_messages import Command
 
@@ -117,7 +117,7 @@ class DraftRunner(DraftHead):
         if cache is not None:
             # the draft's KV shares the target's page ids, and a block's last draft row depends
             # on the token after the block: key blocks by it too, so a hit skips the draft's
-            # compute with the draft KV it would have written (engine/prefix_cache.py)
+            # compute with the draft KV it would have written (engine/core/prefix_cache.py)
             cache.set_draft_mode(True)
 
     def pools(self) -> list[KVPool]:

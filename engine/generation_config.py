@@ -1,6 +1,6 @@
 """A checkpoint's ``generation_config.json``: the sampling defaults its authors ship.
 
-Only the values that map onto :class:`engine.request.SamplingParams` are read: ``temperature``,
+Only the values that map onto :class:`engine.core.request.SamplingParams` are read: ``temperature``,
 ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens`` and ``do_sample``.
 ``do_sample: false`` means greedy (default temperature 0, whatever ``temperature`` says, as in
 transformers); otherwise a given ``temperature`` is the default (as vLLM and SGLang read it).

@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionBatch
+from engine.core.request import Request
+from engine.core.scheduler import ScheduledItem
 from engine.inputs import RequestState
-from engine.request import Request
-from engine.scheduler import ScheduledItem
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
                  np.dtype(np.float32): torch.float32}

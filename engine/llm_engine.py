@@ -17,6 +17,10 @@ from engine.attention import AttentionBackend
 from engine.attention_select import backend_name, make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
+from engine.core.page_allocator import PageAllocator
+from engine.core.prefix_cache import PrefixCache
+from engine.core.request import FinishReason, Request, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.decode_graphs import DecodeGraphs
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidRequestError
@@ -34,13 +38,9 @@ from engine.models.eagle import load_draft
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import num_image_tokens
-from engine.page_allocator import PageAllocator
 from engine.parallel import SINGLE
 from engine.penalties import apply_penalties
-from engine.prefix_cache import PrefixCache
-from engine.request import FinishReason, Request, SamplingParams
 from engine.sampling import Sampler, make_generator
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenizer import Tokenizer
 from engine.tp_driver import TPDriver
 from engine.tp_rank import RankAttach

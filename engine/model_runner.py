@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, AttentionBatch
+from engine.core.scheduler import ScheduledItem, SchedulerOutput
 from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.inputs import RequestState
 from engine.kv_cache import move_kv
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
-from engine.scheduler import ScheduledItem, SchedulerOutput
 from engine.tp_driver import TPDriver
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams
 
 
 class TokenHistory:

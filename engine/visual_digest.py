@@ -2,7 +2,7 @@
 
 Two prompts with the same token ids (placeholders included) but different images must never
 share KV, so every visual input adds a digest of its content to the key of the block holding its
-first placeholder token (``engine/prefix_cache.py`` chains it into every later block). The
+first placeholder token (``engine/core/prefix_cache.py`` chains it into every later block). The
 digest covers what the KV depends on: the kind, the grid, a video's seconds per temporal patch
 (its mrope positions) and the patch values (their bytes, so equal floats hash equal and any
 change in any patch changes it).

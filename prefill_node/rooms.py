@@ -8,7 +8,7 @@ joins the scheduler. After each step the pages its chunk completed are pushed; t
 pushes the rest and finishes the transfer. Only then does ``Scheduler.update`` finish the
 request and free its pages: a page is never reused while a write from it may be in flight.
 
-A prefix-cache hit (``engine/prefix_cache.py``) makes the first chunk start past the cached
+A prefix-cache hit (``engine/core/prefix_cache.py``) makes the first chunk start past the cached
 pages, which hold valid KV and are pushed with it; the bootstrap server drops the pages the
 decode holds already (``Destination.cached_pages``).
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from engine.core.request import Request
+from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
 from transfer.aux import AuxRow
 from transfer.bootstrap_prefill import PrefillBootstrapServer
 from transfer.status import KVPoll

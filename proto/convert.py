@@ -17,7 +17,7 @@ class ConversionError(ValueError):
 
 
 def sampling_kwargs(msg: pb.SamplingParams, default_max_new_tokens: int) -> dict[str, Any]:
-    """Keyword arguments of ``engine.request.SamplingParams`` from the wire message; an unset
+    """Keyword arguments of ``engine.core.request.SamplingParams`` from the wire message; an unset
     optional field takes the engine's default (the router has filled in the checkpoint's)."""
     out: dict[str, Any] = {
         "top_p": float(msg.top_p) if msg.top_p else 1.0,

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.chat_template import ChatTemplate
+from engine.core.request import MAX_SEED
 from engine.errors import InvalidRequestError
-from engine.request import MAX_SEED
 from proto.pdserve.v1 import generate_pb2 as gpb
 
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg")

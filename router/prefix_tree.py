@@ -2,8 +2,8 @@
 
 A worker caches KV by pages of ``block_tokens`` tokens (its page size), block ``k`` of a sequence
 holding tokens ``[k * B, (k + 1) * B)`` and keyed by everything before it
-(``engine/prefix_cache.py``). The trie has one node per cached block: a child of the node of the
-block before it, under the block's token ids. :meth:`PrefixTree.match` walks a prompt's full
+(``engine/core/prefix_cache.py``). The trie has one node per cached block: a child of the node of
+the block before it, under the block's token ids. :meth:`PrefixTree.match` walks a prompt's full
 blocks from the root and says how many of its tokens the worker has cached.
 
 Two ways to fill it:

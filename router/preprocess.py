@@ -15,6 +15,7 @@ from pathlib import Path
 
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
+from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.generation_config import GenerationDefaults
 from engine.image_processor import (
@@ -26,7 +27,6 @@ from engine.image_processor import (
     validate_patches,
 )
 from engine.mrope import rope_index
-from engine.request import SamplingParams
 from engine.tokenizer import Tokenizer
 from engine.video_processor import (
     VideoProcessorConfig,

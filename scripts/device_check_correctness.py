@@ -36,8 +36,8 @@ from device_check_models import (
 
 from engine.builtin import builtin_model_dir
 from engine.chat import chat_prompt
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.request import SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
 FP32_TOKENS = 24

@@ -28,8 +28,8 @@ from device_check_context import Context
 from device_check_models import hf_load
 from safetensors.torch import save_file
 
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 QWEN2_VL_2B_TEXT: dict[str, Any] = {

@@ -356,9 +356,9 @@ def evaluate(out: Path, tok: Tokenizer, held: list[Path], k: int = 4,
     """Engine samples, the transformers cross-check and EAGLE acceptance on held-out prompts."""
     from decode_node.spec.eagle_engine import EagleEngine
     from engine.config import EngineConfig
+    from engine.core.request import SamplingParams
     from engine.llm_engine import LLMEngine, Prompt
     from engine.models.eagle import load_draft
-    from engine.request import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine = LLMEngine(out, EngineConfig(num_pages=1024, page_size=16))

@@ -1,7 +1,7 @@
 """A worker's prefix-cache events for the router: the ``SubscribeKvEvents`` stream of both worker
 services (see ``KvEventBatch`` in ``proto/pdserve/v1/worker.proto``).
 
-:class:`KvEventHub` is the cache's listener (``engine.prefix_cache.CacheListener``). On the
+:class:`KvEventHub` is the cache's listener (``engine.core.prefix_cache.CacheListener``). On the
 engine thread, under the loop lock, it numbers each change, applies it to a mirror of the cached
 blocks (id -> parent id and tokens: a few dozen bytes per cached page) and appends it to every
 subscriber's queue; nothing else happens there (no protobuf, one wake-up per subscriber until it

@@ -49,6 +49,8 @@ from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import TreeShape
 from decode_node.spec.tree_round import TreeRounds
 from engine.attention import AttentionBatch
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import SchedulerOutput
 from engine.draft_runner import DraftRunner
 from engine.input_batch import to_device
 from engine.inputs import RequestState
@@ -56,9 +58,7 @@ from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle3 import Draft
 from engine.mrope import mrope_from_1d
 from engine.penalties import chain_scores
-from engine.request import Request, SamplingParams
 from engine.sampling import sampling_probs
-from engine.scheduler import SchedulerOutput
 
 # (phase, request ids per row, 1-D positions [T], mrope positions [3, T]) of every forward
 PositionLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]

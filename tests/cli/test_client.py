@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.request import SamplingParams
 from tests.cluster.harness import ROOT, Node, _env, running
 
 pytestmark = pytest.mark.slow

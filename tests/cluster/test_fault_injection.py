@@ -23,8 +23,8 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.request import SamplingParams
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from tests.cluster.harness import Node

@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.request import SamplingParams
 from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc, generate_pb2_grpc
 from tests.cluster.harness import Node
 from tests.cluster.stats import assert_all_idle, get_stats

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.mrope import num_image_tokens
-from engine.request import SamplingParams
 from engine.video_processor import VideoProcessorConfig, process_video
 from proto.convert import patches_message
 from proto.pdserve.v1 import generate_pb2 as gpb

@@ -15,11 +15,11 @@ from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.attention import AttentionBatch, TorchPagedAttention
 from engine.config import EngineConfig, ModelConfig
+from engine.core.request import SamplingParams
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Eagle3Draft
-from engine.request import SamplingParams
 from engine.tiny_model import (
     tiny_config_dict,
     write_tiny_eagle3_draft,

@@ -17,11 +17,11 @@ from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
 from engine.attention import tree_key_mask
 from engine.config import EngineConfig
+from engine.core.request import Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
 from engine.mrope import rope_index
 from engine.penalties import chain_scores, tree_scores
-from engine.request import Request, SamplingParams
 
 SHAPES = [(4, 2, 3), (6, 3, 2), (3, 1, 5)]  # (num_draft_tokens, topk, steps)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from decode_node.loop import TokenEvent
 from decode_node.service import merge_events
-from engine.request import FinishReason
+from engine.core.request import FinishReason
 
 
 def test_every_message_carries_the_counts_so_far() -> None:

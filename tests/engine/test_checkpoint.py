@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
+from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError
 from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
-from engine.request import SamplingParams
 from engine.tiny_model import write_tiny_model
 from tests.conftest import HF_SPECIAL, write_hf_checkpoint
 

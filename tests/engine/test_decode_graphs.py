@@ -11,10 +11,10 @@ import torch
 
 from engine.attention import AttentionBatch
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.cuda_graph import GraphCache, capture_sizes_for
 from engine.decode_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine, Prompt, decode_graphs_for
-from engine.request import SamplingParams
 from tests.engine.test_generation_vs_transformers import cases, reference, text
 
 

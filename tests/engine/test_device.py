@@ -19,6 +19,7 @@ import torch
 
 from cli.engine_args import DTYPE_CHOICES as CLI_DTYPE_CHOICES
 from engine.config import EngineConfig, VisionConfig
+from engine.core.request import SamplingParams
 from engine.device import (
     DTYPE_CHOICES,
     DTYPES,
@@ -31,7 +32,6 @@ from engine.errors import ConfigError, DeviceError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.layers import MropeRotary
 from engine.models.vision import VisionTower
-from engine.request import SamplingParams
 from tests.engine.test_generation_vs_transformers import cases
 
 CPU = torch.device("cpu")

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.attention import AttentionBatch, TorchPagedAttention
 from engine.config import EngineConfig, ModelConfig
+from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
 from engine.inputs import ImageInput
 from engine.kv_cache import KVPool
@@ -34,7 +35,6 @@ from engine.models.eagle import (
     draft_config_dict,
     load_draft,
 )
-from engine.request import SamplingParams
 from engine.tiny_model import tiny_config_dict, write_tiny_model
 
 TARGET_RAW = tiny_config_dict()

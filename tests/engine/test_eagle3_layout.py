@@ -23,13 +23,13 @@ from test_draft_layouts import forward_twice, realigned
 
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.config import EngineConfig, ModelConfig
+from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import Eagle3Spec, draft_config_dict, load_draft
 from engine.models.eagle3 import Eagle3Draft
 from engine.models.eagle3_layout import eagle3_config
 from engine.models.eagle_layouts import eagle_layout
-from engine.request import SamplingParams
 from engine.tiny_model import random_vocab_map, tiny_config_dict, write_tiny_model
 
 TARGET_RAW = tiny_config_dict()

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.page_allocator import PageAllocator
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.input_batch import InputBatch, StepInputs, packed_copy, to_device, token_positions
 from engine.inputs import RequestState
 from engine.kv_cache import slot_of
 from engine.llm_engine import LLMEngine
-from engine.page_allocator import PageAllocator
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tiny_model import write_tiny_model
 
 PS = 4

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import sampling
+from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.request import SamplingParams
 from engine.sampling import Sampler, make_generator
 
 V = 64

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.errors import ConfigError, TensorParallelError
 from engine.llm_engine import LLMEngine, Prompt
-from engine.request import SamplingParams
 from tests.engine.test_generation_vs_transformers import NEW_TOKENS, cases, reference
 
 pytestmark = pytest.mark.slow  # each test starts a rank's process (5-10 s a test)

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.draft_runner import DraftRunner
 from engine.inputs import ImageInput, RequestState
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
-from engine.request import SamplingParams
 from engine.tiny_model import (
     tiny_config_dict,
     write_tiny_draft,

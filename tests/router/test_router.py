@@ -21,8 +21,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from PIL import Image
 
 from engine.config import EngineConfig
+from engine.core.request import SamplingParams
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
-from engine.request import SamplingParams
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb

@@ -192,8 +192,8 @@ def _wait(cond, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def
 def test_real_prefill_and_decode_behind_router_equal_engine(tiny_dir: Path) -> None:
     """1P1D real processes (Mooncake over loopback) behind the router, against the engine."""
     from engine.config import EngineConfig
+    from engine.core.request import SamplingParams
     from engine.llm_engine import LLMEngine, Prompt
-    from engine.request import SamplingParams
     from tests.cluster.harness import running
     from tests.router.test_router import png
 

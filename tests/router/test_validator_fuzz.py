@@ -22,10 +22,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from engine.core.request import MAX_TEMPERATURE
 from engine.errors import InvalidRequestError
 from engine.image_processor import num_image_tokens
 from engine.mrope import rope_index
-from engine.request import MAX_TEMPERATURE
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
 

@@ -1,4 +1,4 @@
-"""Prefix-cache events (engine/prefix_cache.py's listener, serving/kv_events.py's fan-out): a
+"""Prefix-cache events (engine/core/prefix_cache.py's listener, serving/kv_events.py's fan-out): a
 stream starts with a snapshot, then carries each store, eviction and clear in order; a
 subscriber that falls behind is resynced with a snapshot; the router's tree built from the
 stream (router/kv_events.py) matches what the cache holds."""
@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.page_allocator import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.request import Request
+from engine.core.page_allocator import PageAllocator
+from engine.core.prefix_cache import PrefixCache
+from engine.core.request import Request
 from proto.pdserve.v1 import worker_pb2 as wpb
 from router.kv_events import SequenceGap, apply_events
 from router.prefix_tree import EventTree

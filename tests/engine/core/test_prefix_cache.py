@@ -1,4 +1,4 @@
-"""The prefix cache (engine/prefix_cache.py): greedy output is the same with it on and off, a
+"""The prefix cache (engine/core/prefix_cache.py): greedy output is the same with it on and off, a
 hit skips exactly the cached full blocks, images are part of the key, eviction under pressure
 leaks nothing, aborts leave shared pages to their other holders, EAGLE reuses draft KV only
 where it is the KV the draft would have written. Oracles: the engine with the cache off, and
@@ -16,13 +16,13 @@ from cli.engine_args import engine_config
 from cli.generate import add_generate_args
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.config import EngineConfig
+from engine.core.page_allocator import PageAllocator
+from engine.core.prefix_cache import PrefixCache
+from engine.core.request import Request, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.models.eagle import load_draft
-from engine.page_allocator import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tiny_model import write_tiny_draft
 from engine.visual_digest import visual_digest
 from tests.engine.test_generation_vs_transformers import image, image_block, reference, text

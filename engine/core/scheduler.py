@@ -17,7 +17,7 @@ number of pages running requests may still need. A request is admitted only if
     tokens:    [ computed .......... | chunk ]   (schedule() allocates pages covering the chunk)
     worst:     ceil((prompt + max_new_tokens) / page_size) pages, reserved at admission
 
-Prefix cache (``engine/prefix_cache.py``, optional): admission first looks up the longest
+Prefix cache (``engine/core/prefix_cache.py``, optional): admission first looks up the longest
 cached prefix of a fresh request's prompt; the request takes those pages (one reference each)
 and starts with ``num_computed_tokens`` at the cached length. Cached pages no request holds are
 *evictable*, and the scheduler counts ``available = allocator.num_free + evictable``: admission
@@ -40,10 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.core.page_allocator import PageAllocator
+from engine.core.prefix_cache import PrefixCache
+from engine.core.request import FinishReason, Request
 from engine.errors import InvalidRequestError
-from engine.page_allocator import PageAllocator
-from engine.prefix_cache import PrefixCache
-from engine.request import FinishReason, Request
 
 
 @dataclass(frozen=True)

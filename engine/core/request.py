@@ -168,7 +168,7 @@ class Request:
     ``history`` is the token history of a request with penalties (``engine.penalties`` makes it
     on first use). ``visual_keys`` are ``(first placeholder index, content digest)`` of each
     image and video in prompt order (``engine.visual_digest``); with ``prefix_state`` (the
-    prefix cache's cursor) they are the prefix cache's (``engine.prefix_cache``). Requests
+    prefix cache's cursor) they are the prefix cache's (``engine.core.prefix_cache``). Requests
     compare by identity.
     """
 

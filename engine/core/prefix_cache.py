@@ -19,10 +19,10 @@ mode* (EAGLE, :meth:`PrefixCache.set_draft_mode`): the draft model's KV lives in
 which ``next`` adds to the key: a hit then skips the draft's compute exactly as it skips the
 target's, and the reused draft KV is the KV the draft would have written.
 
-Reference counts (``engine/page_allocator.py``). The cache holds exactly one allocator reference
-on each cached page; each request holds one on each page in its ``page_ids``. A cached page is
-*evictable* iff the cache's reference is its only one (refcount 1); evictable pages sit in an
-LRU order, least recently released first (a request's tail blocks before its head blocks, so an
+Reference counts (``engine/core/page_allocator.py``). The cache holds exactly one allocator
+reference on each cached page; each request holds one on each page in its ``page_ids``. A cached
+page is *evictable* iff the cache's reference is its only one (refcount 1); evictable pages sit in
+an LRU order, least recently released first (a request's tail blocks before its head blocks, so an
 eviction seldom cuts a chain in the middle). Evicting drops the cache's reference, which frees
 the page. So pages fall into three sets, disjoint: free, held by requests (possibly cached too),
 and cached-only (evictable); the scheduler counts ``free + evictable`` as available.
@@ -46,8 +46,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.page_allocator import PageAllocator
-from engine.request import Request
+from engine.core.page_allocator import PageAllocator
+from engine.core.request import Request
 
 BlockKey = tuple[bytes, int]  # (chain hash, next token or -1)
 NO_NEXT = -1

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core.page_allocator import PageAllocator
 from engine.errors import OutOfPagesError
-from engine.page_allocator import PageAllocator
 
 
 def test_fresh_allocator_hands_out_lowest_contiguous_run() -> None:

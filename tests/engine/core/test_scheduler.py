@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.core.page_allocator import PageAllocator
+from engine.core.request import FinishReason, Request, SamplingParams
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.errors import InvalidRequestError
-from engine.page_allocator import PageAllocator
-from engine.request import FinishReason, Request, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 _ids = itertools.count()
 
