@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from transfer.blocks import as_page_list, build_blocks, contiguous_runs
 from transfer.layers import pair_entries
 from transfer.messages import Registration

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from bench.transfer import HOST, Shape, _pages
-from engine.kv_cache import KVPool
-from engine.kv_staging import HeadLandingBuffer, HeadStagingBuffer
+from engine.kv.pool import KVPool
+from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
 from transfer.heads import HeadLayout, landing_slices, plan_head_copies
 from transfer.messages import Registration
 from transfer.mooncake import MooncakeKVManager

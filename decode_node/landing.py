@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from decode_node.rank_landing import RankLandingAgent
-from engine.kv_cache import KVPool
-from engine.kv_staging import HeadLandingBuffer
+from engine.kv.pool import KVPool
+from engine.kv.staging import HeadLandingBuffer
 from transfer.base import KVManager
 from transfer.errors import HeadLayoutError
 from transfer.heads import HeadLayout, landing_slices, receivers

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from engine.kv_cache import BufferInfo, KVPool
-from engine.kv_staging import HeadLandingBuffer
+from engine.kv.pool import BufferInfo, KVPool
+from engine.kv.staging import HeadLandingBuffer
 from transfer.base import KVManager
 from transfer.errors import MessageError, TransferError
 from transfer.local_agent import AgentLink, AgentServer

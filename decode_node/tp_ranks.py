@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from decode_node.rank_landing import LandingAgent, RankLandingAgent
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from serving.process_exit import keep_until_exit
 from transfer.bootstrap import ModelIdentity
 from transfer.errors import MessageError, TransferError

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 from engine.attention import AttentionBackend, TorchPagedAttention
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 
 
 def backend_name(pool: KVPool) -> str:

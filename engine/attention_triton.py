@@ -18,7 +18,7 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionBatch
 from engine.kernels.paged_attention import decode_attention, extend_attention
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 
 _TARGET_PROGRAMS = 128  # decode programs (sequence x kv head x split) worth filling a GPU
 

@@ -25,7 +25,7 @@ from engine.attention_select import make_attention
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import ConfigError
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import StepForward
 from engine.models.eagle3 import Draft

@@ -32,7 +32,7 @@ from engine.image_processor import (
     validate_patches,
 )
 from engine.inputs import ImageInput, RequestState, VideoInput, build_state
-from engine.kv_cache import KVPool, pages_for_budget
+from engine.kv.pool import KVPool, pages_for_budget
 from engine.model_runner import ModelRunner, StepForward
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Draft

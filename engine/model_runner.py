@@ -20,7 +20,7 @@ from engine.core.scheduler import ScheduledItem, SchedulerOutput
 from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.inputs import RequestState
-from engine.kv_cache import move_kv
+from engine.kv.pool import move_kv
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
 from engine.tp_driver import TPDriver
@@ -106,7 +106,7 @@ class ModelRunner:
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the target K/V of slots ``src`` ``[M]`` to ``dst`` ``[M]`` (int64, on the pool's
-        device), in every rank's pool (:func:`engine.kv_cache.move_kv`)."""
+        device), in every rank's pool (:func:`engine.kv.pool.move_kv`)."""
         if self.peers is not None:
             self.peers.move_kv(src, dst)
         move_kv(self.attn.pool, src, dst)

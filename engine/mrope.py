@@ -12,7 +12,7 @@ verify, draft extend) sits at ``n + delta`` on all three axes, where ``n`` is it
 
 :func:`mrope_from_1d` is the one function that turns the final 1-D position tensor of a forward
 into mrope positions; its column count always equals the number of tokens in the forward. The KV
-slot of a token is a separate value (``engine.kv_cache.slot_of``), never derived from positions.
+slot of a token is a separate value (``engine.kv.pool.slot_of``), never derived from positions.
 """
 
 from __future__ import annotations

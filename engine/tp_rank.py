@@ -35,7 +35,7 @@ from engine.attention_select import make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import KVPool, move_kv
+from engine.kv.pool import KVPool, move_kv
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from engine.config import TextConfig
 from engine.device import dtype_name
-from engine.kv_cache import KVPool
-from engine.kv_staging import HeadStagingBuffer
+from engine.kv.pool import KVPool
+from engine.kv.staging import HeadStagingBuffer
 from serving.process_exit import keep_until_exit
 from transfer.base import KVManager
 from transfer.errors import TransferError

@@ -15,7 +15,7 @@ import torch
 from device_check_context import Context
 
 from engine.attention import AttentionBatch, TorchPagedAttention
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 
 HEADS, KV_HEADS, DIM, PAGE = 12, 2, 128, 16
 NUM_PAGES = 4096

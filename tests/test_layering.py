@@ -3,7 +3,7 @@
 Every ``.py`` file under the top-level packages is parsed; every ``import`` counts, wherever it
 sits: at module level, inside a function, or under ``if TYPE_CHECKING:``. A rule may allow an
 arrow *only* under ``TYPE_CHECKING`` (annotations need the type, the running code does not):
-``transfer/`` naming ``engine.kv_cache.BufferInfo`` this way is the house convention. Each broken
+``transfer/`` naming ``engine.kv.pool.BufferInfo`` this way is the house convention. Each broken
 arrow is reported as ``file:line imported.module (where)`` under the rule it breaks.
 
 Import cycles are looked for among the imports that run when a module is loaded (module level,
@@ -89,11 +89,11 @@ RULES = (
     Rule("the scheduler core and the engine types import no torch (not even through another "
          "module)",
          sources=(*SCHEDULER_CORE, *ENGINE_TYPES), forbidden=("torch",), transitive=True),
-    Rule("transfer imports no model code: from engine only engine.errors (engine.kv_cache under "
+    Rule("transfer imports no model code: from engine only engine.errors (engine.kv.pool under "
          "TYPE_CHECKING); no proto, serving, nodes, router, cli, bench, deploy",
          sources=("transfer",),
          forbidden=("engine", "proto", "serving", *NODES, "router", "cli", "bench", "deploy"),
-         allowed=("engine.errors",), types_only=("engine.kv_cache",)),
+         allowed=("engine.errors",), types_only=("engine.kv.pool",)),
     Rule("proto imports only grpc, protobuf, numpy and engine types",
          sources=("proto",), forbidden=(ANY_NON_STDLIB,),
          allowed=("proto", "grpc", "google.protobuf", "numpy", *ENGINE_TYPES)),
@@ -346,9 +346,9 @@ def test_the_checker_reports_arrows_and_cycles(tmp_path: Path) -> None:
         "engine/d.py": "def f():\n    from engine import a\n",
         "transfer/__init__.py": "",
         "transfer/base.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                            "    from engine.kv_cache import BufferInfo\n"
+                            "    from engine.kv.pool import BufferInfo\n"
                             "from engine.errors import EngineError\nimport grpc\n",
-        "transfer/bad.py": "from engine.kv_cache import BufferInfo\n",
+        "transfer/bad.py": "from engine.kv.pool import BufferInfo\n",
         "proto/__init__.py": "",
         "proto/convert.py": "import os\nimport numpy\nfrom engine.errors import E\nimport torch\n",
     })
@@ -357,7 +357,7 @@ def test_the_checker_reports_arrows_and_cycles(tmp_path: Path) -> None:
     assert broken == {
         RULES[0].text: ["engine/a.py:4 transfer.base (under TYPE_CHECKING)"],
         RULES[1].text: ["engine/helper.py:2 torch (in a function)"],
-        RULES[2].text: ["transfer/bad.py:1 engine.kv_cache (at module level)"],
+        RULES[2].text: ["transfer/bad.py:1 engine.kv.pool (at module level)"],
         RULES[3].text: ["proto/convert.py:4 torch (at module level)"],
     }
     assert cycles(imports) == [["engine.a", "engine.b", "engine.c", "engine.a"]]

@@ -40,7 +40,7 @@ from transfer.staged_send import send_staged
 from transfer.staging import HeadStaging
 
 if TYPE_CHECKING:
-    from engine.kv_cache import BufferInfo
+    from engine.kv.pool import BufferInfo
 
 
 @dataclass(frozen=True)

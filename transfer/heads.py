@@ -23,7 +23,7 @@ Pages stay token-major, ``[page_size, heads_local, head_dim]``: a slice of heads
   page, and writes one block per run of destination pages, as many blocks as equal TP;
 - the source rank holds exactly the slice but the destination rank holds more heads
   (``HeadCopy.lands``: the destination's TP is smaller, several source ranks fill one page):
-  when the destination registered a landing buffer (``engine.kv_staging.HeadLandingBuffer``:
+  when the destination registered a landing buffer (``engine.kv.staging.HeadLandingBuffer``:
   per incoming slice, pool-shaped entries of that slice's heads, :func:`landing_slices`), the
   source writes whole pages into its slice's landing entries, the plain page copy, and the
   destination scatters them into its pool pages once they arrived;

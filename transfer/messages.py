@@ -206,7 +206,7 @@ class LandingReply:
 class ScatterOrder:
     """Rank 0 of a tensor-parallel decode to another rank: scatter landing pages of buffer
     ``landing_id`` into pool ``pages`` (``slot`` -1: every slot; ``layer_ids`` empty: every
-    layer), as :meth:`engine.kv_staging.HeadLandingBuffer.scatter`."""
+    layer), as :meth:`engine.kv.staging.HeadLandingBuffer.scatter`."""
 
     landing_id: int
     landing_pages: list[int]

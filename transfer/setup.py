@@ -11,7 +11,7 @@ from transfer.errors import TransferError
 from transfer.staging import HeadStaging
 
 if TYPE_CHECKING:
-    from engine.kv_cache import BufferInfo
+    from engine.kv.pool import BufferInfo
 
 BACKENDS = ("mooncake", "ascend")
 

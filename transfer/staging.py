@@ -2,7 +2,7 @@
 landing buffer a destination rank takes whole slice pages into (:mod:`transfer.heads`).
 
 The transfer layer moves bytes by address and never touches tensors; the owner of the KV pool
-provides the staging buffer and the gather (``engine.kv_staging.HeadStagingBuffer`` does it with
+provides the staging buffer and the gather (``engine.kv.staging.HeadStagingBuffer`` does it with
 torch, on the pool's device). The manager registers the buffer once, with its KV entries.
 
 Layout of one gather of ``m`` pages at byte ``offset`` of the buffer: entry-major, then page,
@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.kv_cache import BufferInfo
+    from engine.kv.pool import BufferInfo
 
 
 class HeadStaging(Protocol):

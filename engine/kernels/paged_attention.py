@@ -1,6 +1,6 @@
 """Triton kernels of paged attention: K/V are read through the page table, never gathered.
 
-Layout (see :mod:`engine.kv_cache`): a layer's K or V buffer is ``[num_pages, page_size,
+Layout (see :mod:`engine.kv.pool`): a layer's K or V buffer is ``[num_pages, page_size,
 kv_heads, D]``; key ``n`` of sequence ``b`` lives at slot ``page_table[b, n // page_size] *
 page_size + n % page_size``. Query ``i`` of sequence ``b`` (``q_len`` new tokens on top of
 ``kv_len - q_len`` cached ones) sees keys ``0 .. kv_len - q_len + i``.

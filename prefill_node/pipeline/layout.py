@@ -27,7 +27,7 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.draft_runner import DraftHead
-from engine.kv_cache import KVPool, pages_for_budget
+from engine.kv.pool import KVPool, pages_for_budget
 from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.parallel import SINGLE

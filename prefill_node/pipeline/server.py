@@ -31,7 +31,7 @@ from pathlib import Path
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import KVPool, pages_for_budget
+from engine.kv.pool import KVPool, pages_for_budget
 from engine.llm_engine import LLMEngine
 from prefill_node.kv_transfer import (
     PrefillRankTransfer,

@@ -16,7 +16,7 @@ from decode_node.spec.tree import TreeShape
 from engine.attention import AttentionBatch, TorchPagedAttention
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Eagle3Draft

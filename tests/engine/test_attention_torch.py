@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBatch, TorchPagedAttention
-from engine.kv_cache import KVPool, slot_of
+from engine.kv.pool import KVPool, slot_of
 
 PS, PAGES, HEADS, KV_HEADS, DIM = 4, 32, 4, 2, 8
 

@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.attention import AttentionBatch, TorchPagedAttention  # noqa: E402
-from engine.kv_cache import KVPool, slot_of  # noqa: E402
+from engine.kv.pool import KVPool, slot_of  # noqa: E402
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)

@@ -26,7 +26,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
 from engine.inputs import ImageInput
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import (
     VARIANT_DEFAULTS,

@@ -21,7 +21,7 @@ from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.input_batch import InputBatch, StepInputs, packed_copy, to_device, token_positions
 from engine.inputs import RequestState
-from engine.kv_cache import slot_of
+from engine.kv.pool import slot_of
 from engine.llm_engine import LLMEngine
 from engine.tiny_model import write_tiny_model
 

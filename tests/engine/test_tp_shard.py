@@ -18,7 +18,7 @@ from engine.checkpoint import load_model
 from engine.config import ModelConfig, TextConfig
 from engine.draft_runner import DraftHead
 from engine.errors import ConfigError
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
 from engine.parallel import TPGroup

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from engine.errors import TensorParallelError
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine
 from engine.tiny_model import write_random_draft
 from prefill_node.pipeline import service

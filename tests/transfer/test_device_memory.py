@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.kv_cache import BufferInfo, KVPool
+from engine.kv.pool import BufferInfo, KVPool
 from transfer import memory
 from transfer.ascend import ASCEND_ALIGN, AscendKVManager, merge_aligned_ranges
 from transfer.aux import AuxBuffer

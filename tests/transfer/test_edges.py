@@ -24,7 +24,7 @@ import pytest
 import torch
 from xfer_peer import FreeList, Node, Spec
 
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from transfer.aux import AuxRow
 from transfer.bootstrap import BootstrapConfig, ModelIdentity
 from transfer.bootstrap_decode import DecodeBootstrapClient

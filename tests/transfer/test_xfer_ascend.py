@@ -8,7 +8,7 @@ import pytest
 import torch
 from xfer_peer import Node, Peer, Spec
 
-from engine.kv_cache import KVPool
+from engine.kv.pool import KVPool
 from transfer.ascend import ASCEND_ALIGN, AscendKVManager, merge_aligned_ranges
 from transfer.aux import AuxBuffer
 from transfer.errors import BackendUnavailableError, LayerPairingError

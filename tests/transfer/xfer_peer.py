@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from engine.kv_cache import KVPool
-from engine.kv_staging import HeadLandingBuffer, HeadStagingBuffer
+from engine.kv.pool import KVPool
+from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
 from serving.process_exit import exit_process, keep_until_exit
 from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer

@@ -15,14 +15,14 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from engine.kv_cache import BufferInfo
+from engine.kv.pool import BufferInfo
 
 
 class HeadStagingBuffer:
     """``nbytes`` bytes on the entries' device, filled by :meth:`gather`.
 
     ``entries`` are the KV entries in transfer order, each ``[num_pages, page_size, heads,
-    head_dim]`` of one dtype and device (a pool's :meth:`~engine.kv_cache.KVPool.entries`).
+    head_dim]`` of one dtype and device (a pool's :meth:`~engine.kv.pool.KVPool.entries`).
     """
 
     def __init__(self, entries: Sequence[torch.Tensor], nbytes: int) -> None:

@@ -1,4 +1,4 @@
-"""The head staging and landing buffers (``engine/kv_staging.py``) against plain tensor
+"""The head staging and landing buffers (``engine/kv/staging.py``) against plain tensor
 indexing: a gather is the slice of the pages, a scatter puts every slot's landed pages into its
 heads, of every entry or only the entries of the layers asked for, and leaves the rest alone."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import KVPool
-from engine.kv_staging import HeadLandingBuffer, HeadStagingBuffer
+from engine.kv.pool import KVPool
+from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
 
 PAGES, PAGE, HEADS, DIM = 6, 4, 4, 2
 
