@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionBatch
+from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.cuda_graph import GraphCache, capture_sizes_for
 from engine.models.qwen2_vl import Qwen2VLModel
 

@@ -20,8 +20,8 @@ from contextlib import nullcontext
 
 import torch
 
-from engine.attention import AttentionBatch
-from engine.attention_select import make_attention
+from engine.attention.backend import AttentionBatch
+from engine.attention.select import make_attention
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import ConfigError

@@ -40,7 +40,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from engine.attention import AttentionBatch
+from engine.attention.backend import AttentionBatch
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledItem
 from engine.inputs import RequestState

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionBackend
-from engine.attention_select import backend_name, make_attention
+from engine.attention.backend import AttentionBackend
+from engine.attention.select import backend_name, make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.core.page_allocator import PageAllocator

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionBatch
+from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.core.scheduler import ScheduledItem, SchedulerOutput
 from engine.decode_graphs import DecodeGraphs
 from engine.input_batch import InputBatch

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionBatch
+from engine.attention.backend import AttentionBatch
 from engine.config import EngineConfig
 from engine.device import resolve_device
 from engine.errors import TensorParallelError

@@ -22,7 +22,7 @@ from enum import IntEnum
 
 import torch
 
-from engine.attention import AttentionBatch
+from engine.attention.backend import AttentionBatch
 
 _HEADER = struct.Struct("<8q")
 

@@ -30,8 +30,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine.attention import AttentionBackend
-from engine.attention_select import make_attention
+from engine.attention.backend import AttentionBackend
+from engine.attention.select import make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype

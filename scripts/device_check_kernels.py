@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from device_check_context import Context
 
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention.backend import AttentionBatch, TorchPagedAttention
 from engine.kv.pool import KVPool
 
 HEADS, KV_HEADS, DIM, PAGE = 12, 2, 128, 16
@@ -52,10 +52,10 @@ def check_kernels(ctx: Context, res: dict[str, Any]) -> None:
     """Triton vs torch attention on ``ctx.device`` for every batch and dtype."""
     if not ctx.device.startswith("cuda"):
         res["ok"] = True
-        res["summary"] = ("not run off CUDA: tests/engine/test_attention_triton.py checks the "
-                          "same kernels on the CPU under TRITON_INTERPRET=1")
+        res["summary"] = ("not run off CUDA: tests/engine/attention/test_attention_triton.py "
+                          "checks the same kernels on the CPU under TRITON_INTERPRET=1")
         return
-    from engine.attention_triton import TritonPagedAttention
+    from engine.attention.triton_backend import TritonPagedAttention
 
     results = {}
     for dtype in (torch.float32, torch.bfloat16):

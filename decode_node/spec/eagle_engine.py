@@ -48,7 +48,7 @@ from decode_node.spec.accept import accept_greedy, accept_sampled
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import TreeShape
 from decode_node.spec.tree_round import TreeRounds
-from engine.attention import AttentionBatch
+from engine.attention.backend import AttentionBatch
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import SchedulerOutput
 from engine.draft_runner import DraftRunner

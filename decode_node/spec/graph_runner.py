@@ -32,8 +32,8 @@ import torch
 
 from decode_node.spec.fill import fill_draft_extend_prepare_buffers
 from decode_node.spec.graph_buffers import SpecGraphBuffers
-from engine.attention import AttentionBatch
-from engine.attention_select import backend_name
+from engine.attention.backend import AttentionBatch
+from engine.attention.select import backend_name
 from engine.core.request import Request
 from engine.cuda_graph import DEFAULT_CAPTURE_SIZES, GraphCache, capture_sizes_for
 from engine.draft_runner import DraftRunner

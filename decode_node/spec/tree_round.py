@@ -33,7 +33,7 @@ import torch
 from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
-from engine.attention import AttentionBatch
+from engine.attention.backend import AttentionBatch
 from engine.draft_runner import DraftRunner
 from engine.input_batch import to_device
 from engine.inputs import RequestState

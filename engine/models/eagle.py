@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention.backend import AttentionBackend
 from engine.config import TextConfig, text_config_from_dict
 from engine.errors import CheckpointError, ConfigError
 from engine.models.layers import MropeRotary, RMSNorm

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention.backend import AttentionBackend
 from engine.config import TextConfig
 from engine.errors import CheckpointError
 from engine.models.eagle import DraftConfig, EagleDraft

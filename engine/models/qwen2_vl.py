@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig, TextConfig
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
 from engine.models.vision import Grid, VisionTower

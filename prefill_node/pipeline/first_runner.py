@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention import AttentionBackend
+from engine.attention.backend import AttentionBackend
 from engine.core.scheduler import SchedulerOutput
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import AttentionBatch
-from engine.attention_select import make_attention
+from engine.attention.backend import AttentionBatch
+from engine.attention.select import make_attention
 from engine.core.page_allocator import OutOfPagesError, PageAllocator
 from engine.core.request import SamplingParams
 from engine.draft_runner import draft_row_ids

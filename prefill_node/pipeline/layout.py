@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionBatch
+from engine.attention.backend import AttentionBatch
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype

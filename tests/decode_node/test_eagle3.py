@@ -13,7 +13,7 @@ from test_eagle import GREEDY, PROMPTS, image_prompt
 
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention.backend import AttentionBatch, TorchPagedAttention
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.kv.pool import KVPool

@@ -15,7 +15,7 @@ import decode_node.spec.tree_round as tree_round
 from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
-from engine.attention import tree_key_mask
+from engine.attention.backend import tree_key_mask
 from engine.config import EngineConfig
 from engine.core.request import Request, SamplingParams
 from engine.llm_engine import LLMEngine

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionBatch
+from engine.attention.backend import AttentionBatch
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.cuda_graph import GraphCache, capture_sizes_for

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from decode_node.spec.eagle_engine import EagleEngine
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention.backend import AttentionBatch, TorchPagedAttention
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention.backend import AttentionBatch, TorchPagedAttention
 from engine.checkpoint import load_model
 from engine.config import ModelConfig, TextConfig
 from engine.draft_runner import DraftHead

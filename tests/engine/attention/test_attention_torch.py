@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBatch, TorchPagedAttention
+from engine.attention.backend import AttentionBatch, TorchPagedAttention
 from engine.kv.pool import KVPool, slot_of
 
 PS, PAGES, HEADS, KV_HEADS, DIM = 4, 32, 4, 2, 8

@@ -16,7 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from engine.attention import AttentionBatch, TorchPagedAttention  # noqa: E402
+from engine.attention.backend import AttentionBatch, TorchPagedAttention  # noqa: E402
 from engine.kv.pool import KVPool, slot_of  # noqa: E402
 
 if importlib.util.find_spec("triton") is None:
@@ -24,7 +24,7 @@ if importlib.util.find_spec("triton") is None:
 if os.environ["TRITON_INTERPRET"] != "1":
     pytest.skip("needs TRITON_INTERPRET=1 to run Triton on CPU", allow_module_level=True)
 
-from engine.attention_triton import TritonPagedAttention, decode_splits  # noqa: E402
+from engine.attention.triton_backend import TritonPagedAttention, decode_splits  # noqa: E402
 
 NUM_PAGES = 64
 LAYERS = 2

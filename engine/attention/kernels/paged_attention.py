@@ -205,7 +205,8 @@ def _check_device(q: torch.Tensor) -> None:
     if q.device.type != "cuda" and not _INTERPRETED:
         raise RuntimeError(
             f"Triton paged attention needs CUDA tensors (got {q.device}), or TRITON_INTERPRET=1 "
-            "set before engine.kernels.paged_attention is imported; use TorchPagedAttention"
+            "set before engine.attention.kernels.paged_attention is imported; use "
+            "TorchPagedAttention"
         )
 
 

@@ -1,7 +1,7 @@
-"""Paged attention with Triton kernels (:mod:`engine.kernels.paged_attention`), for CUDA.
+"""Paged attention with Triton kernels (:mod:`engine.attention.kernels.paged_attention`), for CUDA.
 
-Same contract as :class:`engine.attention.TorchPagedAttention`: ``forward`` writes the new K/V
-at the batch's slots, then attends causally (or under the batch's tree mask, through the extend
+Same contract as :class:`engine.attention.backend.TorchPagedAttention`: ``forward`` writes the new
+K/V at the batch's slots, then attends causally (or under the batch's tree mask, through the extend
 kernel) through the page table. Importing this module needs ``triton``; on CPU tensors the
 kernels run only under ``TRITON_INTERPRET=1``.
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionBatch
-from engine.kernels.paged_attention import decode_attention, extend_attention
+from engine.attention.backend import AttentionBackend, AttentionBatch
+from engine.attention.kernels.paged_attention import decode_attention, extend_attention
 from engine.kv.pool import KVPool
 
 _TARGET_PROGRAMS = 128  # decode programs (sequence x kv head x split) worth filling a GPU
