@@ -21,7 +21,6 @@ from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import FinishReason, Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.decode_graphs import DecodeGraphs
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidRequestError
 from engine.image_processor import (
@@ -33,13 +32,14 @@ from engine.image_processor import (
 )
 from engine.inputs import ImageInput, RequestState, VideoInput, build_state
 from engine.kv.pool import KVPool, pages_for_budget
-from engine.model_runner import ModelRunner, StepForward
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import num_image_tokens
 from engine.parallel import SINGLE
 from engine.penalties import apply_penalties
+from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.model_runner import ModelRunner, StepForward
 from engine.sampling import Sampler, make_generator
 from engine.tokenizer import Tokenizer
 from engine.tp_driver import TPDriver

@@ -50,7 +50,8 @@ class TPDriver:
     model with :attr:`group`, then :meth:`connect`. ``attach``: run in every other rank's
     process once its pools exist (:data:`engine.tp_rank.RankAttach`); what each returned is in
     :attr:`payloads` after :meth:`connect`. ``draft``: an EAGLE draft directory, whose layer
-    every rank holds its share of (rank 0 loads its own, :class:`engine.draft_runner.DraftHead`)."""
+    every rank holds its share of (rank 0 loads its own,
+    :class:`engine.runner.draft_runner.DraftHead`)."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, num_pages: int,
                  attach: RankAttach | None = None, draft: str | Path | None = None) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
-from engine.draft_runner import DraftRunner
 from engine.llm_engine import LLMEngine
+from engine.runner.draft_runner import DraftRunner
 from prefill_node.kv_transfer import (
     PrefillRankTransfer,
     prefill_heads,

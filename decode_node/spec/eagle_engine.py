@@ -51,13 +51,13 @@ from decode_node.spec.tree_round import TreeRounds
 from engine.attention.backend import AttentionBatch
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import SchedulerOutput
-from engine.draft_runner import DraftRunner
-from engine.input_batch import to_device
 from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle3 import Draft
 from engine.mrope import mrope_from_1d
 from engine.penalties import chain_scores
+from engine.runner.draft_runner import DraftRunner
+from engine.runner.input_batch import to_device
 from engine.sampling import sampling_probs
 
 # (phase, request ids per row, 1-D positions [T], mrope positions [3, T]) of every forward

@@ -9,8 +9,8 @@ replay never sees positions of an earlier round.
 Padded rows: ``N`` tokens at position 0 whose K/V go to the engine's scratch page (never handed
 to a request), attention over ``N`` keys of that page, outputs discarded. On CUDA with graphs on
 (and the Triton attention, whose launches never depend on the keys' count) each forward is
-captured once per padded size (:class:`engine.cuda_graph.GraphCache`) and replayed; on CPU and
-NPU it runs eagerly on the same buffers, which is what lets the padding logic be tested here.
+captured once per padded size (:class:`engine.runner.cuda_graph.GraphCache`) and replayed; on CPU
+and NPU it runs eagerly on the same buffers, which is what lets the padding logic be tested here.
 The attention lengths and page tables live in static buffers of this runner, refilled before
 every forward like the token buffers; so does a draft tree's verify mask (``[bs, N, N]``, node
 ``q`` sees node ``w`` iff ``w`` is ``q`` or its ancestor; padded rows causal), whose verify
@@ -18,8 +18,8 @@ positions are ``S + depth`` (the caller's ``RoundInputs.positions``).
 
 A round's per-request inputs (:class:`RoundInputs`: the verify window's positions and KV slots,
 the padded page tables, mrope deltas) are gathered once per round from the engine runner's
-persistent batch (:class:`engine.input_batch.InputBatch`) with array operations, and reach the
-buffers' device in one copy; the verify and the draft extend of the round share them.
+persistent batch (:class:`engine.runner.input_batch.InputBatch`) with array operations, and reach
+the buffers' device in one copy; the verify and the draft extend of the round share them.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from decode_node.spec.graph_buffers import SpecGraphBuffers
 from engine.attention.backend import AttentionBatch
 from engine.attention.select import backend_name
 from engine.core.request import Request
-from engine.cuda_graph import DEFAULT_CAPTURE_SIZES, GraphCache, capture_sizes_for
-from engine.draft_runner import DraftRunner
-from engine.input_batch import to_device
 from engine.llm_engine import LLMEngine
+from engine.runner.cuda_graph import DEFAULT_CAPTURE_SIZES, GraphCache, capture_sizes_for
+from engine.runner.draft_runner import DraftRunner
+from engine.runner.input_batch import to_device
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ on its tokens and visual grids up to ``i``.
 
 The dictionary key of a cached block is ``(chain(k), next)``. ``next`` is -1, except in *draft
 mode* (EAGLE, :meth:`PrefixCache.set_draft_mode`): the draft model's KV lives in the same page ids
-(``engine/draft_runner.py``), and its row ``p`` pairs the target feature of ``p`` with token
+(``engine/runner/draft_runner.py``), and its row ``p`` pairs the target feature of ``p`` with token
 ``p + 1``. The draft KV of a block's last row therefore depends on the token after the block,
 which ``next`` adds to the key: a hit then skips the draft's compute exactly as it skips the
 target's, and the reused draft KV is the KV the draft would have written.

@@ -30,7 +30,7 @@ cached-only (evictable) rather than free.
 
 Batch rows: admission also gives a request a free row in ``[0, max_num_seqs)``
 (``Request.batch_row``), the index of its state in the model runner's persistent batch
-(``engine/input_batch.py``); finishing or aborting it returns the row. So the rows held are
+(``engine/runner/input_batch.py``); finishing or aborting it returns the row. So the rows held are
 exactly the running requests' rows, and a row is reused only after its last holder finished.
 
 No torch here.

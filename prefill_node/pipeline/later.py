@@ -28,9 +28,9 @@ from engine.attention.backend import AttentionBatch
 from engine.attention.select import make_attention
 from engine.core.page_allocator import OutOfPagesError, PageAllocator
 from engine.core.request import SamplingParams
-from engine.draft_runner import draft_row_ids
-from engine.input_batch import to_device, token_positions
 from engine.penalties import TokenHistory, penalize
+from engine.runner.draft_runner import draft_row_ids
+from engine.runner.input_batch import to_device, token_positions
 from engine.sampling import Sampler, make_generator
 from prefill_node.pipeline.aux_layers import carried, merge_aux, pack_aux, unpack_aux
 from prefill_node.pipeline.layout import LaterStageModel

@@ -26,11 +26,11 @@ from engine.attention.backend import AttentionBatch
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
-from engine.draft_runner import DraftHead
 from engine.kv.pool import KVPool, pages_for_budget
 from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.parallel import SINGLE
+from engine.runner.draft_runner import DraftHead
 from engine.tp_driver import TPDriver
 from engine.tp_rank import RankAttach
 from engine.tp_shard import TextShard

@@ -20,9 +20,9 @@ from test_eagle import GREEDY, PROMPTS, write_oracle_pair
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.config import EngineConfig
-from engine.draft_runner import DraftRunner
 from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
+from engine.runner.draft_runner import DraftRunner
 from tests.eagle3_pair import write_eagle3_model
 
 pytestmark = pytest.mark.slow  # each test starts a rank's process

@@ -1,7 +1,7 @@
 """The last stage of a two-stage prefill with the EAGLE draft, in-process (no transfer): fed
 the first stage's hidden states chunk by chunk, it writes the same draft KV into the pages it
 pushes, and puts the same first token and last-row feature in the aux row, as a whole-model
-prefill with the draft (``engine/draft_runner.py``), for text and image prompts batched
+prefill with the draft (``engine/runner/draft_runner.py``), for text and image prompts batched
 together, with an EAGLE-1/2 draft and an EAGLE-3 one (whose target layers lie on both stages). A
 room announced without its prompt ids fails there, naming why."""
 
@@ -18,11 +18,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.draft_runner import DraftRunner
 from engine.inputs import ImageInput, RequestState
 from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
+from engine.runner.draft_runner import DraftRunner
 from engine.tiny_model import (
     tiny_config_dict,
     write_tiny_draft,

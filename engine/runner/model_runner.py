@@ -1,7 +1,7 @@
 """Turns one scheduler step into one model forward and returns the logits to sample from.
 
 Per step it gathers, for the flat batch of ``T`` scheduled tokens, from the persistent batch
-(:class:`engine.input_batch.InputBatch`, rows given by the scheduler): token ids ``[T]``, the
+(:class:`engine.runner.input_batch.InputBatch`, rows given by the scheduler): token ids ``[T]``, the
 1-D positions ``[T]`` (absolute token index), the KV slots ``[T]`` and the page tables; then the
 mrope positions ``[3, T]`` derived from the positions (the prompt's rope table for prompt tokens
 of image and video requests) and the attention batch. Python work per step is O(items), never
@@ -17,12 +17,12 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.core.scheduler import ScheduledItem, SchedulerOutput
-from engine.decode_graphs import DecodeGraphs
-from engine.input_batch import InputBatch
 from engine.inputs import RequestState
 from engine.kv.pool import move_kv
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import mrope_from_1d
+from engine.runner.decode_graphs import DecodeGraphs
+from engine.runner.input_batch import InputBatch
 from engine.tp_driver import TPDriver
 
 

@@ -12,9 +12,9 @@ import torch
 from engine.attention.backend import AttentionBatch
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.cuda_graph import GraphCache, capture_sizes_for
-from engine.decode_graphs import DecodeGraphs
 from engine.llm_engine import LLMEngine, Prompt, decode_graphs_for
+from engine.runner.cuda_graph import GraphCache, capture_sizes_for
+from engine.runner.decode_graphs import DecodeGraphs
 from tests.engine.test_generation_vs_transformers import cases, reference, text
 
 

@@ -1,4 +1,4 @@
-"""The persistent batch (engine/input_batch.py) and the scheduler's batch rows.
+"""The persistent batch (engine/runner/input_batch.py) and the scheduler's batch rows.
 
 Every gathered value is checked against its definition computed the slow way from the requests
 themselves: token ids from ``all_token_ids``, slots through ``kv_cache.slot_of`` (the one place a
@@ -19,10 +19,16 @@ from engine.config import EngineConfig
 from engine.core.page_allocator import PageAllocator
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.input_batch import InputBatch, StepInputs, packed_copy, to_device, token_positions
 from engine.inputs import RequestState
 from engine.kv.pool import slot_of
 from engine.llm_engine import LLMEngine
+from engine.runner.input_batch import (
+    InputBatch,
+    StepInputs,
+    packed_copy,
+    to_device,
+    token_positions,
+)
 from engine.tiny_model import write_tiny_model
 
 PS = 4

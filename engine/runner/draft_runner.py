@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,12 +27,14 @@ from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import ConfigError
 from engine.kv.pool import KVPool
-from engine.llm_engine import LLMEngine
-from engine.model_runner import StepForward
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
+from engine.runner.model_runner import StepForward
 from engine.tp_driver import TPDriver
 from engine.tp_messages import Command
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine  # the engine a draft runs beside (above this room)
 
 
 def draft_row_ids(prompt: Sequence[int], start: int, num_tokens: int,

@@ -4,7 +4,7 @@ The live batch of ``B`` sequences is copied into the first rows of the buffers a
 next captured size ``bs``: padded rows are token 0 at position 0 whose K/V go to the engine's
 scratch page (``pad_page``, never handed to a request) and attend to that one key; their outputs
 are dropped. The forward reads only the buffers, so on CUDA it is captured once per size
-(:class:`~engine.cuda_graph.GraphCache`) and replayed with new lengths, pages and positions.
+(:class:`~engine.runner.cuda_graph.GraphCache`) and replayed with new lengths, pages and positions.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
-from engine.cuda_graph import GraphCache, capture_sizes_for
 from engine.models.qwen2_vl import Qwen2VLModel
+from engine.runner.cuda_graph import GraphCache, capture_sizes_for
 
 
 class DecodeGraphs:
