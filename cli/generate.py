@@ -125,8 +125,8 @@ def run_generate(args: argparse.Namespace) -> int:
     """Generate for every prompt in one batch; print each result, then a throughput line
     (or one JSON object per prompt with ``--json``)."""
     from engine.core.request import SamplingParams
-    from engine.generation_config import GenerationDefaults
     from engine.llm_engine import Prompt
+    from engine.sampling.generation_config import GenerationDefaults
 
     model_dir = ensure_model(args.model)
     images = _images(args)

@@ -41,7 +41,7 @@ import torch
 from engine.core.request import FinishReason, Request
 from engine.inputs import RequestState
 from engine.llm_engine import LLMEngine
-from engine.sampling import make_generator
+from engine.sampling.sampler import make_generator
 from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.errors import TransferError
 from transfer.status import KVPoll

@@ -37,10 +37,10 @@ from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.mrope import num_image_tokens
 from engine.parallel import SINGLE
-from engine.penalties import apply_penalties
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, StepForward
-from engine.sampling import Sampler, make_generator
+from engine.sampling.penalties import apply_penalties
+from engine.sampling.sampler import Sampler, make_generator
 from engine.tokenizer import Tokenizer
 from engine.tp_driver import TPDriver
 from engine.tp_rank import RankAttach

@@ -17,7 +17,6 @@ from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.generation_config import GenerationDefaults
 from engine.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
@@ -27,6 +26,7 @@ from engine.image_processor import (
     validate_patches,
 )
 from engine.mrope import rope_index
+from engine.sampling.generation_config import GenerationDefaults
 from engine.tokenizer import Tokenizer
 from engine.video_processor import (
     VideoProcessorConfig,

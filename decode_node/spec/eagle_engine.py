@@ -55,10 +55,10 @@ from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle3 import Draft
 from engine.mrope import mrope_from_1d
-from engine.penalties import chain_scores
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
-from engine.sampling import sampling_probs
+from engine.sampling.penalties import chain_scores
+from engine.sampling.sampler import sampling_probs
 
 # (phase, request ids per row, 1-D positions [T], mrope positions [3, T]) of every forward
 PositionLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]

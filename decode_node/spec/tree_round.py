@@ -37,10 +37,10 @@ from engine.attention.backend import AttentionBatch
 from engine.inputs import RequestState
 from engine.llm_engine import LLMEngine
 from engine.mrope import mrope_from_1d
-from engine.penalties import tree_scores
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
-from engine.sampling import sampling_probs
+from engine.sampling.penalties import tree_scores
+from engine.sampling.sampler import sampling_probs
 
 # (phase, request ids per row, mrope positions [3, T], 1-D positions [T])
 RowLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]

@@ -165,9 +165,9 @@ class Request:
         at admission, taken back when it finishes or is aborted), -1 otherwise.
 
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
-    ``history`` is the token history of a request with penalties (``engine.penalties`` makes it
-    on first use). ``visual_keys`` are ``(first placeholder index, content digest)`` of each
-    image and video in prompt order (``engine.visual_digest``); with ``prefix_state`` (the
+    ``history`` is the token history of a request with penalties (``engine.sampling.penalties``
+    makes it on first use). ``visual_keys`` are ``(first placeholder index, content digest)`` of
+    each image and video in prompt order (``engine.visual_digest``); with ``prefix_state`` (the
     prefix cache's cursor) they are the prefix cache's (``engine.core.prefix_cache``). Requests
     compare by identity.
     """

@@ -28,10 +28,10 @@ from engine.attention.backend import AttentionBatch
 from engine.attention.select import make_attention
 from engine.core.page_allocator import OutOfPagesError, PageAllocator
 from engine.core.request import SamplingParams
-from engine.penalties import TokenHistory, penalize
 from engine.runner.draft_runner import draft_row_ids
 from engine.runner.input_batch import to_device, token_positions
-from engine.sampling import Sampler, make_generator
+from engine.sampling.penalties import TokenHistory, penalize
+from engine.sampling.sampler import Sampler, make_generator
 from prefill_node.pipeline.aux_layers import carried, merge_aux, pack_aux, unpack_aux
 from prefill_node.pipeline.layout import LaterStageModel
 from prefill_node.pipeline.link import NextStageLink, pack_step_tensors, unpack_step_tensors

@@ -15,7 +15,7 @@ from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.inputs import build_state
 from engine.llm_engine import LLMEngine, Prompt
-from engine.penalties import TokenHistory
+from engine.sampling.penalties import TokenHistory
 from tests.engine.test_generation_vs_transformers import IMG, VS, image, image_block, text
 
 PROMPT = [(j * 29) % 500 for j in range(23)]

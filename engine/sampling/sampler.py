@@ -1,9 +1,9 @@
 """Token sampling: greedy, temperature, top-k, top-p and min-p, with per-request generators.
 
 Tokens are chosen from ``scores``: the raw logits with the request's penalties applied
-(:mod:`engine.penalties`; the raw logits themselves when there are none). Greedy rows take the
-argmax of the scores; other rows divide them by the temperature and apply top-k, then top-p, then
-min-p (the order and rules of :class:`engine.core.request.SamplingParams`). The returned
+(:mod:`engine.sampling.penalties`; the raw logits themselves when there are none). Greedy rows take
+the argmax of the scores; other rows divide them by the temperature and apply top-k, then top-p,
+then min-p (the order and rules of :class:`engine.core.request.SamplingParams`). The returned
 log-probability of each chosen token is always under the model's own distribution
 (``log_softmax`` of the raw logits at temperature 1), whatever penalties or filters picked it:
 it is what the model thinks of the text, comparable across requests and settings. Rows with a

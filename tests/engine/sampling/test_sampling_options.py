@@ -18,9 +18,9 @@ import torch
 from decode_node.spec.accept import accept_greedy, accept_sampled
 from engine.core.request import Request, SamplingParams
 from engine.errors import ConfigError, InvalidRequestError
-from engine.generation_config import GenerationDefaults
-from engine.penalties import apply_penalties, chain_scores, history_of
-from engine.sampling import Sampler, make_generator, sampling_probs
+from engine.sampling.generation_config import GenerationDefaults
+from engine.sampling.penalties import apply_penalties, chain_scores, history_of
+from engine.sampling.sampler import Sampler, make_generator, sampling_probs
 from engine.tokenizer import Tokenizer
 from proto.convert import sampling_kwargs, sampling_message
 from proto.pdserve.v1 import generate_pb2 as gpb

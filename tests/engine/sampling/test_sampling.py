@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import sampling
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.sampling import Sampler, make_generator
+from engine.sampling import sampler as sampling
+from engine.sampling.sampler import Sampler, make_generator
 
 V = 64
 
