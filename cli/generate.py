@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     import torch
 
     from decode_node.spec.eagle_engine import EagleEngine
-    from engine.inputs import ImageInput, VideoInput
     from engine.llm_engine import GenerationResult, LLMEngine
+    from engine.multimodal.inputs import ImageInput, VideoInput
 
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -76,7 +76,7 @@ def _parse_ids(text: str, what: str) -> list[int]:
 
 
 def _images(args: argparse.Namespace) -> list[bytes | ImageInput]:
-    from engine.inputs import ImageInput
+    from engine.multimodal.inputs import ImageInput
 
     if len(args.image_patches) != len(args.image_grid):
         raise InvalidRequestError("give one --image-grid for each --image-patches")
@@ -88,7 +88,7 @@ def _images(args: argparse.Namespace) -> list[bytes | ImageInput]:
 
 
 def _videos(args: argparse.Namespace) -> list[VideoInput]:
-    from engine.inputs import VideoInput
+    from engine.multimodal.inputs import VideoInput
 
     if len(args.video_patches) != len(args.video_grid):
         raise InvalidRequestError("give one --video-grid for each --video-patches")

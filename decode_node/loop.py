@@ -17,8 +17,8 @@ from decode_node.remote import RemoteQueues, RemoteRoom, RoomOutcome
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.core.request import FinishReason, Request, SamplingParams
 from engine.errors import InvalidRequestError, TensorParallelError
-from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import LLMEngine
+from engine.multimodal.inputs import ImageInput, VideoInput
 from serving.engine_thread import EngineThread
 from transfer.bootstrap_decode import DecodeBootstrapClient
 

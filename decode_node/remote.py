@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.request import FinishReason, Request
-from engine.inputs import RequestState
 from engine.llm_engine import LLMEngine
+from engine.multimodal.inputs import RequestState
 from engine.sampling.sampler import make_generator
 from transfer.bootstrap_decode import DecodeBootstrapClient
 from transfer.errors import TransferError

@@ -23,7 +23,7 @@ import grpc
 from decode_node.clients import BootstrapClients
 from decode_node.loop import DecodeLoop, TokenEvent
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput, VideoInput, image_from_array, video_from_array
+from engine.multimodal.inputs import ImageInput, VideoInput, image_from_array, video_from_array
 from proto.convert import patches_array, sampling_kwargs, video_patches
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb

@@ -23,19 +23,20 @@ from engine.core.request import FinishReason, Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidRequestError
-from engine.image_processor import (
+from engine.kv.pool import KVPool, pages_for_budget
+from engine.models.eagle import load_draft
+from engine.models.eagle3 import Draft
+from engine.models.qwen2_vl import Qwen2VLModel
+from engine.multimodal.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
     expand_video_placeholders,
     process_image,
     validate_patches,
 )
-from engine.inputs import ImageInput, RequestState, VideoInput, build_state
-from engine.kv.pool import KVPool, pages_for_budget
-from engine.models.eagle import load_draft
-from engine.models.eagle3 import Draft
-from engine.models.qwen2_vl import Qwen2VLModel
-from engine.mrope import num_image_tokens
+from engine.multimodal.inputs import ImageInput, RequestState, VideoInput, build_state
+from engine.multimodal.mrope import num_image_tokens
+from engine.multimodal.visual_digest import visual_keys
 from engine.parallel import SINGLE
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, StepForward
@@ -45,7 +46,6 @@ from engine.tokenizer import Tokenizer
 from engine.tp_driver import TPDriver
 from engine.tp_rank import RankAttach
 from engine.tp_shard import TextShard
-from engine.visual_digest import visual_keys
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ import torch
 from engine.core.request import SamplingParams
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import TensorParallelError
-from engine.inputs import ImageInput, RequestState, VideoInput
 from engine.llm_engine import LLMEngine
+from engine.multimodal.inputs import ImageInput, RequestState, VideoInput
 from engine.runner.draft_runner import DraftRunner
 from prefill_node.rooms import OnDone, PrefillRooms
 from serving.engine_thread import EngineThread

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput, VideoInput, image_from_array, video_from_array
+from engine.multimodal.inputs import ImageInput, VideoInput, image_from_array, video_from_array
 from prefill_node.loop import PrefillThread
 from proto.convert import patches_array, sampling_kwargs, video_patches
 from proto.pdserve.v1 import worker_pb2 as wpb

@@ -17,7 +17,7 @@ from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.image_processor import (
+from engine.multimodal.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
     expand_video_placeholders,
@@ -25,14 +25,14 @@ from engine.image_processor import (
     process_image,
     validate_patches,
 )
-from engine.mrope import rope_index
-from engine.sampling.generation_config import GenerationDefaults
-from engine.tokenizer import Tokenizer
-from engine.video_processor import (
+from engine.multimodal.mrope import rope_index
+from engine.multimodal.video_processor import (
     VideoProcessorConfig,
     process_video,
     validate_video_patches,
 )
+from engine.sampling.generation_config import GenerationDefaults
+from engine.tokenizer import Tokenizer
 from proto.convert import (
     ConversionError,
     patches_array,

@@ -27,9 +27,9 @@ import torch
 from PIL import Image
 
 from engine.device import DTYPES
-from engine.image_processor import ImageProcessorConfig, process_image
-from engine.inputs import ImageInput
-from engine.mrope import num_image_tokens
+from engine.multimodal.image_processor import ImageProcessorConfig, process_image
+from engine.multimodal.inputs import ImageInput
+from engine.multimodal.mrope import num_image_tokens
 from engine.tiny_model import TINY_PREPROCESSOR
 from engine.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, special_token_ids
 

@@ -21,8 +21,8 @@ bonus token ``b`` (the last committed token) sits at index ``S`` without KV; ``K
   (``select_index``) seeds the next round. Rows ``>= A`` write KV past ``S + A`` that nothing reads
   before it is overwritten.
 
-Every forward's mrope positions come from :func:`engine.mrope.mrope_from_1d` applied to that
-forward's final 1-D positions (the prompt's rope table for prompt rows), so their column count
+Every forward's mrope positions come from :func:`engine.multimodal.mrope.mrope_from_1d` applied to
+that forward's final 1-D positions (the prompt's rope table for prompt rows), so their column count
 always equals the forward's token count.
 
 Draft trees (EAGLE-2, ``topk > 1`` or ``steps != K``): the round drafts a tree instead of the
@@ -51,10 +51,10 @@ from decode_node.spec.tree_round import TreeRounds
 from engine.attention.backend import AttentionBatch
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import SchedulerOutput
-from engine.inputs import RequestState
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle3 import Draft
-from engine.mrope import mrope_from_1d
+from engine.multimodal.inputs import RequestState
+from engine.multimodal.mrope import mrope_from_1d
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
 from engine.sampling.penalties import chain_scores

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from decode_node.spec.graph_buffers import SpecGraphBuffers, check_fill_args
-from engine.mrope import mrope_from_1d
+from engine.multimodal.mrope import mrope_from_1d
 
 
 def fill_draft_extend_prepare_buffers_native(

@@ -34,9 +34,9 @@ from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
 from engine.attention.backend import AttentionBatch
-from engine.inputs import RequestState
 from engine.llm_engine import LLMEngine
-from engine.mrope import mrope_from_1d
+from engine.multimodal.inputs import RequestState
+from engine.multimodal.mrope import mrope_from_1d
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
 from engine.sampling.penalties import tree_scores

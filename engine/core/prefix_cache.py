@@ -6,8 +6,8 @@ size), i.e. exactly the request's page ``k``. Its *chain hash* is::
     chain(k) = blake2b(chain(k - 1) || int64 token ids of block k || visual digests of block k)
 
 with ``chain(-1)`` empty. A visual input's digest (a hash of its patches, grid and timing: see
-:mod:`engine.visual_digest`) belongs to the block holding the *first* of its placeholder tokens;
-every later block chains it. So two blocks are equal only if everything before them and in
+:mod:`engine.multimodal.visual_digest`) belongs to the block holding the *first* of its placeholder
+tokens; every later block chains it. So two blocks are equal only if everything before them and in
 them is equal: tokens, images, videos. That also makes the mrope positions of the cached KV the
 ones the new request would compute, because a prompt's positions up to index ``i`` depend only
 on its tokens and visual grids up to ``i``.

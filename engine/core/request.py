@@ -167,9 +167,9 @@ class Request:
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
     ``history`` is the token history of a request with penalties (``engine.sampling.penalties``
     makes it on first use). ``visual_keys`` are ``(first placeholder index, content digest)`` of
-    each image and video in prompt order (``engine.visual_digest``); with ``prefix_state`` (the
-    prefix cache's cursor) they are the prefix cache's (``engine.core.prefix_cache``). Requests
-    compare by identity.
+    each image and video in prompt order (``engine.multimodal.visual_digest``); with
+    ``prefix_state`` (the prefix cache's cursor) they are the prefix cache's
+    (``engine.core.prefix_cache``). Requests compare by identity.
     """
 
     request_id: str

@@ -43,7 +43,7 @@ import torch
 from engine.attention.backend import AttentionBatch
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledItem
-from engine.inputs import RequestState
+from engine.multimodal.inputs import RequestState
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
                  np.dtype(np.float32): torch.float32}

@@ -17,10 +17,10 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.core.scheduler import ScheduledItem, SchedulerOutput
-from engine.inputs import RequestState
 from engine.kv.pool import move_kv
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.mrope import mrope_from_1d
+from engine.multimodal.inputs import RequestState
+from engine.multimodal.mrope import mrope_from_1d
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
 from engine.tp_driver import TPDriver

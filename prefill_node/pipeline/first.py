@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import grpc
 
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput, RequestState, VideoInput
 from engine.llm_engine import LLMEngine
+from engine.multimodal.inputs import ImageInput, RequestState, VideoInput
 from prefill_node.loop import IDLE_POLL_S, PrefillThread
 from prefill_node.pipeline.aux_layers import pack_aux
 from prefill_node.pipeline.first_runner import FirstStageRunner

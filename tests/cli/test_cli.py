@@ -21,10 +21,10 @@ import torch
 from engine.chat import chat_prompt
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Eagle3Draft
+from engine.multimodal.inputs import ImageInput
 from engine.tiny_model import TINY_EAGLE3_LAYERS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -358,7 +358,7 @@ def test_generate_with_video_patches(
     model_dir: Path, cache_dir: Path, engine: LLMEngine, special: dict[str, int],
     tmp_path: Path,
 ) -> None:
-    from engine.inputs import VideoInput
+    from engine.multimodal.inputs import VideoInput
 
     patches = np.random.default_rng(1).standard_normal((32, PATCH_DIM)).astype(np.float32)
     np.save(tmp_path / "video.npy", patches)

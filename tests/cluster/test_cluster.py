@@ -26,9 +26,9 @@ from PIL import Image
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
-from engine.mrope import num_image_tokens
+from engine.multimodal.inputs import ImageInput
+from engine.multimodal.mrope import num_image_tokens
 from engine.tiny_model import tiny_config_dict
 from proto.convert import patches_message
 from proto.pdserve.v1 import generate_pb2 as gpb

@@ -20,8 +20,8 @@ import grpc
 import numpy as np
 import pytest
 
-from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import Prompt
+from engine.multimodal.inputs import ImageInput, VideoInput
 from engine.tiny_model import write_random_draft
 from proto.convert import patches_message
 from proto.pdserve.v1 import generate_pb2 as gpb

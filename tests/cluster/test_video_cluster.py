@@ -25,10 +25,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
-from engine.mrope import num_image_tokens
-from engine.video_processor import VideoProcessorConfig, process_video
+from engine.multimodal.inputs import ImageInput, VideoInput
+from engine.multimodal.mrope import num_image_tokens
+from engine.multimodal.video_processor import VideoProcessorConfig, process_video
 from proto.convert import patches_message
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc

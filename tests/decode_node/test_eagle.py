@@ -15,11 +15,11 @@ from decode_node.spec.eagle_engine import EagleEngine
 from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict, load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.mrope import rope_index
+from engine.multimodal.inputs import ImageInput
+from engine.multimodal.mrope import rope_index
 from engine.tiny_model import init_weights, tiny_config_dict, write_tiny_draft, write_tiny_model
 
 SPECIAL = tiny_config_dict()

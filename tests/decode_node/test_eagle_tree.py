@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.core.request import Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.models.eagle import load_draft
-from engine.mrope import rope_index
+from engine.multimodal.mrope import rope_index
 from engine.sampling.penalties import chain_scores, tree_scores
 
 SHAPES = [(4, 2, 3), (6, 3, 2), (3, 1, 5)]  # (num_draft_tokens, topk, steps)

@@ -17,8 +17,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
+from engine.multimodal.inputs import ImageInput
 
 MAX_LEN = 64
 PATCH_DIM = 3 * 2 * 14 * 14

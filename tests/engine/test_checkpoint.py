@@ -17,8 +17,8 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError
-from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
+from engine.multimodal.inputs import ImageInput
 from engine.tiny_model import write_tiny_model
 from tests.conftest import HF_SPECIAL, write_hf_checkpoint
 

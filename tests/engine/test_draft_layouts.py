@@ -25,7 +25,6 @@ from engine.attention.backend import AttentionBatch, TorchPagedAttention
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
-from engine.inputs import ImageInput
 from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import (
@@ -35,6 +34,7 @@ from engine.models.eagle import (
     draft_config_dict,
     load_draft,
 )
+from engine.multimodal.inputs import ImageInput
 from engine.tiny_model import tiny_config_dict, write_tiny_model
 
 TARGET_RAW = tiny_config_dict()

@@ -9,8 +9,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.inputs import ImageInput
 from engine.llm_engine import LLMEngine, Prompt
+from engine.multimodal.inputs import ImageInput
 from tests.conftest import HF_SPECIAL
 
 IMG, VS, VE = HF_SPECIAL["image_token_id"], HF_SPECIAL["vision_start_token_id"], HF_SPECIAL[

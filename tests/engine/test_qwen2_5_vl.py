@@ -19,11 +19,11 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
-from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.models.vision_qwen2_5 import Qwen25VisionTower
+from engine.multimodal.inputs import ImageInput, VideoInput
 from engine.tiny_model import write_random_draft
 from tests.conftest import HF25_VISION, HF_SPECIAL, HF_TEXT
 

@@ -13,8 +13,8 @@ import torch
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
-from engine.inputs import build_state
 from engine.llm_engine import LLMEngine, Prompt
+from engine.multimodal.inputs import build_state
 from engine.sampling.penalties import TokenHistory
 from tests.engine.test_generation_vs_transformers import IMG, VS, image, image_block, text
 

@@ -19,7 +19,7 @@ from engine.config import ModelConfig, TextConfig
 from engine.errors import ConfigError
 from engine.kv.pool import KVPool
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.mrope import mrope_from_1d
+from engine.multimodal.mrope import mrope_from_1d
 from engine.parallel import TPGroup
 from engine.runner.draft_runner import DraftHead
 from engine.tp_messages import (

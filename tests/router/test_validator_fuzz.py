@@ -24,8 +24,8 @@ from PIL import Image
 
 from engine.core.request import MAX_TEMPERATURE
 from engine.errors import InvalidRequestError
-from engine.image_processor import num_image_tokens
-from engine.mrope import rope_index
+from engine.multimodal.image_processor import num_image_tokens
+from engine.multimodal.mrope import rope_index
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.preprocess import ModelAssets, PreparedRequest, Preprocessor
 

@@ -1,7 +1,7 @@
 """Videos through the router's request preparation (``router.preprocess.Preprocessor``).
 
 Oracles: the engine's video processor for the patches, the engine's own prompt validation
-(``engine.inputs.build_state``, with its rope index) for the prepared token ids, and the
+(``engine.multimodal.inputs.build_state``, with its rope index) for the prepared token ids, and the
 placeholder rule shared with ``LLMEngine.prepare`` (image blocks, then video blocks, then the text
 when the text has no placeholders).
 """
@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 
 from engine.errors import InvalidRequestError
-from engine.image_processor import num_image_tokens, process_image
-from engine.inputs import ImageInput, build_state, image_from_array, video_from_array
-from engine.video_processor import process_video
+from engine.multimodal.image_processor import num_image_tokens, process_image
+from engine.multimodal.inputs import ImageInput, build_state, image_from_array, video_from_array
+from engine.multimodal.video_processor import process_video
 from proto.convert import patches_array, patches_message, video_patches
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.config import RouterConfig, VideoLimits

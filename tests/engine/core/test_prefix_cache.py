@@ -20,11 +20,11 @@ from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
-from engine.inputs import ImageInput, VideoInput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.models.eagle import load_draft
+from engine.multimodal.inputs import ImageInput, VideoInput
+from engine.multimodal.visual_digest import visual_digest
 from engine.tiny_model import write_tiny_draft
-from engine.visual_digest import visual_digest
 from tests.engine.test_generation_vs_transformers import image, image_block, reference, text
 
 PS = 8  # page size of every engine here

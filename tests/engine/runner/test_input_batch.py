@@ -19,9 +19,9 @@ from engine.config import EngineConfig
 from engine.core.page_allocator import PageAllocator
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.inputs import RequestState
 from engine.kv.pool import slot_of
 from engine.llm_engine import LLMEngine
+from engine.multimodal.inputs import RequestState
 from engine.runner.input_batch import (
     InputBatch,
     StepInputs,

@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from engine.errors import ConfigError, InvalidRequestError
-from engine.mrope import num_image_tokens  # noqa: F401 - re-exported for callers
+from engine.multimodal.mrope import num_image_tokens  # noqa: F401 - re-exported for callers
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 OPENAI_CLIP_MEAN: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)

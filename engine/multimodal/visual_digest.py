@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.inputs import ImageInput, RequestState, VideoInput
+from engine.multimodal.inputs import ImageInput, RequestState, VideoInput
 
 # marks where a resumed prompt's output begins when that output holds vision placeholder ids
-# (those are text there: see ``engine.inputs.build_state``)
+# (those are text there: see ``engine.multimodal.inputs.build_state``)
 RESUMED_TEXT = b"pdserve:resumed-text"
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import InvalidRequestError
-from engine.mrope import Grid, mrope_from_1d, num_image_tokens, rope_index
+from engine.multimodal.mrope import Grid, mrope_from_1d, num_image_tokens, rope_index
 from tests.conftest import HF_SPECIAL, HF_TEXT, HF_VISION
 
 IMG = HF_SPECIAL["image_token_id"]

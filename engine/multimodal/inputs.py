@@ -21,7 +21,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.mrope import Grid, num_image_tokens, rope_index, vision_blocks
+from engine.multimodal.mrope import Grid, num_image_tokens, rope_index, vision_blocks
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""engine.image_processor against transformers' PIL-based Qwen2-VL image processor (the oracle).
+"""engine.multimodal.image_processor against transformers' PIL-based Qwen2-VL image processor (the
+oracle).
 
 transformers 5 ships two Qwen2-VL image processors: ``Qwen2VLImageProcessor`` (torchvision
 backend, not installable here) and ``Qwen2VLImageProcessorPil`` (Pillow + numpy), which is the one
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from engine.errors import ConfigError, InvalidRequestError
-from engine.image_processor import (
+from engine.multimodal.image_processor import (
     ImageProcessorConfig,
     ProcessedImage,
     expand_image_placeholders,

@@ -1,4 +1,4 @@
-"""engine.video_processor against the image processor (the oracle).
+"""engine.multimodal.video_processor against the image processor (the oracle).
 
 Qwen2-VL tiles an image over the temporal patch, so a video of ``T`` identical frames must give
 exactly the image processor's patches and grid; in general, temporal slot ``k`` of grid step
@@ -16,8 +16,8 @@ import pytest
 from PIL import Image
 
 from engine.errors import ConfigError, InvalidRequestError
-from engine.image_processor import ImageProcessorConfig, process_image
-from engine.video_processor import (
+from engine.multimodal.image_processor import ImageProcessorConfig, process_image
+from engine.multimodal.video_processor import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     VideoProcessorConfig,

@@ -2,9 +2,9 @@
 
 A video is a list of encoded frames (PNG/JPEG/..., one image each, all the same size, in time
 order). Every frame is decoded, converted to RGB and resized to one ``(H, W)`` chosen by the image
-processor's :func:`~engine.image_processor.smart_resize` under the video pixel limits; the frame
-count is padded to a multiple of ``T = temporal_patch_size`` by repeating the last frame; values
-are normalized exactly as images are. The result has grid ``(frames / T, H / P, W / P)`` and
+processor's :func:`~engine.multimodal.image_processor.smart_resize` under the video pixel limits;
+the frame count is padded to a multiple of ``T = temporal_patch_size`` by repeating the last frame;
+values are normalized exactly as images are. The result has grid ``(frames / T, H / P, W / P)`` and
 ``C * T * P * P`` floats per patch, ordered like image patches (by merged block, then row-major
 inside a block; ``(C, T, P, P)`` inside a patch) with the temporal step outermost. So a video of
 ``T`` identical frames equals the image processor's output for that frame, which Qwen2-VL tiles
@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from engine.errors import ConfigError, InvalidRequestError
-from engine.image_processor import (
+from engine.multimodal.image_processor import (
     PREPROCESSOR_FILE,
     ImageProcessorConfig,
     check_source_size,
@@ -109,8 +109,8 @@ class VideoProcessorConfig:
 @dataclass(frozen=True)
 class ProcessedVideo:
     """One video ready for the vision tower: float32 ``patches [t * h * w, C * T * P * P]`` (an
-    array: the module is numpy-only, like :mod:`engine.image_processor`), its grid ``(t, h, w)``
-    in patches and the seconds one temporal grid step covers."""
+    array: the module is numpy-only, like :mod:`engine.multimodal.image_processor`), its grid
+    ``(t, h, w)`` in patches and the seconds one temporal grid step covers."""
 
     patches: np.ndarray
     grid_thw: tuple[int, int, int]
@@ -197,7 +197,7 @@ def validate_video_patches(
 ) -> ProcessedVideo:
     """Check precomputed video patches and return them as a ProcessedVideo.
 
-    Like :func:`~engine.image_processor.validate_patches`, with ``t`` up to
+    Like :func:`~engine.multimodal.image_processor.validate_patches`, with ``t`` up to
     :attr:`VideoProcessorConfig.max_grid_t` and ``max_pixels`` bounding each frame, patches at
     most ``max_patch_bytes``, and ``second_per_grid`` positive and finite.
     """
