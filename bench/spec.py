@@ -32,8 +32,8 @@ from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.stdlib_corpus import heldout_prompts
+from engine.text.tokenizer import Tokenizer
 from engine.tiny_model import write_tiny_draft, write_tiny_model
-from engine.tokenizer import Tokenizer
 
 Runner = LLMEngine | EagleEngine
 

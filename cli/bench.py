@@ -100,7 +100,7 @@ def workloads(args: argparse.Namespace) -> loadgen.Load:
                                             args.vocab, args.seed)
     if args.dataset == "code":
         from engine.builtin import builtin_model_dir
-        from engine.tokenizer import Tokenizer
+        from engine.text.tokenizer import Tokenizer
 
         model = args.model or builtin_model_dir()
         tok = Tokenizer.from_dir(model)

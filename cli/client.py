@@ -24,7 +24,7 @@ from engine.errors import EngineError
 if TYPE_CHECKING:
     import grpc
 
-    from engine.chat_template import ChatTemplate
+    from engine.text.chat_template import ChatTemplate
     from serving.auth import Metadata
 
 EXIT_ERROR = 2
@@ -82,7 +82,7 @@ def build_request(args: argparse.Namespace, template: ChatTemplate | None = None
     """The ``GenerateRequest`` for ``args``, a ``--chat`` prompt rendered with ``template`` (None:
     the built-in ChatML); raises ValueError on unusable flags, InvalidRequestError when the
     template refuses the message."""
-    from engine.chat_template import ChatTemplate, user_message
+    from engine.text.chat_template import ChatTemplate, user_message
     from proto.pdserve.v1 import generate_pb2 as gpb
 
     sampling = gpb.SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos,
@@ -200,7 +200,7 @@ def run_client(args: argparse.Namespace) -> int:
 
 def _router_template(stub: Any, timeout: float | None, metadata: Metadata) -> ChatTemplate:
     """The chat template the router serves (GetModelInfo), or ChatML if it reports none."""
-    from engine.chat_template import ChatTemplate
+    from engine.text.chat_template import ChatTemplate
     from proto.pdserve.v1 import generate_pb2 as gpb
 
     info = stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=timeout, metadata=metadata)

@@ -190,8 +190,8 @@ def _runner(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, Eagle
 
 def _chat_texts(model_dir: Path, prompts: list[str], images: int, videos: int) -> list[str]:
     """Each prompt as one user message, its ``images`` image parts and ``videos`` video parts
-    first, in the checkpoint's chat template (engine/chat_template.py)."""
-    from engine.chat_template import ChatTemplate, user_message
+    first, in the checkpoint's chat template (engine/text/chat_template.py)."""
+    from engine.text.chat_template import ChatTemplate, user_message
 
     template = ChatTemplate.from_dir(model_dir)
     return [template.render([user_message(t, images=images, videos=videos)]) for t in prompts]

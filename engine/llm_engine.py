@@ -42,7 +42,7 @@ from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, StepForward
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.sampler import Sampler, make_generator
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from engine.tp_driver import TPDriver
 from engine.tp_rank import RankAttach
 from engine.tp_shard import TextShard

@@ -4,7 +4,7 @@ Only the conversion is checked here (JSON types, roles, content parts, image dat
 ``stop``, ``stream_options``); the ranges of the sampling values are the shared validator's,
 behind :meth:`GenerationService.generate`. Anything unusable raises :class:`BadRequest` (HTTP
 400). Chat messages are rendered with the served checkpoint's chat template
-(:mod:`engine.chat_template`; the built-in ChatML when it has none).
+(:mod:`engine.text.chat_template`; the built-in ChatML when it has none).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.chat_template import ChatTemplate
 from engine.core.request import MAX_SEED
 from engine.errors import InvalidRequestError
+from engine.text.chat_template import ChatTemplate
 from proto.pdserve.v1 import generate_pb2 as gpb
 
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg")

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
@@ -32,7 +31,8 @@ from engine.multimodal.video_processor import (
     validate_video_patches,
 )
 from engine.sampling.generation_config import GenerationDefaults
-from engine.tokenizer import Tokenizer
+from engine.text.chat_template import ChatTemplate
+from engine.text.tokenizer import Tokenizer
 from proto.convert import (
     ConversionError,
     patches_array,

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from engine.tokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.errors import WorkerFailure
 from router.room import END, RoomRun

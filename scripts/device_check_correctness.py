@@ -35,9 +35,9 @@ from device_check_models import (
 )
 
 from engine.builtin import builtin_model_dir
-from engine.chat import chat_prompt
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
+from engine.text.chat import chat_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 FP32_TOKENS = 24

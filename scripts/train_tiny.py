@@ -51,7 +51,6 @@ from safetensors.torch import save_file
 from tiny_settings import Settings
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from engine.chat import chat_prompt, chat_turn
 from engine.checkpoint import load_model
 from engine.config import ModelConfig
 from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict
@@ -59,6 +58,7 @@ from engine.models.eagle3 import Draft
 from engine.models.layers import RotaryTables
 from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
 from engine.stdlib_corpus import heldout_prompts, read_text, split_files, stdlib_files
+from engine.text.chat import chat_prompt, chat_turn
 from engine.tiny_model import TINY_PREPROCESSOR, init_weights, tiny_config_dict
 from engine.tiny_tokenizer import SPECIAL_TOKENS, special_token_ids
 

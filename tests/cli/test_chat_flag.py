@@ -12,10 +12,10 @@ from typing import Any
 from cli.client import _router_template, build_request
 from cli.generate import _chat_texts
 from cli.main import build_parser
-from engine.chat import IMAGE_BLOCK, VIDEO_BLOCK, chat_prompt
-from engine.chat_template import BUILTIN_SOURCE, ChatTemplate, user_message
+from engine.text.chat import IMAGE_BLOCK, VIDEO_BLOCK, chat_prompt
+from engine.text.chat_template import BUILTIN_SOURCE, ChatTemplate, user_message
 from proto.pdserve.v1 import generate_pb2 as gpb
-from tests.engine.test_chat_template import BUILTIN, QWEN2_VL_STYLE, oracle
+from tests.engine.text.test_chat_template import BUILTIN, QWEN2_VL_STYLE, oracle
 
 
 class InfoStub:

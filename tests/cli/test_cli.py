@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.chat import chat_prompt
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Eagle3Draft
 from engine.multimodal.inputs import ImageInput
+from engine.text.chat import chat_prompt
 from engine.tiny_model import TINY_EAGLE3_LAYERS
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from bench.loadgen import code_workloads
 from engine.builtin import builtin_model_dir
 from engine.stdlib_corpus import read_text, split_files, stdlib_files
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 
 
 def test_split_holds_out_every_eighth_file() -> None:

@@ -16,8 +16,8 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine.chat import CHATML_TEMPLATE
-from engine.chat_template import BUILTIN_SOURCE
+from engine.text.chat import CHATML_TEMPLATE
+from engine.text.chat_template import BUILTIN_SOURCE
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.config import RouterConfig
 from router.http_door import HttpDoor
@@ -25,7 +25,7 @@ from router.openai_request import BadRequest, chat_prompt
 from router.preprocess import ModelAssets
 from router.service import GenerationService
 from router.workers import WorkerPool
-from tests.engine.test_chat_template import BUILTIN, QWEN2_VL_STYLE, oracle
+from tests.engine.text.test_chat_template import BUILTIN, QWEN2_VL_STYLE, oracle
 
 FRAMES = [b"\x89PNG frame one", b"\x89PNG frame two"]
 IMAGE = b"\xff\xd8 a jpeg"

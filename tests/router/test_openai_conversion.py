@@ -9,9 +9,9 @@ import json
 import grpc
 import pytest
 
-from engine.chat import IMAGE_BLOCK, chat_turn, conversation_prompt
-from engine.chat import chat_prompt as engine_chat_prompt
 from engine.core.request import MAX_SEED, SamplingParams
+from engine.text.chat import IMAGE_BLOCK, chat_turn, conversation_prompt
+from engine.text.chat import chat_prompt as engine_chat_prompt
 from router.errors import DoorError
 from router.http_door import error_response
 from router.openai_request import BadRequest, chat_call, chat_prompt, door_seed

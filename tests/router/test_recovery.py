@@ -14,7 +14,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.errors import WorkerFailure
 from router.recovery import KVFailurePolicy, Recovery, RecoveryConfig, Step

@@ -21,7 +21,7 @@ from engine.errors import ConfigError, InvalidRequestError
 from engine.sampling.generation_config import GenerationDefaults
 from engine.sampling.penalties import apply_penalties, chain_scores, history_of
 from engine.sampling.sampler import Sampler, make_generator, sampling_probs
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from proto.convert import sampling_kwargs, sampling_message
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.preprocess import ModelAssets, Preprocessor

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat import chat_prompt, chat_turn, conversation_prompt
+from engine.text.chat import chat_prompt, chat_turn, conversation_prompt
 
 
 def test_prompt_layout() -> None:

@@ -9,8 +9,9 @@ patch tokens of its image or video.
 
 This module is the one place that spells ChatML: as Python for the training script
 (:func:`conversation_prompt`) and as the Jinja text :data:`CHATML_TEMPLATE` that
-:mod:`engine.chat_template` renders when a checkpoint has no template (``pdserve generate --chat``,
-``pdserve client --chat``, the router's OpenAI door). The two render the same text.
+:mod:`engine.text.chat_template` renders when a checkpoint has no template
+(``pdserve generate --chat``, ``pdserve client --chat``, the router's OpenAI door). The two render
+the same text.
 """
 
 from __future__ import annotations

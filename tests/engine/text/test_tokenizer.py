@@ -1,4 +1,5 @@
-"""engine.tokenizer and engine.tiny_tokenizer: round trips, special tokens, streaming decode."""
+"""engine.text.tokenizer and engine.tiny_tokenizer: round trips, special tokens, streaming
+decode."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.errors import ConfigError
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.tiny_tokenizer import (
     MIN_VOCAB_SIZE,
     SPECIAL_TOKENS,
     build_tiny_tokenizer,
     special_token_ids,
 )
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 VOCAB = 512
 MULTILINGUAL = "héllo wörld, ça va? Ελληνικά кириллица 日本語のテキスト 한국어 😀👍🏽 ∀x∈ℝ ←→"
@@ -81,7 +82,7 @@ def test_tiny_tokenizer_is_fast_and_deterministic() -> None:
         text=True,
         check=True,
         env={**os.environ, "PYTHONHASHSEED": "12345"},
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=Path(__file__).resolve().parents[3],
     ).stdout
     assert other == first
 

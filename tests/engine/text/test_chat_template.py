@@ -1,4 +1,4 @@
-"""The checkpoint's chat template (engine/chat_template.py) against transformers'
+"""The checkpoint's chat template (engine/text/chat_template.py) against transformers'
 ``apply_chat_template(..., tokenize=False, add_generation_prompt=True)``: where it is found, what
 it renders (text, images, videos, several turns, special tokens), the ChatML fallback, the
 sandbox and the errors."""
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from engine.chat import CHATML_TEMPLATE, IMAGE_BLOCK, VIDEO_BLOCK, conversation_prompt
-from engine.chat_template import BUILTIN_SOURCE, ChatTemplate, user_message
 from engine.errors import ConfigError, InvalidRequestError
+from engine.text.chat import CHATML_TEMPLATE, IMAGE_BLOCK, VIDEO_BLOCK, conversation_prompt
+from engine.text.chat_template import BUILTIN_SOURCE, ChatTemplate, user_message
 
-BUILTIN = Path(__file__).resolve().parents[2] / "engine" / "builtin" / "tiny-qwen2-vl"
+BUILTIN = Path(__file__).resolve().parents[3] / "engine" / "builtin" / "tiny-qwen2-vl"
 
 # A Qwen2-VL-style template: a default system turn, numbered vision placeholders with
 # add_vision_id, a refusal of unknown roles; block tags on their own lines, so trim_blocks and

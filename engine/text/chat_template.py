@@ -8,7 +8,7 @@ which transformers' tokenizer and processor let one override another):
    ``{"name", "template"}`` entries of which the one named ``default`` is used;
 3. ``chat_template.json``: ``{"chat_template": ...}`` (the processor's file), same two forms.
 
-A checkpoint with none of them gets the built-in ChatML (:data:`engine.chat.CHATML_TEMPLATE`).
+A checkpoint with none of them gets the built-in ChatML (:data:`engine.text.chat.CHATML_TEMPLATE`).
 
 Templates are Jinja, compiled once by :class:`ChatTemplate` in an immutable sandbox (naming an
 attribute that starts with ``_`` or a mutating method is an error, so a template from the Hub
@@ -42,8 +42,8 @@ import jinja2.ext
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from engine.chat import CHATML_TEMPLATE
 from engine.errors import ConfigError, InvalidRequestError
+from engine.text.chat import CHATML_TEMPLATE
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
