@@ -2,7 +2,7 @@
 the KV (its key/value heads of every page) with a transfer engine of its own, in its own
 process; rank 0 runs every handshake for them (:mod:`transfer.bootstrap_decode`).
 
-:class:`RankTransfer` is the engine's attach hook (:data:`engine.tp_rank.RankAttach`): it runs
+:class:`RankTransfer` is the engine's attach hook (:data:`engine.parallel.rank.RankAttach`): it runs
 in each rank's process once its pools exist, starts the rank's landing agent
 (:mod:`decode_node.rank_landing`) and returns that rank's registration and the agent's port.
 Rank 0 completes the registration with what both sides must agree on

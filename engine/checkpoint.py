@@ -20,8 +20,8 @@ from torch.overrides import TorchFunctionMode
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.parallel import SINGLE, TPGroup
-from engine.tp_shard import TextShard
+from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel.shard import TextShard
 
 _LAYER_PREFIX = "model.layers."
 _RENAMES = (
@@ -132,7 +132,7 @@ def load_model(
     With ``layers`` only those decoder layers are read and built (see :func:`keep_layers`): a
     pipeline stage holds its share of the weights and never the rest. With a ``tp`` group of
     several ranks, the decoder layers hold and read this rank's slices only
-    (:mod:`engine.tp_shard`)."""
+    (:mod:`engine.parallel.shard`)."""
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
     shard = TextShard.of(cfg.text, tp.rank, tp.size) if tp.size > 1 else None

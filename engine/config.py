@@ -299,7 +299,7 @@ class EngineConfig:
     # reuse the KV of full pages of earlier prompts with the same prefix (tokens and images);
     # see engine/core/prefix_cache.py
     enable_prefix_cache: bool = True
-    # tensor-parallel ranks, one process each (engine/tp_driver.py): this one is rank 0 and
+    # tensor-parallel ranks, one process each (engine/parallel/driver.py): this one is rank 0 and
     # starts the others; 1 runs the whole model here. Each rank's KV pool holds its own key/value
     # heads in kv_budget_bytes, so the page count grows with the ranks that split the heads
     tp_size: int = 1

@@ -37,15 +37,15 @@ from engine.multimodal.image_processor import (
 from engine.multimodal.inputs import ImageInput, RequestState, VideoInput, build_state
 from engine.multimodal.mrope import num_image_tokens
 from engine.multimodal.visual_digest import visual_keys
-from engine.parallel import SINGLE
+from engine.parallel.driver import TPDriver
+from engine.parallel.group import SINGLE
+from engine.parallel.rank import RankAttach
+from engine.parallel.shard import TextShard
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, StepForward
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.sampler import Sampler, make_generator
 from engine.text.tokenizer import Tokenizer
-from engine.tp_driver import TPDriver
-from engine.tp_rank import RankAttach
-from engine.tp_shard import TextShard
 
 
 @dataclass(frozen=True)
@@ -108,11 +108,11 @@ class LLMEngine:
     to the host once.
 
     With ``config.tp_size`` ``N > 1`` this engine is rank 0 of ``N`` tensor-parallel processes
-    (:mod:`engine.tp_driver`): it starts the others, holds its share of the decoder and of every
-    KV page (:attr:`pool` has this rank's key/value heads), schedules and samples; decode steps
-    run eagerly (no CUDA graphs). :meth:`close` ends the other processes. ``rank_attach`` runs in
-    each other rank's process once its pool exists (:data:`engine.tp_rank.RankAttach`: a node
-    registers that rank's KV with its own transfer engine there); what each returned is
+    (:mod:`engine.parallel.driver`): it starts the others, holds its share of the decoder and of
+    every KV page (:attr:`pool` has this rank's key/value heads), schedules and samples; decode
+    steps run eagerly (no CUDA graphs). :meth:`close` ends the other processes. ``rank_attach`` runs
+    in each other rank's process once its pool exists (:data:`engine.parallel.rank.RankAttach`: a
+    node registers that rank's KV with its own transfer engine there); what each returned is
     :attr:`rank_payloads`. With ``config.layers`` too (a pipeline stage), every rank holds
     those layers only; the stage's forward runs through :attr:`runner`'s ``peers``.
 

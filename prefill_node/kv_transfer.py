@@ -3,7 +3,7 @@ staging buffer for decodes of larger TP) and the KV heads it describes to decode
 
 A decode rank that holds a slice of a prefill rank's heads gets it gathered into that rank's
 staging buffer and written as whole destination pages (:mod:`transfer.heads`). An EAGLE draft's
-band is split over the ranks like the target's layers (:mod:`engine.tp_rank`), so its entries
+band is split over the ranks like the target's layers (:mod:`engine.parallel.rank`), so its entries
 are staged and sliced like any other.
 
 With ``--tp-size N`` every rank holds its heads of every page in its own process: each other
@@ -57,7 +57,7 @@ def prefill_heads(text: TextConfig, pool: KVPool, tp_size: int = 1) -> HeadLayou
 
 @dataclass(frozen=True)
 class PrefillRankTransfer:
-    """The attach hook of a prefill's TP ranks (:data:`engine.tp_rank.RankAttach`): a KV
+    """The attach hook of a prefill's TP ranks (:data:`engine.parallel.rank.RankAttach`): a KV
     manager of ``backend`` on ``hostname`` with the rank's pools and a staging buffer registered,
     and the agent that writes on rank 0's word (``authkey`` proves rank 0); returns the rank's
     :class:`~transfer.messages.RankBuffers`, encoded. Both live until the process exits."""

@@ -1,7 +1,7 @@
 """Head-sliced KV transfer between sides of different tensor-parallel (TP) size: the plan.
 
 A side with TP size ``n`` over ``H`` KV heads gives rank ``r`` the heads of the engine's rule
-(:mod:`engine.tp_shard`, restated by :func:`tp_head_ranges`): with ``H >= n`` and ``n | H``,
+(:mod:`engine.parallel.shard`, restated by :func:`tp_head_ranges`): with ``H >= n`` and ``n | H``,
 ``[r * H/n, (r+1) * H/n)``; with ``H < n`` and ``H | n``, the single head ``r // (n/H)``,
 replicated on ``n/H`` ranks. A :class:`HeadLayout` is one side's description: the geometry both
 sides must share (KV heads, head dim, dtype, page size) and every rank's ``(start, count)``.

@@ -39,8 +39,8 @@ over the *target's* vocabulary) and ``cfg.aux_layer_ids`` (the target layers who
 ``aux`` holds; empty for EAGLE-1/2).
 
 Under tensor parallelism (``tp`` of several ranks) the draft's decoder layer is split like the
-target's (:mod:`engine.tp_shard`), so the draft's KV band holds each rank's own key/value heads
-just as the target's layers do, and the rest is whole on every rank. ``forward`` is then three
+target's (:mod:`engine.parallel.shard`), so the draft's KV band holds each rank's own key/value
+heads just as the target's layers do, and the rest is whole on every rank. ``forward`` is then three
 parts: ``layer_input`` (rank 0: the rows entering the layer), ``run_layer`` (every rank, on
 those rows broadcast; its collectives make the output whole) and ``finish`` (rank 0).
 """
@@ -59,8 +59,8 @@ from engine.config import TextConfig, text_config_from_dict
 from engine.errors import CheckpointError, ConfigError
 from engine.models.layers import MropeRotary, RMSNorm
 from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
-from engine.parallel import SINGLE, TPGroup
-from engine.tp_shard import TextShard
+from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel.shard import TextShard
 
 if TYPE_CHECKING:
     from engine.models.eagle3 import Eagle3Draft

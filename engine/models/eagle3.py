@@ -34,8 +34,8 @@ from engine.errors import CheckpointError
 from engine.models.eagle import DraftConfig, EagleDraft
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables
 from engine.models.qwen2_vl import Attention, Mlp, Qwen2VLModel
-from engine.parallel import SINGLE, TPGroup
-from engine.tp_shard import TextShard
+from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel.shard import TextShard
 
 
 class Eagle3Layer(nn.Module):

@@ -20,8 +20,8 @@ from engine.config import ModelConfig, TextConfig
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
 from engine.models.vision import Grid, VisionTower
 from engine.models.vision_qwen2_5 import Qwen25VisionTower
-from engine.parallel import SINGLE, TPGroup
-from engine.tp_shard import TextShard
+from engine.parallel.group import SINGLE, TPGroup
+from engine.parallel.shard import TextShard
 
 
 class Attention(nn.Module):
@@ -139,9 +139,9 @@ class Qwen2VLModel(nn.Module):
     Qwen2-VL and Qwen2.5-VL share the decoder; ``cfg.model_type`` picks the vision tower.
 
     With a ``tp`` group of several ranks the decoder layers hold this rank's share
-    (:mod:`engine.tp_shard`) and every rank runs :meth:`forward` over the same inputs together;
-    the embedding, the vision tower and the LM head are rank 0's alone (the other ranks are
-    built without them), and every rank's forward returns the hidden states of the whole model
+    (:mod:`engine.parallel.shard`) and every rank runs :meth:`forward` over the same inputs
+    together; the embedding, the vision tower and the LM head are rank 0's alone (the other ranks
+    are built without them), and every rank's forward returns the hidden states of the whole model
     (the all-reduced sums)."""
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE) -> None:

@@ -29,9 +29,9 @@ from engine.errors import ConfigError
 from engine.kv.pool import KVPool
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
+from engine.parallel.driver import TPDriver
+from engine.parallel.messages import Command
 from engine.runner.model_runner import StepForward
-from engine.tp_driver import TPDriver
-from engine.tp_messages import Command
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine  # the engine a draft runs beside (above this room)
@@ -60,7 +60,7 @@ class DraftHead:
     Beside a tensor-parallel target (``peers``: its other ranks), ``draft`` holds rank 0's
     share of its layer (:func:`engine.models.eagle.load_draft` with the target's group), the
     pool rank 0's key/value heads, and every forward runs the layer on every rank (each rank
-    holds the draft's share and its pool, :mod:`engine.tp_rank`)."""
+    holds the draft's share and its pool, :mod:`engine.parallel.rank`)."""
 
     def __init__(self, draft: Draft, target: Qwen2VLModel, target_pool: KVPool,
                  peers: TPDriver | None = None) -> None:

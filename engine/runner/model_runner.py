@@ -21,9 +21,9 @@ from engine.kv.pool import move_kv
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.multimodal.inputs import RequestState
 from engine.multimodal.mrope import mrope_from_1d
+from engine.parallel.driver import TPDriver
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
-from engine.tp_driver import TPDriver
 
 
 @dataclass

@@ -9,7 +9,7 @@ samples and, with ``--draft``, runs the EAGLE draft (its pool mirrors the stage'
 carries the draft band's global layer id).
 
 With ``config.tp_size`` ``N > 1`` a later stage is rank 0 of ``N`` tensor-parallel processes
-(:class:`engine.tp_driver.TPDriver`), each holding its heads of the stage's layers and pages
+(:class:`engine.parallel.driver.TPDriver`), each holding its heads of the stage's layers and pages
 (every rank's pool holds the same page count). Each stage picks its own ``N``: what it sends
 on is rank 0's whole hidden state, and each stage describes its own KV heads to decodes.
 """
@@ -29,11 +29,11 @@ from engine.device import resolve_device, resolve_dtype
 from engine.kv.pool import KVPool, pages_for_budget
 from engine.models.eagle import load_draft
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.parallel import SINGLE
+from engine.parallel.driver import TPDriver
+from engine.parallel.group import SINGLE
+from engine.parallel.rank import RankAttach
+from engine.parallel.shard import TextShard
 from engine.runner.draft_runner import DraftHead
-from engine.tp_driver import TPDriver
-from engine.tp_rank import RankAttach
-from engine.tp_shard import TextShard
 
 DRAFT_ON_EARLY_STAGE = ("--draft goes to the last pipeline stage only (it runs the EAGLE draft; "
                         "the stages before it learn of the draft from their --pp-next)")
@@ -107,7 +107,7 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
     last stage only) the EAGLE draft of that directory too. With ``config.tp_size`` above 1
     the other ranks' processes are started first and load theirs (their share of the draft's
     layer too) meanwhile; ``attach`` runs in each once its pools exist
-    (:data:`engine.tp_rank.RankAttach`)."""
+    (:data:`engine.parallel.rank.RankAttach`)."""
     text = ModelConfig.from_dir(model_dir).text
     layers = layout.layers(text.num_hidden_layers)
     device = resolve_device(config.device)

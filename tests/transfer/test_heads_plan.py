@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import TextConfig
-from engine.tp_shard import TextShard
+from engine.parallel.shard import TextShard
 from transfer.errors import HeadLayoutError
 from transfer.heads import HeadCopy, HeadLayout, plan_head_copies, receivers, tp_head_ranges
 

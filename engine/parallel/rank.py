@@ -1,6 +1,6 @@
 """The process of a tensor-parallel rank other than 0: it holds its share of the model and its
 share of every KV page (its key/value heads), and runs every forward rank 0 runs, on the inputs
-rank 0 broadcasts (:mod:`engine.tp_messages`). It schedules and samples nothing.
+rank 0 broadcasts (:mod:`engine.parallel.messages`). It schedules and samples nothing.
 
 With ``config.layers`` (a pipeline stage's share) the rank holds those decoder layers only, its
 pool holds them, and the broadcast tensor is the hidden state entering the first of them: each
@@ -39,17 +39,17 @@ from engine.kv.pool import KVPool, move_kv
 from engine.models.eagle import load_draft
 from engine.models.eagle3 import Draft
 from engine.models.qwen2_vl import Qwen2VLModel
-from engine.parallel import DistGroup, join_store, rank_device
-from engine.tp_messages import Command, RankReport, StepHeader, unpack_step
-from engine.tp_shard import TextShard
+from engine.parallel.group import DistGroup, join_store, rank_device
+from engine.parallel.messages import Command, RankReport, StepHeader, unpack_step
+from engine.parallel.shard import TextShard
 
 RankAttach = Callable[[Sequence[KVPool], int], bytes]
 """A node's hook run in a rank's process once its pools are built, given them (the target's,
 then a draft's when the rank holds one) and the rank:
-what it returns reaches rank 0 with the ready report (:attr:`engine.tp_driver.TPDriver.payloads`)
-and what it builds (a transfer engine with the pool registered) lives as long as the process.
-It crosses into a spawned process by reference, so it must be a module-level function or an
-instance of a module-level class."""
+what it returns reaches rank 0 with the ready report
+(:attr:`engine.parallel.driver.TPDriver.payloads`) and what it builds (a transfer engine with the
+pool registered) lives as long as the process. It crosses into a spawned process by reference, so it
+must be a module-level function or an instance of a module-level class."""
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from multiprocessing.process import BaseProcess
 
 import pytest
 
-from engine.tp_driver import _ready_report, step_failure
-from engine.tp_messages import RankReport
+from engine.parallel.driver import _ready_report, step_failure
+from engine.parallel.messages import RankReport
 
 Rank = tuple[BaseProcess, Connection]
 

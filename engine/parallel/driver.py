@@ -1,6 +1,6 @@
 """Rank 0's side of a tensor-parallel engine: it starts the other ranks' processes
-(:mod:`engine.tp_rank`), waits until they are ready, tells them about every forward and sends
-them its inputs (:mod:`engine.tp_messages`), and ends them.
+(:mod:`engine.parallel.rank`), waits until they are ready, tells them about every forward and sends
+them its inputs (:mod:`engine.parallel.messages`), and ends them.
 
 Rank 0 is the engine the caller holds: it schedules, runs the vision tower and the embedding,
 runs its share of every forward (the target's, and an EAGLE draft's layer) together with the
@@ -27,8 +27,8 @@ from engine.attention.backend import AttentionBatch
 from engine.config import EngineConfig
 from engine.device import resolve_device
 from engine.errors import TensorParallelError
-from engine.parallel import DistGroup, rank_device, serve_store
-from engine.tp_messages import (
+from engine.parallel.group import DistGroup, rank_device, serve_store
+from engine.parallel.messages import (
     Command,
     RankReport,
     StepHeader,
@@ -36,7 +36,7 @@ from engine.tp_messages import (
     pack_step,
     step_header,
 )
-from engine.tp_rank import RankAttach, RankSpec, rank_main
+from engine.parallel.rank import RankAttach, RankSpec, rank_main
 
 READY_TIMEOUT_S = 600.0  # a rank's model load
 REPORT_WAIT_S = 2.0  # after a failed step: how long to wait for a rank to say why
@@ -48,7 +48,7 @@ class TPDriver:
 
     Build it before rank 0 loads its model (the ranks load theirs meanwhile), build rank 0's
     model with :attr:`group`, then :meth:`connect`. ``attach``: run in every other rank's
-    process once its pools exist (:data:`engine.tp_rank.RankAttach`); what each returned is in
+    process once its pools exist (:data:`engine.parallel.rank.RankAttach`); what each returned is in
     :attr:`payloads` after :meth:`connect`. ``draft``: an EAGLE draft directory, whose layer
     every rank holds its share of (rank 0 loads its own,
     :class:`engine.runner.draft_runner.DraftHead`)."""

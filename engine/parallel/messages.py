@@ -71,7 +71,7 @@ class RankReport:
     """One message from a non-zero rank: ready (``error`` empty) or failed, and why.
 
     ``payload``: with the ready report, what the rank's attach hook returned
-    (:attr:`engine.tp_rank.RankSpec.attach`; empty without one), opaque to the engine."""
+    (:attr:`engine.parallel.rank.RankSpec.attach`; empty without one), opaque to the engine."""
 
     rank: int
     error: str = ""

@@ -20,9 +20,8 @@ from engine.errors import ConfigError
 from engine.kv.pool import KVPool
 from engine.models.qwen2_vl import Qwen2VLModel
 from engine.multimodal.mrope import mrope_from_1d
-from engine.parallel import TPGroup
-from engine.runner.draft_runner import DraftHead
-from engine.tp_messages import (
+from engine.parallel.group import TPGroup
+from engine.parallel.messages import (
     Command,
     RankReport,
     StepHeader,
@@ -31,7 +30,8 @@ from engine.tp_messages import (
     step_header,
     unpack_step,
 )
-from engine.tp_shard import TextShard, check_tp_size
+from engine.parallel.shard import TextShard, check_tp_size
+from engine.runner.draft_runner import DraftHead
 
 
 def text_config(heads: int, kv: int, inter: int = 96) -> TextConfig:
