@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TextShard
 

@@ -24,9 +24,9 @@ from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv.pool import KVPool, pages_for_budget
-from engine.models.eagle import load_draft
-from engine.models.eagle3 import Draft
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.eagle.eagle3 import Draft
+from engine.models.eagle.loader import load_draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,

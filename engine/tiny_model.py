@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 
 from engine.checkpoint import save_weights
 from engine.config import ModelConfig
-from engine.models.eagle import DraftConfig, Eagle3Spec, EagleDraft, draft_config_dict
-from engine.models.eagle3 import Eagle3Draft
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.eagle.draft import DraftConfig, Eagle3Spec, EagleDraft, draft_config_dict
+from engine.models.eagle.eagle3 import Eagle3Draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.tiny_tokenizer import build_tiny_tokenizer, special_token_ids
 
 TINY_VOCAB = 512

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from tiny_settings import Settings
 
-from engine.models.eagle import DraftConfig, Eagle3Spec, draft_config_dict
-from engine.models.eagle3 import Eagle3Draft
+from engine.models.eagle.draft import DraftConfig, Eagle3Spec, draft_config_dict
+from engine.models.eagle.eagle3 import Eagle3Draft
 from engine.models.layers import RotaryTables
-from engine.models.qwen2_vl import Attention, DecoderLayer, Qwen2VLModel
+from engine.models.qwen2_vl.model import Attention, DecoderLayer, Qwen2VLModel
 
 
 def attention(a: Attention, h: torch.Tensor, rot: RotaryTables) -> torch.Tensor:

@@ -53,10 +53,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from engine.checkpoint import load_model
 from engine.config import ModelConfig
-from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict
-from engine.models.eagle3 import Draft
+from engine.models.eagle.draft import DraftConfig, EagleDraft, draft_config_dict
+from engine.models.eagle.eagle3 import Draft
 from engine.models.layers import RotaryTables
-from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
+from engine.models.qwen2_vl.model import DecoderLayer, Qwen2VLModel
 from engine.stdlib_corpus import heldout_prompts, read_text, split_files, stdlib_files
 from engine.text.chat import chat_prompt, chat_turn
 from engine.tiny_model import TINY_PREPROCESSOR, init_weights, tiny_config_dict
@@ -358,7 +358,7 @@ def evaluate(out: Path, tok: Tokenizer, held: list[Path], k: int = 4,
     from engine.config import EngineConfig
     from engine.core.request import SamplingParams
     from engine.llm_engine import LLMEngine, Prompt
-    from engine.models.eagle import load_draft
+    from engine.models.eagle.loader import load_draft
 
     greedy = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine = LLMEngine(out, EngineConfig(num_pages=1024, page_size=16))

@@ -52,7 +52,7 @@ from engine.attention.backend import AttentionBatch
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import SchedulerOutput
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
-from engine.models.eagle3 import Draft
+from engine.models.eagle.eagle3 import Draft
 from engine.multimodal.inputs import RequestState
 from engine.multimodal.mrope import mrope_from_1d
 from engine.runner.draft_runner import DraftRunner

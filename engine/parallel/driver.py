@@ -98,7 +98,7 @@ class TPDriver:
         """Announce a forward over ``rows`` ``[T, hidden]`` at ``mrope`` ``[3, T]`` with
         ``batch`` and send its inputs; run rank 0's forward inside. ``command``: the target's
         forward (``rows`` are its embeddings) or the draft's (``rows`` are its layer's input,
-        :meth:`engine.models.eagle.EagleDraft.layer_input`). A failure of any rank in here
+        :meth:`engine.models.eagle.draft.EagleDraft.layer_input`). A failure of any rank in here
         raises :class:`TensorParallelError`."""
         with self._guard():
             self._announce(step_header(rows, batch, command))

@@ -36,9 +36,9 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv.pool import KVPool, move_kv
-from engine.models.eagle import load_draft
-from engine.models.eagle3 import Draft
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.eagle.eagle3 import Draft
+from engine.models.eagle.loader import load_draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.parallel.group import DistGroup, join_store, rank_device
 from engine.parallel.messages import Command, RankReport, StepHeader, unpack_step
 from engine.parallel.shard import TextShard

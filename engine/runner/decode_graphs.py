@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.runner.cuda_graph import GraphCache, capture_sizes_for
 
 

@@ -27,8 +27,8 @@ from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import ConfigError
 from engine.kv.pool import KVPool
-from engine.models.eagle3 import Draft
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.eagle.eagle3 import Draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.parallel.driver import TPDriver
 from engine.parallel.messages import Command
 from engine.runner.model_runner import StepForward
@@ -58,7 +58,7 @@ class DraftHead:
     embedding).
 
     Beside a tensor-parallel target (``peers``: its other ranks), ``draft`` holds rank 0's
-    share of its layer (:func:`engine.models.eagle.load_draft` with the target's group), the
+    share of its layer (:func:`engine.models.eagle.draft.load_draft` with the target's group), the
     pool rank 0's key/value heads, and every forward runs the layer on every rank (each rank
     holds the draft's share and its pool, :mod:`engine.parallel.rank`)."""
 

@@ -18,7 +18,7 @@ import torch
 from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.core.scheduler import ScheduledItem, SchedulerOutput
 from engine.kv.pool import move_kv
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.inputs import RequestState
 from engine.multimodal.mrope import mrope_from_1d
 from engine.parallel.driver import TPDriver

@@ -12,8 +12,8 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.core.scheduler import SchedulerOutput
 from engine.llm_engine import LLMEngine
-from engine.models.qwen2_vl import Qwen2VLModel
-from engine.models.vision import Grid
+from engine.models.qwen2_vl.model import Qwen2VLModel
+from engine.models.qwen2_vl.vision import Grid
 from engine.runner.model_runner import ModelRunner
 from prefill_node.pipeline.aux_layers import merge_aux
 

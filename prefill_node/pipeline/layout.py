@@ -27,8 +27,8 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv.pool import KVPool, pages_for_budget
-from engine.models.eagle import load_draft
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.eagle.loader import load_draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.parallel.driver import TPDriver
 from engine.parallel.group import SINGLE
 from engine.parallel.rank import RankAttach

@@ -21,8 +21,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import load_draft
-from engine.models.eagle3 import Eagle3Draft
+from engine.models.eagle.eagle3 import Eagle3Draft
+from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput
 from engine.text.chat import chat_prompt
 from engine.tiny_model import TINY_EAGLE3_LAYERS

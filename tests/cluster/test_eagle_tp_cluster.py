@@ -36,8 +36,8 @@ from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import Eagle3Spec
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.eagle.draft import Eagle3Spec
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.inputs import ImageInput
 from engine.tiny_model import (
     TINY_EAGLE3_LAYERS,

@@ -1,6 +1,6 @@
 """Qwen2.5-VL through the cluster: real ``pdserve`` processes on a transformers-written tiny
 Qwen2.5-VL checkpoint, greedy streams equal to transformers' ``generate`` (the oracle of
-tests/engine/test_qwen2_5_vl.py) for text, images, a video and an image with a video.
+tests/engine/models/test_qwen2_5_vl.py) for text, images, a video and an image with a video.
 
 Two clusters cover the paths: a two-stage pipeline prefill and a decode node behind one router
 (disaggregated), plus a colocated router on the same decode node; and an EAGLE prefill/decode
@@ -30,7 +30,7 @@ from tests.cluster.harness import Node
 from tests.cluster.stats import assert_all_idle
 from tests.cluster.test_cluster import start_all, stop_all
 from tests.conftest import HF_SPECIAL
-from tests.engine.test_qwen2_5_vl import NEW_TOKENS, cases, reference_tokens
+from tests.engine.models.test_qwen2_5_vl import NEW_TOKENS, cases, reference_tokens
 
 pytestmark = pytest.mark.slow
 

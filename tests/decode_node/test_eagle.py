@@ -16,8 +16,9 @@ from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
-from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict, load_draft
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.eagle.draft import DraftConfig, EagleDraft, draft_config_dict
+from engine.models.eagle.loader import load_draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.inputs import ImageInput
 from engine.multimodal.mrope import rope_index
 from engine.tiny_model import init_weights, tiny_config_dict, write_tiny_draft, write_tiny_model

@@ -18,8 +18,8 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import load_draft
-from engine.models.eagle3 import Eagle3Draft
+from engine.models.eagle.eagle3 import Eagle3Draft
+from engine.models.eagle.loader import load_draft
 from engine.tiny_model import (
     tiny_config_dict,
     write_tiny_eagle3_draft,

@@ -19,7 +19,7 @@ from engine.attention.backend import tree_key_mask
 from engine.config import EngineConfig
 from engine.core.request import Request, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.models.eagle import load_draft
+from engine.models.eagle.loader import load_draft
 from engine.multimodal.mrope import rope_index
 from engine.sampling.penalties import chain_scores, tree_scores
 

@@ -15,7 +15,7 @@ from decode_node.spec.eagle_engine import EagleEngine
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import load_draft
+from engine.models.eagle.loader import load_draft
 from engine.text.chat import chat_prompt
 
 BUILTIN = Path(engine.__file__).parent / "builtin" / "tiny-qwen2-vl"

@@ -31,7 +31,7 @@ from engine.device import (
 from engine.errors import ConfigError, DeviceError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.layers import MropeRotary
-from engine.models.vision import VisionTower
+from engine.models.qwen2_vl.vision import VisionTower
 from tests.engine.test_generation_vs_transformers import cases
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import load_draft
+from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput, VideoInput
 from engine.tiny_model import write_random_draft
 from tests.conftest import HF_SPECIAL

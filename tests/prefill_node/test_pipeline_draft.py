@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine
-from engine.models.eagle import load_draft
+from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput, RequestState
 from engine.runner.draft_runner import DraftRunner
 from engine.tiny_model import (

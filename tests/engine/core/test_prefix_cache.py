@@ -21,7 +21,7 @@ from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
-from engine.models.eagle import load_draft
+from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput, VideoInput
 from engine.multimodal.visual_digest import visual_digest
 from engine.tiny_model import write_tiny_draft

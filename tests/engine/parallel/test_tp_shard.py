@@ -18,7 +18,7 @@ from engine.checkpoint import load_model
 from engine.config import ModelConfig, TextConfig
 from engine.errors import ConfigError
 from engine.kv.pool import KVPool
-from engine.models.qwen2_vl import Qwen2VLModel
+from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.mrope import mrope_from_1d
 from engine.parallel.group import TPGroup
 from engine.parallel.messages import (

@@ -316,7 +316,7 @@ def test_eagle_greedy_with_penalties_equals_plain_decoding(tiny_dir: Path,
     from decode_node.spec.eagle_engine import EagleEngine
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine, Prompt
-    from engine.models.eagle import load_draft
+    from engine.models.eagle.loader import load_draft
     from engine.tiny_model import write_tiny_draft
 
     prompts = [Prompt(token_ids=[5, 6, 7, 5, 6, 7, 5, 6])]

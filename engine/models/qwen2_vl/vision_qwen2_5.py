@@ -2,10 +2,10 @@
 window attention in most blocks and whole-frame attention in ``fullatt_block_indexes``, and an
 RMSNorm patch merger.
 
-Input and output are those of :class:`engine.models.vision.VisionTower`: patches ``[N, C*T*P*P]``
-as the image processor produces them (merge blocks of ``m*m`` consecutive patches), one grid
-``(t, h, w)`` per image or video; out come ``[N / m**2, hidden]`` merged embeddings in prompt
-order. Parameter names follow the Hugging Face ``visual.*`` layout.
+Input and output are those of :class:`engine.models.qwen2_vl.vision.VisionTower`: patches
+``[N, C*T*P*P]`` as the image processor produces them (merge blocks of ``m*m`` consecutive patches),
+one grid ``(t, h, w)`` per image or video; out come ``[N / m**2, hidden]`` merged embeddings in
+prompt order. Parameter names follow the Hugging Face ``visual.*`` layout.
 
 Windows: each frame's grid of merged patches is cut into squares of ``cfg.window_merged``
 merged patches a side, row-major, the last row and column of squares cut short. The tower
@@ -29,7 +29,7 @@ from engine.models.layers import (
     activation,
     inverse_frequencies,
 )
-from engine.models.vision import (
+from engine.models.qwen2_vl.vision import (
     Grid,
     PatchEmbed,
     PatchMerger,

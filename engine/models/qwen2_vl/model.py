@@ -18,8 +18,8 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig, TextConfig
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
-from engine.models.vision import Grid, VisionTower
-from engine.models.vision_qwen2_5 import Qwen25VisionTower
+from engine.models.qwen2_vl.vision import Grid, VisionTower
+from engine.models.qwen2_vl.vision_qwen2_5 import Qwen25VisionTower
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TextShard
 

@@ -1,5 +1,5 @@
 """Reading an EAGLE-3 draft in the layout SpecForge and SGLang write into pdserve's EAGLE-3 draft
-(:class:`~engine.models.eagle3.Eagle3Draft`).
+(:class:`~engine.models.eagle.eagle3.Eagle3Draft`).
 
 The layout: a flat Llama-style ``config.json`` (``architectures``
 ``["LlamaForCausalLMEagle3"]``, ``hidden_size``, ``num_attention_heads``,
@@ -16,8 +16,8 @@ layout has none: ``attention_bias`` true, which would also bias ``o_proj``, is r
 must agree with ``d2t`` (exactly the draft vocabulary's target ids) and is dropped, as is
 ``embed_tokens.weight`` once its shape matches the target's embedding (the draft embeds with the
 target's). Without layer ids the draft takes SpecForge's default for the target's depth
-(:meth:`~engine.models.eagle.Eagle3Spec.default_layer_ids`). Rope and head settings read as for
-the original EAGLE layout (:mod:`engine.models.eagle_layouts`).
+(:meth:`~engine.models.eagle.draft.Eagle3Spec.default_layer_ids`). Rope and head settings read as
+for the original EAGLE layout (:mod:`engine.models.eagle.layouts`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from engine.config import TextConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.models.eagle import EAGLE3_LAYERS_KEY, EAGLE3_VOCAB_KEY, DraftConfig, Eagle3Spec
+from engine.models.eagle.draft import EAGLE3_LAYERS_KEY, EAGLE3_VOCAB_KEY, DraftConfig, Eagle3Spec
 
 FOREIGN_LAYER = "midlayer."
 PDSERVE_LAYER = "layers.0."

@@ -18,7 +18,8 @@ import torch
 
 from engine.config import ModelConfig, TextConfig
 from engine.errors import ConfigError
-from engine.models.eagle import DraftConfig, EagleDraft, draft_config_dict, load_draft
+from engine.models.eagle.draft import DraftConfig, EagleDraft, draft_config_dict
+from engine.models.eagle.loader import load_draft
 from engine.tiny_model import tiny_config_dict
 
 TARGET_RAW = tiny_config_dict()

@@ -1,5 +1,5 @@
 """Reading an EAGLE draft directory in any accepted layout into pdserve's draft
-(:class:`~engine.models.eagle.DraftConfig` and tensors under :class:`EagleDraft`'s names).
+(:class:`~engine.models.eagle.draft.DraftConfig` and tensors under :class:`EagleDraft`'s names).
 
 ``config.json`` tells the layouts apart:
 
@@ -14,7 +14,7 @@
   sharded set with ``pytorch_model.bin.index.json``; :mod:`engine.checkpoint_bin`), under the
   original names or SGLang's (``architectures`` ``LlamaForCausalLMEagle`` /
   ``Qwen2ForCausalLMEagle``: a ``model.`` prefix and an ``lm_head.weight``;
-  :mod:`engine.models.eagle_sglang`).
+  :mod:`engine.models.eagle.sglang_layout`).
 
 Mapping the original layout's config onto the draft's:
 
@@ -35,8 +35,8 @@ Mapping the original layout's config onto the draft's:
   refused, naming the tensors.
 
 - a flat config marked EAGLE-3 (an ``Eagle3`` architecture or ``draft_vocab_size``): the
-  SpecForge / SGLang EAGLE-3 layout, read by :mod:`engine.models.eagle3_layout`. A config not so
-  marked whose tensors are EAGLE-3's (``d2t``/``t2d`` or ``midlayer.*``) is refused, naming them.
+  SpecForge / SGLang EAGLE-3 layout, read by :mod:`engine.models.eagle.eagle3_layout`. A config not
+  so marked whose tensors are EAGLE-3's (``d2t``/``t2d`` or ``midlayer.*``) is refused, naming them.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from engine.checkpoint import read_state_dict
 from engine.checkpoint_bin import read_bin_state_dict
 from engine.config import TextConfig, read_json_object
 from engine.errors import CheckpointError, ConfigError
-from engine.models.eagle import DRAFT_MODEL_TYPE, DraftConfig
-from engine.models.eagle3_layout import eagle3_config, eagle3_signs, eagle3_state_dict
-from engine.models.eagle_sglang import (
+from engine.models.eagle.draft import DRAFT_MODEL_TYPE, DraftConfig
+from engine.models.eagle.eagle3_layout import eagle3_config, eagle3_signs, eagle3_state_dict
+from engine.models.eagle.sglang_layout import (
     SGLANG_HEAD,
     SGLANG_PREFIX,
     sglang_qkv_bias,
@@ -221,8 +221,8 @@ def eagle_state_dict(
     tensors: dict[str, torch.Tensor], layout: EagleLayout, path: Path,
 ) -> dict[str, torch.Tensor]:
     """The original layout's ``tensors`` (from ``path``; under its names or SGLang's, see
-    :mod:`engine.models.eagle_sglang`) under pdserve's draft names: ``embed_tokens.weight`` and
-    ``lm_head.weight`` dropped once their shapes are checked, zero q/k/v biases added where the
+    :mod:`engine.models.eagle.sglang_layout`) under pdserve's draft names: ``embed_tokens.weight``
+    and ``lm_head.weight`` dropped once their shapes are checked, zero q/k/v biases added where the
     attention has none. Raises unless exactly the layout's tensors are there."""
     tensors, renamed = sglang_unprefixed(tensors, path)
     refuse_eagle3(path, [f"tensor {n!r}" for n in sorted(tensors)

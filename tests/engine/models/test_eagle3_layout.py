@@ -26,10 +26,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import Eagle3Spec, draft_config_dict, load_draft
-from engine.models.eagle3 import Eagle3Draft
-from engine.models.eagle3_layout import eagle3_config
-from engine.models.eagle_layouts import eagle_layout
+from engine.models.eagle.draft import Eagle3Spec, draft_config_dict
+from engine.models.eagle.eagle3 import Eagle3Draft
+from engine.models.eagle.eagle3_layout import eagle3_config
+from engine.models.eagle.layouts import eagle_layout
+from engine.models.eagle.loader import load_draft
 from engine.tiny_model import random_vocab_map, tiny_config_dict, write_tiny_model
 
 TARGET_RAW = tiny_config_dict()

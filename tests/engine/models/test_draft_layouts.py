@@ -27,13 +27,13 @@ from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
 from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import (
+from engine.models.eagle.draft import (
     VARIANT_DEFAULTS,
     DraftConfig,
     EagleDraft,
     draft_config_dict,
-    load_draft,
 )
+from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput
 from engine.tiny_model import tiny_config_dict, write_tiny_model
 
@@ -254,7 +254,7 @@ def test_an_unreadable_config_is_refused_saying_why(
 
 
 def test_eagle3_tensors_under_an_unmarked_config_are_refused(tmp_path: Path) -> None:
-    """EAGLE-3 drafts load (tests/engine/test_eagle3_layout.py) when their config says so."""
+    """EAGLE-3 drafts load (tests/engine/models/test_eagle3_layout.py) when their config says so."""
     config = eagle_config()
     tensors = {**eagle_tensors(config), "d2t": torch.zeros(8, dtype=torch.int64)}
     with pytest.raises(ConfigError, match="EAGLE-3 tensors \\(tensor 'd2t'\\) in a draft whose "

@@ -20,9 +20,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
 from engine.llm_engine import LLMEngine, Prompt
-from engine.models.eagle import load_draft
-from engine.models.qwen2_vl import Qwen2VLModel
-from engine.models.vision_qwen2_5 import Qwen25VisionTower
+from engine.models.eagle.loader import load_draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
+from engine.models.qwen2_vl.vision_qwen2_5 import Qwen25VisionTower
 from engine.multimodal.inputs import ImageInput, VideoInput
 from engine.tiny_model import write_random_draft
 from tests.conftest import HF25_VISION, HF_SPECIAL, HF_TEXT

@@ -1,9 +1,9 @@
 """The EAGLE-3 draft head: one decoder layer over (normed token embedding, normed feature).
 
-Against the EAGLE-1/2 draft (:class:`~engine.models.eagle.EagleDraft`):
+Against the EAGLE-1/2 draft (:class:`~engine.models.eagle.draft.EagleDraft`):
 
 - The target hands the draft the outputs of three of its layers (low, middle, high;
-  :class:`~engine.models.eagle.Eagle3Spec`), concatenated ``[T, 3H]``; ``fc`` (no bias) fuses
+  :class:`~engine.models.eagle.draft.Eagle3Spec`), concatenated ``[T, 3H]``; ``fc`` (no bias) fuses
   them into the feature ``[T, H]`` (:meth:`Eagle3Draft.target_feature`). ``fc`` runs once, on
   the target's side of the hand-over: the feature has the target's hidden size, so the aux row a
   prefill node ships and the decode loop's buffers keep their size.
@@ -31,9 +31,9 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import TextConfig
 from engine.errors import CheckpointError
-from engine.models.eagle import DraftConfig, EagleDraft
+from engine.models.eagle.draft import DraftConfig, EagleDraft
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables
-from engine.models.qwen2_vl import Attention, Mlp, Qwen2VLModel
+from engine.models.qwen2_vl.model import Attention, Mlp, Qwen2VLModel
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TextShard
 
@@ -63,7 +63,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Draft(nn.Module):
     """An EAGLE-3 draft of ``cfg`` (whose ``eagle3`` is set; its layer split over ``tp``); the
-    interface of :class:`~engine.models.eagle.EagleDraft`."""
+    interface of :class:`~engine.models.eagle.draft.EagleDraft`."""
 
     def __init__(self, cfg: DraftConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()

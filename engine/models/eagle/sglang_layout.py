@@ -6,7 +6,7 @@ tensors under ``model.`` (``model.fc.weight``, ``model.layers.0.self_attn.q_proj
 ``model.embed_tokens.weight``) beside ``lm_head.weight``, and a draft saved from them keeps
 those names; the drafts SGLang reads may also carry the original names, which it prefixes itself.
 Either way the embedding and the LM head are the target's at run time. Here the ``model.``
-prefix is read away, so :func:`~engine.models.eagle_layouts.eagle_state_dict` sees the original
+prefix is read away, so :func:`~engine.models.eagle.layouts.eagle_state_dict` sees the original
 layout's names. SGLang's Qwen2 layer always has q/k/v biases, so under ``Qwen2ForCausalLMEagle``
 a config without ``qkv_bias`` means biases.
 """

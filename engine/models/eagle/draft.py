@@ -10,8 +10,8 @@ The draft comes in layout variants, recorded in :class:`DraftConfig`: ``fc`` wit
 bias, the layer with or without its input norm, with or without a final norm. The defaults are
 pdserve's own draft (no bias, both norms); the original EAGLE draft has the bias and neither norm.
 
-Checkpoint layouts (Hugging Face-style directories; :func:`load_draft` tells them apart by
-``config.json`` and :mod:`engine.models.eagle_layouts` reads them):
+Checkpoint layouts (Hugging Face-style directories; :func:`~engine.models.eagle.loader.load_draft`
+tells them apart by ``config.json`` and :mod:`engine.models.eagle.layouts` reads them):
 
 - pdserve's own: ``config.json`` with ``model_type`` ``qwen2_vl_eagle``, the target's
   ``text_config`` shape (``num_hidden_layers`` 1), ``target_num_hidden_layers`` and any variant
@@ -26,13 +26,13 @@ Checkpoint layouts (Hugging Face-style directories; :func:`load_draft` tells the
   safetensors or ``pytorch_model.bin`` files (single or sharded with an index), under these
   names or SGLang's (``model.``-prefixed, maybe an unused ``lm_head.weight``).
 
-EAGLE-3 drafts (:mod:`engine.models.eagle3`: they fuse the outputs of three target layers and
+EAGLE-3 drafts (:mod:`engine.models.eagle.eagle3`: they fuse the outputs of three target layers and
 may predict over a vocabulary of their own) carry :class:`Eagle3Spec` in their config; in
 pdserve's own layout its keys are ``eagle_aux_hidden_state_layer_ids`` and ``draft_vocab_size``,
-and the SpecForge / SGLang layout is read by :mod:`engine.models.eagle3_layout`.
+and the SpecForge / SGLang layout is read by :mod:`engine.models.eagle.eagle3_layout`.
 
 Every draft offers the same interface to the loops that run it
-(:data:`engine.models.eagle3.Draft`):
+(:data:`engine.models.eagle.eagle3.Draft`):
 ``target_feature(hidden, aux)`` (the feature a target row hands the draft), ``forward`` (draft
 rows -> the features the next draft step reads), ``logits(features, target)`` (float32 logits
 over the *target's* vocabulary) and ``cfg.aux_layer_ids`` (the target layers whose outputs
@@ -48,22 +48,17 @@ those rows broadcast; its collectives make the output whole) and ``finish`` (ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.config import TextConfig, text_config_from_dict
-from engine.errors import CheckpointError, ConfigError
+from engine.errors import ConfigError
 from engine.models.layers import MropeRotary, RMSNorm
-from engine.models.qwen2_vl import DecoderLayer, Qwen2VLModel
+from engine.models.qwen2_vl.model import DecoderLayer, Qwen2VLModel
 from engine.parallel.group import SINGLE, TPGroup
-from engine.parallel.shard import TextShard
-
-if TYPE_CHECKING:
-    from engine.models.eagle3 import Eagle3Draft
 
 DRAFT_MODEL_TYPE = "qwen2_vl_eagle"
 # the layout variant flags of DraftConfig (and config.json keys), with their defaults
@@ -250,49 +245,6 @@ class EagleDraft(nn.Module):
     def greedy_tokens(self, features: torch.Tensor, target: Qwen2VLModel) -> torch.Tensor:
         """``logits(features, target).argmax(-1)`` ``[n]``: the draft's greedy tokens."""
         return self.logits(features, target).argmax(dim=-1)
-
-
-def load_draft(
-    path: str | Path, target: TextConfig, dtype: torch.dtype,
-    device: str | torch.device = "cpu", tp: TPGroup = SINGLE,
-) -> EagleDraft | Eagle3Draft:
-    """Load an EAGLE draft directory in any accepted layout (the module docstring), refused
-    unless it fits the target's text config; its weights go straight onto ``device`` (the
-    target's) in ``dtype``. With ``tp`` of several ranks, its layer holds this rank's slices
-    (``ConfigError`` when the layer does not split over them)."""
-    # both build on this module's config
-    from engine.models.eagle3 import build_draft
-    from engine.models.eagle_layouts import read_draft
-
-    cfg, state = read_draft(Path(path), target, device)
-    if tp.size > 1:
-        state = draft_shard(state, TextShard.of(cfg.text, tp.rank, tp.size))
-    with torch.device("meta"):
-        draft = build_draft(cfg, tp)
-    expected = set(draft.state_dict())
-    missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-    if missing or unexpected:
-        raise CheckpointError(f"{path}: draft weights do not match: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}")
-    try:
-        draft.load_state_dict(state, assign=True)
-    except RuntimeError as exc:
-        raise CheckpointError(f"{path}: draft tensor shapes do not match: {exc}") from exc
-    draft = draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    draft.fuse()
-    return draft
-
-
-def draft_shard(state: dict[str, torch.Tensor], shard: TextShard) -> dict[str, torch.Tensor]:
-    """``state`` (pdserve's draft names) with the layer's tensors cut to ``shard``'s slices."""
-    out = {}
-    for name, tensor in state.items():
-        part = shard.layer_slice(name.split(".", 2)[2]) if name.startswith("layers.") else None
-        if part is not None:
-            dim, start, stop = part
-            tensor = tensor.narrow(dim, start, stop - start).contiguous()
-        out[name] = tensor
-    return out
 
 
 def draft_config_dict(target_text: dict[str, Any], target_layers: int,

@@ -30,7 +30,7 @@ from test_draft_layouts import (
 )
 
 from engine.errors import CheckpointError
-from engine.models.eagle import load_draft
+from engine.models.eagle.loader import load_draft
 
 Tensors = dict[str, torch.Tensor]
 SHARDS = 3
