@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 from bench.host_time import measure_host_time
+from engine.builtin.tiny_model import write_tiny_model
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine, Prompt
-from engine.tiny_model import write_tiny_model
 
 
 def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -85,8 +85,8 @@ def main() -> None:
     from pathlib import Path
 
     from bench.engine import prompts
+    from engine.builtin.tiny_model import write_tiny_model
     from engine.config import EngineConfig
-    from engine.tiny_model import write_tiny_model
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--model", help="checkpoint directory (default: a fresh tiny model)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from engine.stdlib_corpus import heldout_prompts
+from engine.builtin.stdlib_corpus import heldout_prompts
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 
@@ -104,8 +104,8 @@ def code_workloads(count: int, input_len: int, output_mean: int,
                    encode: Callable[[str], list[int]], seed: int = 0,
                    spread: float = 0.5) -> list[Workload]:
     """Real-text prompts of up to ``input_len`` token ids cut from the standard-library files the
-    built-in model held out of training (:mod:`engine.stdlib_corpus`); new-token counts uniform
-    in ``output_mean * (1 +- spread)``."""
+    built-in model held out of training (:mod:`engine.builtin.stdlib_corpus`); new-token counts
+    uniform in ``output_mean * (1 +- spread)``."""
     rng = random.Random(seed)
     return [Workload(_length(rng, output_mean, spread), ids)
             for ids in heldout_prompts(encode, count, input_len)]

@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.model:
                 model_dir = Path(args.model)
             else:
-                from engine.tiny_model import write_tiny_model
+                from engine.builtin.tiny_model import write_tiny_model
 
                 model_dir = write_tiny_model(Path(tmp) / "tiny")
             config = json.loads((model_dir / "config.json").read_text())

@@ -27,13 +27,13 @@ import torch
 
 from decode_node.spec.eagle_engine import EagleEngine, SpecStats
 from decode_node.spec.tree import TreeShape
+from engine.builtin.stdlib_corpus import heldout_prompts
+from engine.builtin.tiny_model import write_tiny_draft, write_tiny_model
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle.loader import load_draft
-from engine.stdlib_corpus import heldout_prompts
 from engine.text.tokenizer import Tokenizer
-from engine.tiny_model import write_tiny_draft, write_tiny_model
 
 Runner = LLMEngine | EagleEngine
 

@@ -25,7 +25,7 @@ def ensure_model(model: str | None) -> Path:
         return Path(model)
     if (builtin_model_dir() / "config.json").is_file():
         return builtin_model_dir()
-    from engine.tiny_model import write_tiny_model
+    from engine.builtin.tiny_model import write_tiny_model
 
     path = default_model_dir()
     if not (path / "config.json").is_file():

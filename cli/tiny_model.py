@@ -24,7 +24,11 @@ def add_tiny_model_args(p: argparse.ArgumentParser) -> None:
 def run_tiny_model(args: argparse.Namespace) -> int:
     """Write the checkpoint (and with ``--with-draft`` or ``--with-eagle3-draft`` its draft,
     seeded ``--seed`` + 1)."""
-    from engine.tiny_model import write_tiny_draft, write_tiny_eagle3_draft, write_tiny_model
+    from engine.builtin.tiny_model import (
+        write_tiny_draft,
+        write_tiny_eagle3_draft,
+        write_tiny_model,
+    )
 
     path = write_tiny_model(checked_dir(args.dir), seed=args.seed)
     print(f"wrote tiny Qwen2-VL checkpoint to {path}")

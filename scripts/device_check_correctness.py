@@ -185,9 +185,9 @@ def check_eagle(ctx: Context, res: dict[str, Any]) -> None:
     (equality only: a random draft is rarely accepted)."""
     from decode_node.spec.eagle_engine import EagleEngine
     from decode_node.spec.tree import TreeShape
+    from engine.builtin.tiny_model import write_random_eagle3_draft
     from engine.models.eagle.draft import Eagle3Spec
     from engine.models.eagle.loader import load_draft
-    from engine.tiny_model import write_random_eagle3_draft
 
     model_dir = builtin_model_dir()
     if not (model_dir / "draft" / "config.json").is_file():

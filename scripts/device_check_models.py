@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from engine.builtin.tiny_model import TINY_PREPROCESSOR
+from engine.builtin.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, special_token_ids
 from engine.device import DTYPES
 from engine.multimodal.image_processor import ImageProcessorConfig, process_image
 from engine.multimodal.inputs import ImageInput
 from engine.multimodal.mrope import num_image_tokens
-from engine.tiny_model import TINY_PREPROCESSOR
-from engine.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, special_token_ids
 
 TINY_VOCAB = 384
 TINY_TEXT: dict[str, Any] = {

@@ -10,9 +10,9 @@ target's own ``TRAINING.md`` is kept below the draft's.
 
 The corpus is the running interpreter's own standard library: the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]`` in sorted order (source and docstrings). Every
-:data:`engine.stdlib_corpus.HOLDOUT_EVERY`-th file is held out for evaluation. A byte-level BPE
-tokenizer is trained on the training files with the ``tokenizers`` library, the special tokens
-of :mod:`engine.tiny_tokenizer` taking the last ids.
+:data:`engine.builtin.stdlib_corpus.HOLDOUT_EVERY`-th file is held out for evaluation. A byte-level
+BPE tokenizer is trained on the training files with the ``tokenizers`` library, the special tokens
+of :mod:`engine.builtin.tiny_tokenizer` taking the last ids.
 
 The target is the engine's own :class:`Qwen2VLModel` (the tiny vision tower included, so images
 still work); training runs a functional causal forward over its modules (q/k/v/o and gate/up/down
@@ -51,16 +51,16 @@ from safetensors.torch import save_file
 from tiny_settings import Settings
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from engine.builtin.stdlib_corpus import heldout_prompts, read_text, split_files, stdlib_files
+from engine.builtin.tiny_model import TINY_PREPROCESSOR, init_weights, tiny_config_dict
+from engine.builtin.tiny_tokenizer import SPECIAL_TOKENS, special_token_ids
 from engine.checkpoint import load_model
 from engine.config import ModelConfig
 from engine.models.eagle.draft import DraftConfig, EagleDraft, draft_config_dict
 from engine.models.eagle.eagle3 import Draft
 from engine.models.layers import RotaryTables
 from engine.models.qwen2_vl.model import DecoderLayer, Qwen2VLModel
-from engine.stdlib_corpus import heldout_prompts, read_text, split_files, stdlib_files
 from engine.text.chat import chat_prompt, chat_turn
-from engine.tiny_model import TINY_PREPROCESSOR, init_weights, tiny_config_dict
-from engine.tiny_tokenizer import SPECIAL_TOKENS, special_token_ids
 
 SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def push(self, item):",
                   chat_prompt("Write a Python function fibonacci(n). Return the n-th Fibonacci "
@@ -98,7 +98,7 @@ def chat_examples(texts: list[str]) -> list[str]:
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
     """Byte-level BPE over ``texts`` with :data:`SPECIAL_TOKENS` as the last ids (as in
-    :func:`engine.tiny_tokenizer.build_tiny_tokenizer`)."""
+    :func:`engine.builtin.tiny_tokenizer.build_tiny_tokenizer`)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

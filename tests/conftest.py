@@ -101,7 +101,7 @@ def hf_one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.tiny_model import write_tiny_model
+    from engine.builtin.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -11,19 +11,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.checkpoint import save_weights
-from engine.config import ModelConfig
-from engine.models.eagle.draft import DraftConfig, Eagle3Spec, draft_config_dict
-from engine.models.eagle.eagle3 import Eagle3Draft
-from engine.models.qwen2_vl.model import Qwen2VLModel
-from engine.tiny_model import (
+from engine.builtin.tiny_model import (
     init_weights,
     random_vocab_map,
     tiny_config_dict,
     write_tiny_eagle3_draft,
     write_tiny_model,
 )
-from engine.tiny_tokenizer import build_tiny_tokenizer
+from engine.builtin.tiny_tokenizer import build_tiny_tokenizer
+from engine.checkpoint import save_weights
+from engine.config import ModelConfig
+from engine.models.eagle.draft import DraftConfig, Eagle3Spec, draft_config_dict
+from engine.models.eagle.eagle3 import Eagle3Draft
+from engine.models.qwen2_vl.model import Qwen2VLModel
 
 PEAK = 100.0  # the LM heads' scale: a token's logits peak sharply at itself
 D2T_SEED = 7

@@ -1,5 +1,7 @@
 """The built-in model shipped with the package: a trained tiny Qwen2-VL-architecture checkpoint
-(with its EAGLE draft in ``draft/``). ``scripts/train_tiny.py`` trains it (a script, not part of
+(with its EAGLE draft in ``draft/``), beside the code that writes tiny checkpoints
+(``tiny_model``), trains their tokenizer (``tiny_tokenizer``) and reads the corpus
+(``stdlib_corpus``). ``scripts/train_tiny.py`` trains it (a script, not part of
 the engine: its closing check runs the decode node's EAGLE loop)."""
 
 from __future__ import annotations

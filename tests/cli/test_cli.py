@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.builtin.tiny_model import TINY_EAGLE3_LAYERS
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
@@ -25,7 +26,6 @@ from engine.models.eagle.eagle3 import Eagle3Draft
 from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput
 from engine.text.chat import chat_prompt
-from engine.tiny_model import TINY_EAGLE3_LAYERS
 
 REPO = Path(__file__).resolve().parents[2]
 PATCH_DIM = 3 * 2 * 14 * 14

@@ -24,12 +24,12 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.builtin.tiny_model import tiny_config_dict
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.multimodal.inputs import ImageInput
 from engine.multimodal.mrope import num_image_tokens
-from engine.tiny_model import tiny_config_dict
 from proto.convert import patches_message
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc

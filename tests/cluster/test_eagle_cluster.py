@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine.builtin.tiny_model import tiny_config_dict, write_tiny_draft, write_tiny_model
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
 from engine.multimodal.inputs import ImageInput
-from engine.tiny_model import tiny_config_dict, write_tiny_draft, write_tiny_model
 from proto.convert import patches_message
 from proto.pdserve.v1 import admin_pb2, generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import generate_pb2 as gpb

@@ -32,6 +32,12 @@ import torch
 
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
+from engine.builtin.tiny_model import (
+    TINY_EAGLE3_LAYERS,
+    init_weights,
+    write_random_eagle3_draft,
+    write_tiny_model,
+)
 from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
@@ -39,12 +45,6 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle.draft import Eagle3Spec
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.inputs import ImageInput
-from engine.tiny_model import (
-    TINY_EAGLE3_LAYERS,
-    init_weights,
-    write_random_eagle3_draft,
-    write_tiny_model,
-)
 from tests.cluster.harness import Node, free_port
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all

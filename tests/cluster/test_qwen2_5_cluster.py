@@ -20,9 +20,9 @@ import grpc
 import numpy as np
 import pytest
 
+from engine.builtin.tiny_model import write_random_draft
 from engine.llm_engine import Prompt
 from engine.multimodal.inputs import ImageInput, VideoInput
-from engine.tiny_model import write_random_draft
 from proto.convert import patches_message
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc

@@ -12,6 +12,12 @@ import torch
 
 from decode_node.spec.accept import accept_sampled
 from decode_node.spec.eagle_engine import EagleEngine
+from engine.builtin.tiny_model import (
+    init_weights,
+    tiny_config_dict,
+    write_tiny_draft,
+    write_tiny_model,
+)
 from engine.checkpoint import save_weights
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
@@ -21,7 +27,6 @@ from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.inputs import ImageInput
 from engine.multimodal.mrope import rope_index
-from engine.tiny_model import init_weights, tiny_config_dict, write_tiny_draft, write_tiny_model
 
 SPECIAL = tiny_config_dict()
 IMG, VS, VE = SPECIAL["image_token_id"], SPECIAL["vision_start_token_id"], SPECIAL[
@@ -93,7 +98,7 @@ def write_oracle_pair(path: Path, exact: bool = True) -> Path:
 
     With ``exact=False`` the target has two layers and keeps its attention, and the same head
     (a copy of layer 0) only approximates it: drafts are accepted some of the time."""
-    from engine.tiny_tokenizer import build_tiny_tokenizer
+    from engine.builtin.tiny_tokenizer import build_tiny_tokenizer
 
     layers = 1 if exact else 2
     raw = tiny_config_dict()

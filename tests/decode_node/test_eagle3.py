@@ -14,16 +14,16 @@ from test_eagle import GREEDY, PROMPTS, image_prompt
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.attention.backend import AttentionBatch, TorchPagedAttention
+from engine.builtin.tiny_model import (
+    tiny_config_dict,
+    write_tiny_eagle3_draft,
+)
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle.eagle3 import Eagle3Draft
 from engine.models.eagle.loader import load_draft
-from engine.tiny_model import (
-    tiny_config_dict,
-    write_tiny_eagle3_draft,
-)
 from tests.decode_node.test_eagle import first_token_chi2
 from tests.eagle3_pair import draft_vocab_ids, write_eagle3_model, write_repeating_pair
 

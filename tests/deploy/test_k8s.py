@@ -582,7 +582,7 @@ def loopback_argv(container: Obj, env: dict[str, str], ports: dict[int, int]) ->
 def base_pods(rendered: dict[str, list[Obj]], tmp_path: Path,
               monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Node]]:
     """prefill, decode and router started from the base manifests, in that order."""
-    from engine.tiny_model import write_tiny_model
+    from engine.builtin.tiny_model import write_tiny_model
 
     objs = rendered["base"]
     deploys = by_kind(objs, "Deployment")

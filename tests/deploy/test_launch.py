@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine.builtin.tiny_model import write_tiny_draft, write_tiny_model
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
-from engine.tiny_model import write_tiny_draft, write_tiny_model
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 

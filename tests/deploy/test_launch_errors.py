@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.tiny_model import write_tiny_model
+from engine.builtin.tiny_model import write_tiny_model
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from tests.deploy.test_launch import processes_matching

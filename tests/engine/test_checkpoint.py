@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.builtin.tiny_model import write_tiny_model
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.multimodal.inputs import ImageInput
-from engine.tiny_model import write_tiny_model
 from tests.conftest import HF_SPECIAL, write_hf_checkpoint
 
 PATCH_DIM = 3 * 2 * 14 * 14

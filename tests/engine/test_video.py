@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from decode_node.spec.eagle_engine import EagleEngine
+from engine.builtin.tiny_model import write_random_draft
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine, Prompt
 from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput, VideoInput
-from engine.tiny_model import write_random_draft
 from tests.conftest import HF_SPECIAL
 
 IMG, VID = HF_SPECIAL["image_token_id"], HF_SPECIAL["video_token_id"]

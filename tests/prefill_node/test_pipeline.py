@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from engine.builtin.tiny_model import tiny_config_dict
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
 from engine.multimodal.inputs import ImageInput
-from engine.tiny_model import tiny_config_dict
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb

@@ -16,6 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from engine.builtin.tiny_model import (
+    tiny_config_dict,
+    write_tiny_draft,
+    write_tiny_eagle3_draft,
+    write_tiny_model,
+)
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.kv.pool import KVPool
@@ -23,12 +29,6 @@ from engine.llm_engine import LLMEngine
 from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput, RequestState
 from engine.runner.draft_runner import DraftRunner
-from engine.tiny_model import (
-    tiny_config_dict,
-    write_tiny_draft,
-    write_tiny_eagle3_draft,
-    write_tiny_model,
-)
 from prefill_node.pipeline.aux_layers import pack_aux
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage

@@ -18,10 +18,10 @@ import grpc
 import pytest
 import torch
 
+from engine.builtin.tiny_model import write_random_draft
 from engine.errors import TensorParallelError
 from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine
-from engine.tiny_model import write_random_draft
 from prefill_node.pipeline import service
 from prefill_node.pipeline.first_runner import first_stage_runner
 from prefill_node.pipeline.later import LaterStage

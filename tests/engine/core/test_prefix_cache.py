@@ -15,6 +15,7 @@ import torch
 from cli.engine_args import engine_config
 from cli.generate import add_generate_args
 from decode_node.spec.eagle_engine import EagleEngine
+from engine.builtin.tiny_model import write_tiny_draft
 from engine.config import EngineConfig
 from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
@@ -24,7 +25,6 @@ from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput, VideoInput
 from engine.multimodal.visual_digest import visual_digest
-from engine.tiny_model import write_tiny_draft
 from tests.engine.test_generation_vs_transformers import image, image_block, reference, text
 
 PS = 8  # page size of every engine here

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 
+from engine.builtin.tiny_model import tiny_config_dict
 from engine.config import ModelConfig, TextConfig
 from engine.errors import ConfigError
 from engine.models.eagle.draft import DraftConfig, EagleDraft, draft_config_dict
 from engine.models.eagle.loader import load_draft
-from engine.tiny_model import tiny_config_dict
 
 TARGET_RAW = tiny_config_dict()
 TARGET = ModelConfig.from_dict(TARGET_RAW).text

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.attention.backend import AttentionBatch, TorchPagedAttention
+from engine.builtin.tiny_model import tiny_config_dict, write_tiny_model
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
@@ -35,7 +36,6 @@ from engine.models.eagle.draft import (
 )
 from engine.models.eagle.loader import load_draft
 from engine.multimodal.inputs import ImageInput
-from engine.tiny_model import tiny_config_dict, write_tiny_model
 
 TARGET_RAW = tiny_config_dict()
 TEXT = TARGET_RAW["text_config"]

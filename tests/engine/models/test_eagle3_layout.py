@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from test_draft_layouts import forward_twice, realigned
 
 from decode_node.spec.eagle_engine import EagleEngine
+from engine.builtin.tiny_model import random_vocab_map, tiny_config_dict, write_tiny_model
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import CheckpointError, ConfigError
@@ -31,7 +32,6 @@ from engine.models.eagle.eagle3 import Eagle3Draft
 from engine.models.eagle.eagle3_layout import eagle3_config
 from engine.models.eagle.layouts import eagle_layout
 from engine.models.eagle.loader import load_draft
-from engine.tiny_model import random_vocab_map, tiny_config_dict, write_tiny_model
 
 TARGET_RAW = tiny_config_dict()
 TEXT = TARGET_RAW["text_config"]

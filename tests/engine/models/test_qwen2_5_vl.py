@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from decode_node.spec.eagle_engine import EagleEngine
+from engine.builtin.tiny_model import write_random_draft
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
@@ -24,7 +25,6 @@ from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.models.qwen2_vl.vision_qwen2_5 import Qwen25VisionTower
 from engine.multimodal.inputs import ImageInput, VideoInput
-from engine.tiny_model import write_random_draft
 from tests.conftest import HF25_VISION, HF_SPECIAL, HF_TEXT
 
 IMG, VID, VS, VE = (HF_SPECIAL[k] for k in ("image_token_id", "video_token_id",

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.builtin.tiny_model import write_tiny_model
 from engine.config import EngineConfig
 from engine.core.page_allocator import PageAllocator
 from engine.core.request import Request, SamplingParams
@@ -29,7 +30,6 @@ from engine.runner.input_batch import (
     to_device,
     token_positions,
 )
-from engine.tiny_model import write_tiny_model
 
 PS = 4
 

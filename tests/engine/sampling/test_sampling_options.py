@@ -314,10 +314,10 @@ def test_eagle_greedy_with_penalties_equals_plain_decoding(tiny_dir: Path,
     """End to end on the tiny model: the engine penalizes every step's logits with the prompt
     and output history, and EAGLE's greedy verify with penalties commits exactly those tokens."""
     from decode_node.spec.eagle_engine import EagleEngine
+    from engine.builtin.tiny_model import write_tiny_draft
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine, Prompt
     from engine.models.eagle.loader import load_draft
-    from engine.tiny_model import write_tiny_draft
 
     prompts = [Prompt(token_ids=[5, 6, 7, 5, 6, 7, 5, 6])]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.8,

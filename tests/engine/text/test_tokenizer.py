@@ -1,4 +1,4 @@
-"""engine.text.tokenizer and engine.tiny_tokenizer: round trips, special tokens, streaming
+"""engine.text.tokenizer and engine.builtin.tiny_tokenizer: round trips, special tokens, streaming
 decode."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import ConfigError
-from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.tiny_tokenizer import (
+from engine.builtin.tiny_tokenizer import (
     MIN_VOCAB_SIZE,
     SPECIAL_TOKENS,
     build_tiny_tokenizer,
     special_token_ids,
 )
+from engine.errors import ConfigError
+from engine.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 VOCAB = 512
 MULTILINGUAL = "héllo wörld, ça va? Ελληνικά кириллица 日本語のテキスト 한국어 😀👍🏽 ∀x∈ℝ ←→"
@@ -73,7 +73,7 @@ def test_tiny_tokenizer_is_fast_and_deterministic() -> None:
     assert build_tiny_tokenizer(VOCAB).to_str() == first
     # A fresh interpreter with another hash seed builds the same file.
     code = (
-        "import sys; from engine.tiny_tokenizer import build_tiny_tokenizer as b; "
+        "import sys; from engine.builtin.tiny_tokenizer import build_tiny_tokenizer as b; "
         "sys.stdout.write(b(512).to_str())"
     )
     other = subprocess.run(

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from engine.builtin.tiny_tokenizer import build_tiny_tokenizer, special_token_ids
 from engine.checkpoint import save_weights
 from engine.config import ModelConfig
 from engine.models.eagle.draft import DraftConfig, Eagle3Spec, EagleDraft, draft_config_dict
 from engine.models.eagle.eagle3 import Eagle3Draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
-from engine.tiny_tokenizer import build_tiny_tokenizer, special_token_ids
 
 TINY_VOCAB = 512
 # the tiny target has two layers: an EAGLE-3 draft for it fuses them out of order, one twice

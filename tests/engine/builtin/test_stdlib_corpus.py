@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.loadgen import code_workloads
 from engine.builtin import builtin_model_dir
-from engine.stdlib_corpus import read_text, split_files, stdlib_files
+from engine.builtin.stdlib_corpus import read_text, split_files, stdlib_files
 from engine.text.tokenizer import Tokenizer
 
 
