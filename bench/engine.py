@@ -21,16 +21,12 @@ from pathlib import Path
 import torch
 
 from bench.host_time import measure_host_time
+from bench.random_prompts import prompts
 from engine.builtin.tiny_model import write_tiny_model
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine, Prompt
-
-
-def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab - 16, (batch, length), generator=gen).tolist()
 
 
 def _engine(model_dir: Path, device: str, dtype: str) -> LLMEngine:

@@ -84,7 +84,7 @@ def main() -> None:
     import tempfile
     from pathlib import Path
 
-    from bench.engine import prompts
+    from bench.random_prompts import prompts
     from engine.builtin.tiny_model import write_tiny_model
     from engine.config import EngineConfig
 

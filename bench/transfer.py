@@ -21,39 +21,17 @@ import multiprocessing as mp
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
-from engine.kv.pool import KVPool
+from bench.transfer_shape import HOST, Shape, _pages
+from bench.transfer_tp import print_table, run_tp
 from transfer.blocks import as_page_list, build_blocks, contiguous_runs
 from transfer.layers import pair_entries
 from transfer.messages import Registration
 from transfer.mooncake import MooncakeKVManager
-
-HOST = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Model KV shape and the token counts to send."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    page_size: int
-    dtype: str
-    tokens: tuple[int, ...]
-    reps: int
-
-    @property
-    def num_pages(self) -> int:
-        return 2 * max(self.tokens) // self.page_size
-
-    def pool(self) -> KVPool:
-        return KVPool(self.num_pages, self.page_size, self.kv_heads, self.head_dim,
-                      list(range(self.layers)), getattr(torch, self.dtype))
 
 
 def _decode_main(conn: Any, shape: Shape) -> None:
@@ -79,13 +57,6 @@ def _best(fn: Callable[[], object], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
-
-
-def _pages(n: int, num_pages: int, fragmented: bool, rng: random.Random) -> list[int]:
-    if not fragmented:
-        start = rng.randrange(num_pages - n + 1)
-        return list(range(start, start + n))
-    return rng.sample(range(num_pages), n)
 
 
 def run(shape: Shape, batch_limit: int) -> dict[str, Any]:
@@ -179,8 +150,6 @@ def main(argv: list[str] | None = None) -> None:
     shape = Shape(layers, args.kv_heads, args.head_dim, args.page_size, args.dtype, tokens,
                   args.reps)
     if args.tp:
-        from bench.transfer_tp import print_table, run_tp
-
         pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.tp]
         tp_result = run_tp(shape, [(p, d) for p, d in pairs])
         if args.json:

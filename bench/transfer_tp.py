@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.transfer import HOST, Shape, _pages
+from bench.transfer_shape import HOST, Shape, _pages
 from engine.kv.pool import KVPool
 from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
 from transfer.heads import HeadLayout, landing_slices, plan_head_copies
