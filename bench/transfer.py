@@ -28,10 +28,10 @@ import torch
 
 from bench.transfer_shape import HOST, Shape, _pages
 from bench.transfer_tp import print_table, run_tp
-from transfer.blocks import as_page_list, build_blocks, contiguous_runs
-from transfer.layers import pair_entries
-from transfer.messages import Registration
-from transfer.mooncake import MooncakeKVManager
+from transfer.backends.mooncake import MooncakeKVManager
+from transfer.bootstrap.messages import Registration
+from transfer.plan.blocks import as_page_list, build_blocks, contiguous_runs
+from transfer.plan.layers import pair_entries
 
 
 def _decode_main(conn: Any, shape: Shape) -> None:

@@ -3,11 +3,11 @@
 The decode process holds, for every TP size in the runs, that many rank managers, each a pool of
 its TP heads; the prefill (this process) likewise, with a staging buffer per rank. For each
 ``P:D`` pair and each page list it times every prefill rank sending its planned head slices
-(:func:`transfer.heads.plan_head_copies`, ranks one after another) and compares with equal TP
+(:func:`transfer.plan.heads.plan_head_copies`, ranks one after another) and compares with equal TP
 ``P:P`` and ``D:D`` on the same page lists: the same total bytes, every KV head of every page
 once. The three are timed in turns, rep by rep (best of ``--reps`` each), so that load from
 other processes falls on all three alike. A prefill rank whose slice lands (a smaller decode
-TP, :mod:`transfer.heads`) writes whole pages into the decode rank's landing buffer, and the
+TP, :mod:`transfer.plan.heads`) writes whole pages into the decode rank's landing buffer, and the
 decode's scatter into its pool counts in the time. Reported ratios are heterogeneous GB/s
 over equal-TP GB/s; ``ratio_same_blocks`` is the one over equal TP at the larger of the two
 sizes, which sends as many page-sized blocks as the heterogeneous send (the smaller size sends
@@ -30,9 +30,9 @@ import torch
 from bench.transfer_shape import HOST, Shape, _pages
 from engine.kv.pool import KVPool
 from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
-from transfer.heads import HeadLayout, landing_slices, plan_head_copies
-from transfer.messages import Registration
-from transfer.mooncake import MooncakeKVManager
+from transfer.backends.mooncake import MooncakeKVManager
+from transfer.bootstrap.messages import Registration
+from transfer.plan.heads import HeadLayout, landing_slices, plan_head_copies
 
 STAGING_BYTES = 64 << 20
 

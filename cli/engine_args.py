@@ -12,7 +12,7 @@ from serving.admission import DEFAULT_MAX_WAITING
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from serving.auth import ServerSecurity
-    from transfer.bootstrap import BootstrapConfig
+    from transfer.bootstrap.handshake import BootstrapConfig
     from transfer.faults import FaultConfig
 
 WORKER_SERVICES = ("pdserve.v1.PrefillWorker", "pdserve.v1.DecodeWorker", "pdserve.v1.Admin",
@@ -127,7 +127,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def bootstrap_config(args: argparse.Namespace) -> BootstrapConfig:
-    from transfer.bootstrap import BootstrapConfig
+    from transfer.bootstrap.handshake import BootstrapConfig
 
     return BootstrapConfig(
         bootstrap_timeout_s=args.bootstrap_timeout_s, waiting_timeout_s=args.waiting_timeout_s,

@@ -15,10 +15,10 @@ from collections.abc import Callable, Sequence
 
 from decode_node.landing import Landings
 from transfer.base import KVManager
-from transfer.bootstrap import BootstrapConfig, ModelIdentity
-from transfer.bootstrap_decode import DecodeBootstrapClient
+from transfer.bootstrap.decode import DecodeBootstrapClient
+from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
+from transfer.bootstrap.messages import Registration
 from transfer.errors import TransferError
-from transfer.messages import Registration
 
 
 def parse_address(address: str) -> tuple[str, int]:

@@ -1,6 +1,6 @@
 """Landing buffers: where prefill ranks that each hold a slice of a decode rank's KV heads (a
 prefill of larger TP) write whole pages, which that rank's bootstrap client scatters into its
-pool on ``Success`` (:mod:`transfer.heads`). Without one those slices go one block per token.
+pool on ``Success`` (:mod:`transfer.plan.heads`). Without one those slices go one block per token.
 
 A decode learns a prefill's TP layout from its registration reply
 (``RegisterReply.prefill_head_ranges``); :meth:`Landings.for_prefill` then gives a rank's landing
@@ -22,8 +22,8 @@ from engine.kv.pool import KVPool
 from engine.kv.staging import HeadLandingBuffer
 from transfer.base import KVManager
 from transfer.errors import HeadLayoutError
-from transfer.heads import HeadLayout, landing_slices, receivers
-from transfer.staging import HeadLanding, LandingPages
+from transfer.plan.heads import HeadLayout, landing_slices, receivers
+from transfer.tp.staging import HeadLanding, LandingPages
 
 
 class Landings:

@@ -20,7 +20,7 @@ from engine.errors import InvalidRequestError, TensorParallelError
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import ImageInput, VideoInput
 from serving.engine_thread import EngineThread
-from transfer.bootstrap_decode import DecodeBootstrapClient
+from transfer.bootstrap.decode import DecodeBootstrapClient
 
 
 @dataclass(frozen=True)

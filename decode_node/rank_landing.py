@@ -7,12 +7,12 @@ its own transfer engine, so its landing buffers are made, registered and scatter
 rank 0's word:
 
 - in the rank's process, :class:`LandingAgent` (started by the attach hook,
-  :mod:`decode_node.tp_ranks`) serves :class:`~transfer.messages.LandingOrder` (make and
+  :mod:`decode_node.tp_ranks`) serves :class:`~transfer.bootstrap.messages.LandingOrder` (make and
   register a buffer of those slices, once per slicing; answer its entries) and
-  :class:`~transfer.messages.ScatterOrder` (scatter landing pages into pool pages) over a local
-  connection with a shared key (:mod:`transfer.local_agent`);
+  :class:`~transfer.bootstrap.messages.ScatterOrder` (scatter landing pages into pool pages) over a
+  local connection with a shared key (:mod:`transfer.tp.local_agent`);
 - on rank 0, :class:`RankLandingAgent` is that rank's agent, and :meth:`~RankLandingAgent.landing`
-  returns a :class:`RemoteLanding`: the :class:`~transfer.staging.HeadLanding` a bootstrap
+  returns a :class:`RemoteLanding`: the :class:`~transfer.tp.staging.HeadLanding` a bootstrap
   client lands into, whose scatter runs in the rank's process and returns once done (the room
   is ready only after that).
 
@@ -26,9 +26,7 @@ from collections.abc import Collection, Sequence
 from engine.kv.pool import BufferInfo, KVPool
 from engine.kv.staging import HeadLandingBuffer
 from transfer.base import KVManager
-from transfer.errors import MessageError, TransferError
-from transfer.local_agent import AgentLink, AgentServer
-from transfer.messages import (
+from transfer.bootstrap.messages import (
     LandingOrder,
     LandingReply,
     Message,
@@ -36,6 +34,8 @@ from transfer.messages import (
     ScatterReply,
     decode,
 )
+from transfer.errors import MessageError, TransferError
+from transfer.tp.local_agent import AgentLink, AgentServer
 
 
 class LandingAgent:
@@ -122,7 +122,7 @@ class RankLandingAgent:
 
 class RemoteLanding:
     """A landing buffer in another decode rank's process (a
-    :class:`~transfer.staging.HeadLanding`): ``infos`` are its entries, slot by slot."""
+    :class:`~transfer.tp.staging.HeadLanding`): ``infos`` are its entries, slot by slot."""
 
     def __init__(self, agent: RankLandingAgent, landing_id: int, num_pages: int,
                  infos: list[BufferInfo], num_slots: int) -> None:

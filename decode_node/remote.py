@@ -42,7 +42,7 @@ from engine.core.request import FinishReason, Request
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import RequestState
 from engine.sampling.sampler import make_generator
-from transfer.bootstrap_decode import DecodeBootstrapClient
+from transfer.bootstrap.decode import DecodeBootstrapClient
 from transfer.errors import TransferError
 from transfer.status import KVPoll
 

@@ -21,8 +21,8 @@ from serving.auth import ServerSecurity
 from serving.kv_events import kv_event_hub
 from serving.process_exit import keep_until_exit
 from serving.server import serve_until_signal, start_server
-from transfer.bootstrap import BootstrapConfig, ModelIdentity
-from transfer.heads import HeadLayout
+from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
+from transfer.plan.heads import HeadLayout
 from transfer.setup import make_kv_manager
 
 SERVICE_NAME = "pdserve.v1.DecodeWorker"
@@ -45,7 +45,7 @@ async def serve_decode(
     With ``config.tp_size`` above 1 the engine's other ranks run in their own processes, ended
     at shutdown. Each registers its key/value heads of every page with a transfer engine of its
     own (:mod:`decode_node.tp_ranks`); rank 0 registers them all with each prefill, which writes
-    every rank its heads (:mod:`transfer.heads`), into a rank's landing slots when several
+    every rank its heads (:mod:`transfer.plan.heads`), into a rank's landing slots when several
     prefill ranks hold slices of its heads (:mod:`decode_node.landing`).
     """
     text = ModelConfig.from_dir(model_dir).text

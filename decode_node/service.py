@@ -35,7 +35,7 @@ from serving.kv_events import KvEventHub, kv_event_stream
 from serving.request_log import request_line
 from serving.status import PREFILL_SIDE, STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
-from transfer.bootstrap_decode import DecodeBootstrapClient
+from transfer.bootstrap.decode import DecodeBootstrapClient
 from transfer.faults import fault_figures
 
 DEFAULT_MAX_NEW_TOKENS = 128

@@ -1,6 +1,6 @@
 """A tensor-parallel decode's other ranks in the P/D transfer: each registers its own share of
 the KV (its key/value heads of every page) with a transfer engine of its own, in its own
-process; rank 0 runs every handshake for them (:mod:`transfer.bootstrap_decode`).
+process; rank 0 runs every handshake for them (:mod:`transfer.bootstrap.decode`).
 
 :class:`RankTransfer` is the engine's attach hook (:data:`engine.parallel.rank.RankAttach`): it runs
 in each rank's process once its pools exist, starts the rank's landing agent
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from decode_node.rank_landing import LandingAgent, RankLandingAgent
 from engine.kv.pool import KVPool
 from serving.process_exit import keep_until_exit
-from transfer.bootstrap import ModelIdentity
+from transfer.bootstrap.handshake import ModelIdentity
+from transfer.bootstrap.messages import Registration, decode, encode
 from transfer.errors import MessageError, TransferError
-from transfer.messages import Registration, decode, encode
 from transfer.setup import make_kv_manager
 
 _PORT = struct.Struct("<I")  # a rank's payload: its agent's port, then its registration

@@ -2,15 +2,15 @@
 staging buffer for decodes of larger TP) and the KV heads it describes to decodes.
 
 A decode rank that holds a slice of a prefill rank's heads gets it gathered into that rank's
-staging buffer and written as whole destination pages (:mod:`transfer.heads`). An EAGLE draft's
+staging buffer and written as whole destination pages (:mod:`transfer.plan.heads`). An EAGLE draft's
 band is split over the ranks like the target's layers (:mod:`engine.parallel.rank`), so its entries
 are staged and sliced like any other.
 
 With ``--tp-size N`` every rank holds its heads of every page in its own process: each other
 rank registers them with a transfer engine of its own and writes them on rank 0's word
 (:class:`PrefillRankTransfer`, the engine's attach hook, starts its
-:class:`~transfer.rank_agent.RankAgent`; rank 0 holds a
-:class:`~transfer.rank_agent.RemoteRank` for it, :func:`remote_ranks`).
+:class:`~transfer.tp.rank_agent.RankAgent`; rank 0 holds a
+:class:`~transfer.tp.rank_agent.RemoteRank` for it, :func:`remote_ranks`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from engine.kv.pool import KVPool
 from engine.kv.staging import HeadStagingBuffer
 from serving.process_exit import keep_until_exit
 from transfer.base import KVManager
+from transfer.bootstrap.messages import RankBuffers, decode, encode
 from transfer.errors import TransferError
-from transfer.heads import HeadLayout
-from transfer.messages import RankBuffers, decode, encode
-from transfer.rank_agent import RankAgent, RemoteRank
+from transfer.plan.heads import HeadLayout
 from transfer.setup import make_kv_manager
+from transfer.tp.rank_agent import RankAgent, RemoteRank
 
 STAGING_BYTES = 32 << 20  # two 16 MiB halves: one gathered round while the other is written
 AUX_ROWS = 4
@@ -60,7 +60,8 @@ class PrefillRankTransfer:
     """The attach hook of a prefill's TP ranks (:data:`engine.parallel.rank.RankAttach`): a KV
     manager of ``backend`` on ``hostname`` with the rank's pools and a staging buffer registered,
     and the agent that writes on rank 0's word (``authkey`` proves rank 0); returns the rank's
-    :class:`~transfer.messages.RankBuffers`, encoded. Both live until the process exits."""
+    :class:`~transfer.bootstrap.messages.RankBuffers`, encoded. Both live until the process
+    exits."""
 
     backend: str
     hostname: str

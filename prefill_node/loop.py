@@ -34,7 +34,7 @@ from engine.runner.draft_runner import DraftRunner
 from prefill_node.rooms import OnDone, PrefillRooms
 from serving.engine_thread import EngineThread
 from transfer.aux import AuxRow
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 
 IDLE_POLL_S = 0.002  # how often gated rooms are polled while nothing else runs
 STEP_FAILURE = "prefill node error"  # the reason every room fails with when a step raises

@@ -27,7 +27,7 @@ from engine.core.scheduler import SchedulerOutput
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from transfer.aux import AuxRow
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 from transfer.status import KVPoll
 
 OnDone = Callable[[int, str | None], None]

@@ -25,8 +25,8 @@ from serving.auth import ServerSecurity
 from serving.kv_events import kv_event_hub
 from serving.metrics import TransferMetrics
 from serving.server import serve_until_signal, start_server
-from transfer.bootstrap import BootstrapConfig, ModelIdentity
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
 

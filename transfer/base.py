@@ -4,8 +4,8 @@ A manager owns the local side of the transfer: the KV buffer entries and aux buf
 with its engine (once), and the push of pages into a peer's buffers. ``send_kvcache`` is defined
 here, once, with one keyword signature; backends only supply the engine calls
 (:meth:`KVManager._register_ranges`, :meth:`KVManager._write`). Every registered range carries
-the device its bytes live on (:class:`~transfer.memory.MemoryRange`): KV buffers wherever the
-pool put them (host, GPU or NPU), the aux buffer always on the host. KV then moves device to
+the device its bytes live on (:class:`~transfer.backends.memory.MemoryRange`): KV buffers wherever
+the pool put them (host, GPU or NPU), the aux buffer always on the host. KV then moves device to
 device and aux rows host to host, both through the same engine. Backends never override
 ``send_kvcache``, so a caller's keywords mean the same on every backend. Besides this project's
 own keywords it takes those that callers written for SGLang's KV managers pass (``executor``,
@@ -28,16 +28,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from transfer.aux import AuxBuffer
-from transfer.blocks import as_page_list, batches, build_blocks, contiguous_runs
+from transfer.backends.memory import MemoryRange
+from transfer.bootstrap.messages import Registration
 from transfer.errors import EngineCallError, LayerPairingError, PageListError, TransferError
 from transfer.faults import FaultInjector
-from transfer.head_blocks import head_geometry, strided_blocks
-from transfer.heads import HeadCopy, HeadLayout
-from transfer.layers import check_bytes_per_page, pair_entries
-from transfer.memory import MemoryRange
-from transfer.messages import Registration
-from transfer.staged_send import send_staged
-from transfer.staging import HeadStaging
+from transfer.plan.blocks import as_page_list, batches, build_blocks, contiguous_runs
+from transfer.plan.head_blocks import head_geometry, strided_blocks
+from transfer.plan.heads import HeadCopy, HeadLayout
+from transfer.plan.layers import check_bytes_per_page, pair_entries
+from transfer.tp.staged_send import send_staged
+from transfer.tp.staging import HeadStaging
 
 if TYPE_CHECKING:
     from engine.kv.pool import BufferInfo
@@ -105,7 +105,7 @@ class KVManager(ABC):
         range registered. ``use_layer_ids=False`` publishes no layer ids, so pairing is
         positional. ``staging``: the buffer head-sliced sends into a destination rank that holds
         fewer heads gather into, ``landing``: the buffers source ranks that each hold part of
-        this rank's heads write whole pages into (:mod:`transfer.heads`); both registered with
+        this rank's heads write whole pages into (:mod:`transfer.plan.heads`); both registered with
         the entries.
         """
         if self._registered:
@@ -129,7 +129,7 @@ class KVManager(ABC):
         self._registered = True
 
     def register_landing(self, landing: Sequence[BufferInfo]) -> None:
-        """Register landing entries (:mod:`transfer.heads`) after :meth:`register`: a decode
+        """Register landing entries (:mod:`transfer.plan.heads`) after :meth:`register`: a decode
         sizes them once it knows a prefill's TP layout."""
         if not self._registered:
             raise TransferError("register() the KV buffers before landing entries")
@@ -190,12 +190,12 @@ class KVManager(ABC):
         calls as ``batch_limit`` allows.
 
         ``dst_heads``: the head slice this rank writes into the destination rank when the two
-        sides differ in tensor-parallel size (:func:`transfer.heads.plan_head_copies`); None or a
-        whole copy is the plain page copy. A slice that is the destination's whole page is
+        sides differ in tensor-parallel size (:func:`transfer.plan.heads.plan_head_copies`); None or
+        a whole copy is the plain page copy. A slice that is the destination's whole page is
         gathered into the registered staging buffer and goes page-sized, as many blocks as the
-        plain copy; any other slice goes one block per token (see :mod:`transfer.heads`). A slice
-        that lands (``HeadCopy.lands``) goes page-sized as a plain send (no ``dst_heads``) into
-        the destination's landing entries for it instead, which the destination scatters.
+        plain copy; any other slice goes one block per token (see :mod:`transfer.plan.heads`). A
+        slice that lands (``HeadCopy.lands``) goes page-sized as a plain send (no ``dst_heads``)
+        into the destination's landing entries for it instead, which the destination scatters.
         ``dst_bytes_per_page`` are then the destination rank's (fewer or more heads per page).
 
         The keywords of callers written for SGLang's KV managers:
@@ -220,7 +220,8 @@ class KVManager(ABC):
         if dst_attn_tp_size not in (None, 1):
             raise TransferError(
                 f"send_kvcache: dst_attn_tp_size={dst_attn_tp_size} asks for a head-sliced "
-                "transfer; pass the planned slice as dst_heads (transfer.heads.plan_head_copies)"
+                "transfer; pass the planned slice as dst_heads "
+                "(transfer.plan.heads.plan_head_copies)"
             )
         if not self._registered:
             raise TransferError("register() the KV buffers before sending")

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from transfer.messages import Abort, AbortAck, Destination, Message, Status
+from transfer.bootstrap.messages import Abort, AbortAck, Destination, Message, Status
 
 INJECTED_ERROR_CODE = -900  # what an injected engine failure returns (Mooncake errors are < 0)
 ENV_PREFIX = "PDSERVE_FAULT_"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from transfer.aux import AuxBuffer
 from transfer.base import KVManager
 from transfer.errors import TransferError
-from transfer.staging import HeadStaging
+from transfer.tp.staging import HeadStaging
 
 if TYPE_CHECKING:
     from engine.kv.pool import BufferInfo
@@ -26,14 +26,14 @@ def make_kv_manager(
     staging: HeadStaging | None = None,
 ) -> KVManager:
     """A manager of ``backend`` with ``kv``, a fresh aux buffer and ``staging`` (the buffer
-    head-sliced sends gather into, :mod:`transfer.heads`) registered."""
+    head-sliced sends gather into, :mod:`transfer.plan.heads`) registered."""
     manager: KVManager
     if backend == "mooncake":
-        from transfer.mooncake import MooncakeKVManager
+        from transfer.backends.mooncake import MooncakeKVManager
 
         manager = MooncakeKVManager(hostname=hostname, kv_device=kv[0].device if kv else "")
     elif backend == "ascend":
-        from transfer.ascend import AscendKVManager
+        from transfer.backends.ascend import AscendKVManager
 
         manager = AscendKVManager(hostname=hostname)
     else:

@@ -1,7 +1,7 @@
 """Buffers of head-sliced KV transfers between sides of different TP size.
 
 :class:`HeadStagingBuffer` (source side): head slices of pool pages, gathered contiguous. The
-transfer layer (``transfer.staging.HeadStaging``) registers it with the KV entries and calls
+transfer layer (``transfer.tp.staging.HeadStaging``) registers it with the KV entries and calls
 :meth:`HeadStagingBuffer.gather` before writing each round; the layout is described there.
 
 :class:`HeadLandingBuffer` (destination side): where source ranks that each hold part of this

@@ -32,7 +32,7 @@ from prefill_node.pipeline.link import NextStageLink, pack_step_tensors
 from prefill_node.rooms import OnDone
 from proto.convert import sampling_message
 from proto.pdserve.v1 import worker_pb2 as wpb
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 
 
 class FirstStageLoop(PrefillThread):

@@ -39,7 +39,7 @@ from prefill_node.rooms import completed_pages
 from proto.convert import sampling_kwargs
 from proto.pdserve.v1 import worker_pb2 as wpb
 from transfer.aux import AuxRow
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 from transfer.errors import TransferError
 from transfer.status import KVPoll
 

@@ -54,9 +54,9 @@ from serving.auth import Metadata, ServerSecurity, internal_metadata
 from serving.metrics import TransferMetrics
 from serving.server import Registration, serve_until_signal, start_server
 from transfer.base import KVManager
-from transfer.bootstrap import BootstrapConfig, ModelIdentity
-from transfer.bootstrap_prefill import PrefillBootstrapServer
-from transfer.rank_agent import RemoteRank
+from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
+from transfer.bootstrap.prefill import PrefillBootstrapServer
+from transfer.tp.rank_agent import RemoteRank
 
 
 @dataclass(frozen=True)

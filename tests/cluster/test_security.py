@@ -185,7 +185,7 @@ def test_every_node_binds_loopback_by_default() -> None:
     for argv in (["router", "--colocated", "h:1"], ["prefill"], ["decode"]):
         assert parser.parse_args(argv).host == "127.0.0.1", argv
     assert inspect.signature(start_server).parameters["host"].default == "127.0.0.1"
-    from transfer.bootstrap_prefill import PrefillBootstrapServer
+    from transfer.bootstrap.prefill import PrefillBootstrapServer
 
     assert inspect.signature(PrefillBootstrapServer).parameters["host"].default == "127.0.0.1"
 

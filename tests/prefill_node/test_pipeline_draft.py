@@ -37,7 +37,7 @@ from prefill_node.pipeline.link import pack_step_tensors
 from proto.convert import sampling_message
 from proto.pdserve.v1 import worker_pb2 as wpb
 from transfer.aux import AuxRow
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 from transfer.status import KVPoll
 
 PAGE, CHUNK = 8, 16

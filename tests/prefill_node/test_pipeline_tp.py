@@ -30,7 +30,7 @@ from prefill_node.pipeline.link import pack_step_tensors
 from proto.pdserve.v1 import worker_pb2 as wpb
 from tests.engine.test_generation_vs_transformers import cases
 from tests.prefill_node.test_pipeline_draft import PAGE, RecordingBootstrap, announce, config
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 
 pytestmark = pytest.mark.slow  # each TP stage starts a rank's process
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from xfer_peer import Peer, Spec
+
+from tests.transfer.xfer_peer import Peer, Spec
 
 
 @pytest.fixture(scope="module")

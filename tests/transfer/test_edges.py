@@ -22,21 +22,21 @@ from typing import Any
 
 import pytest
 import torch
-from xfer_peer import FreeList, Node, Spec
 
 from engine.kv.pool import KVPool
+from tests.transfer.xfer_peer import FreeList, Node, Spec
 from transfer.aux import AuxRow
-from transfer.bootstrap import BootstrapConfig, ModelIdentity
-from transfer.bootstrap_decode import DecodeBootstrapClient
-from transfer.bootstrap_prefill import PrefillBootstrapServer
-from transfer.engine_import import SYSTEM_LIBRARIES_APT
+from transfer.backends.engine_import import SYSTEM_LIBRARIES_APT
+from transfer.backends.mooncake import MooncakeKVManager, create_mooncake_engine
+from transfer.bootstrap.decode import DecodeBootstrapClient
+from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 from transfer.errors import (
     BackendUnavailableError,
     IncompatiblePeerError,
     LayerPairingError,
     TransferError,
 )
-from transfer.mooncake import MooncakeKVManager, create_mooncake_engine
 from transfer.setup import make_kv_manager
 from transfer.status import KVPoll
 

@@ -12,9 +12,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_xfer_handshake import ROOM, ROW, Pair, wait_for
 
-from transfer.bootstrap import BootstrapConfig
+from tests.transfer.bootstrap.test_xfer_handshake import ROOM, ROW, Pair, wait_for
+from transfer.bootstrap.handshake import BootstrapConfig
 from transfer.faults import INJECTED_ERROR_CODE, FaultConfig, FaultInjector, make_injector
 from transfer.status import KVPoll
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from xfer_peer import Node, Peer, Spec
 
+from tests.transfer.xfer_peer import Node, Peer, Spec
 from transfer.errors import LayerPairingError, PageListError
-from transfer.layers import draft_layer_ids
+from transfer.plan.layers import draft_layer_ids
 
 NUM_PAGES = 64
 pytestmark = pytest.mark.slow

@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from test_xfer_handshake import CFG, ROOM, ROW, wait_for
-from xfer_peer import FreeList, Node, Spec
 
-from transfer.bootstrap_decode import DecodeBootstrapClient
-from transfer.bootstrap_prefill import PrefillBootstrapServer
+from tests.transfer.bootstrap.test_xfer_handshake import CFG, ROOM, ROW, wait_for
+from tests.transfer.xfer_peer import FreeList, Node, Spec
+from transfer.bootstrap.decode import DecodeBootstrapClient
+from transfer.bootstrap.prefill import PrefillBootstrapServer
 from transfer.errors import TransferError
 from transfer.status import KVPoll
 

@@ -10,10 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transfer.aux import AuxBuffer, AuxRow
-from transfer.blocks import batches, build_blocks, contiguous_runs
-from transfer.errors import LayerPairingError, MessageError, PageListError
-from transfer.layers import check_bytes_per_page, draft_layer_ids, pair_entries
-from transfer.messages import (
+from transfer.bootstrap.messages import (
     MAX_MESSAGE_BYTES,
     VERSION,
     Destination,
@@ -22,6 +19,9 @@ from transfer.messages import (
     decode,
     encode,
 )
+from transfer.errors import LayerPairingError, MessageError, PageListError
+from transfer.plan.blocks import batches, build_blocks, contiguous_runs
+from transfer.plan.layers import check_bytes_per_page, draft_layer_ids, pair_entries
 from transfer.status import KVPoll, advance
 
 

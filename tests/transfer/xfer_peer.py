@@ -16,12 +16,12 @@ import torch
 from engine.kv.pool import KVPool
 from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
 from serving.process_exit import exit_process, keep_until_exit
-from transfer.ascend import AscendKVManager
 from transfer.aux import AuxBuffer
+from transfer.backends.ascend import AscendKVManager
+from transfer.backends.mooncake import MooncakeKVManager, create_mooncake_engine
 from transfer.base import KVManager
-from transfer.bootstrap import BootstrapConfig, ModelIdentity
-from transfer.heads import HeadLayout
-from transfer.mooncake import MooncakeKVManager, create_mooncake_engine
+from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
+from transfer.plan.heads import HeadLayout
 
 HOST = "127.0.0.1"
 HIDDEN = 8
@@ -163,8 +163,8 @@ class FreeList:
 
 
 def _build(role: str, spec: Spec, arg: Any) -> Any:
-    from transfer.bootstrap_decode import DecodeBootstrapClient
-    from transfer.bootstrap_prefill import PrefillBootstrapServer
+    from transfer.bootstrap.decode import DecodeBootstrapClient
+    from transfer.bootstrap.prefill import PrefillBootstrapServer
 
     cfg: BootstrapConfig = spec.extra.get("config", BootstrapConfig())
     if role == "node":

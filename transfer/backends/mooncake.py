@@ -1,0 +1,105 @@
+"""KV manager over Mooncake's transfer engine (``mooncake.engine.TransferEngine``).
+
+TCP by default with the peer-to-peer handshake (metadata server ``P2PHANDSHAKE``: no metadata
+service, a peer is named ``host:rpc_port``); RDMA with ``protocol="rdma"`` and a device name.
+Push model: the prefill writes into pages the decode reserved. Each buffer is registered once.
+
+Memory: the CUDA build (``mooncake-transfer-engine``, extra ``cuda``) registers GPU memory as
+well as host memory; the non-CUDA build (``mooncake-transfer-engine-non-cuda``, extra
+``mooncake``) registers host memory only, and a KV pool on a GPU is refused with an error naming
+the extra before the engine is called (:func:`transfer.backends.memory.check_registrable`). GPU
+ranges are registered with their device as the location (``"cuda:N"``, the name the engine itself
+gives a device pointer), host ranges with the wildcard so the engine finds their NUMA node.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transfer.backends.engine_import import load_transfer_engine
+from transfer.backends.memory import MemoryRange, check_registrable
+from transfer.base import KVManager
+from transfer.errors import EngineCallError
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+
+
+def create_mooncake_engine(
+    hostname: str, *, protocol: str = "tcp", device_name: str = "",
+    metadata_server: str = P2P_HANDSHAKE, kv_device: str = "",
+) -> Any:
+    """A started ``TransferEngine`` listening on ``hostname``.
+
+    ``kv_device`` (where the KV cache will live, "" unknown) only picks the install hint of a
+    :class:`~transfer.errors.BackendUnavailableError` when the engine cannot be loaded
+    (:mod:`transfer.backends.engine_import`).
+    """
+    engine = load_transfer_engine(kv_device)()
+    ret = engine.initialize(hostname, metadata_server, protocol, device_name)
+    if ret != 0:
+        raise EngineCallError(
+            f"TransferEngine.initialize({hostname!r}, {metadata_server!r}, {protocol!r}) "
+            f"returned {ret}"
+        )
+    return engine
+
+
+class MooncakeKVManager(KVManager):
+    """Mooncake-backed manager; pass ``engine`` to reuse an initialized engine. ``kv_device``
+    (where the KV cache will live) picks the install hint if the engine cannot be loaded."""
+
+    def __init__(
+        self,
+        *,
+        hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        metadata_server: str = P2P_HANDSHAKE,
+        engine: Any = None,
+        batch_limit: int = 1024,
+        kv_device: str = "",
+    ) -> None:
+        super().__init__(batch_limit=batch_limit)
+        self.hostname = hostname
+        self.protocol = protocol
+        self.kv_device = kv_device
+        self.engine = engine if engine is not None else self._create_engine(
+            hostname, protocol, device_name, metadata_server
+        )
+        self._ranges: list[MemoryRange] = []  # what this manager registered, for close()
+
+    def _create_engine(
+        self, hostname: str, protocol: str, device_name: str, metadata_server: str
+    ) -> Any:
+        return create_mooncake_engine(
+            hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server,
+            kv_device=self.kv_device,
+        )
+
+    @property
+    def session_id(self) -> str:
+        return f"{self.hostname}:{self.engine.get_rpc_port()}"
+
+    def _register_ranges(self, ranges: list[MemoryRange]) -> None:
+        check_registrable(ranges)
+        for r in ranges:
+            ret = self.engine.register_memory(r.ptr, r.nbytes, location=r.location)
+            if ret != 0:
+                raise EngineCallError(
+                    f"register_memory({r.ptr:#x}, {r.nbytes}, location={r.location!r}) "
+                    f"of {r.device} memory returned {ret}"
+                )
+            self._ranges.append(r)
+
+    def _write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
+        return int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+
+    def close(self) -> None:
+        """Stop the staged-send writer thread and unregister every range this manager
+        registered."""
+        if self._writer is not None:
+            self._writer.shutdown()
+            self._writer = None
+        for r in self._ranges:
+            self.engine.unregister_memory(r.ptr)
+        self._ranges.clear()
