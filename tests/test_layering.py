@@ -6,8 +6,10 @@ arrow *only* under ``TYPE_CHECKING`` (annotations need the type, the running cod
 ``transfer/`` naming ``engine.kv.pool.BufferInfo`` this way is the house convention. Each broken
 arrow is reported as ``file:line imported.module (where)`` under the rule it breaks.
 
-Import cycles are looked for among the imports that run when a module is loaded (module level,
-not under ``TYPE_CHECKING``); a function-level import is how a cycle is broken on purpose.
+Import cycles are looked for among every import that can run (module level and function level,
+not under ``TYPE_CHECKING``): none is allowed anywhere, so a function-level import is never a way
+to hide one. The rooms' sub-rooms (``engine/core/``, ``transfer/plan/``, ...) have arrows of
+their own, and every sub-room says in its ``__init__`` docstring what it holds.
 
 The rules are those of ``docs/architecture.md`` ("Rooms and arrows"); change both together.
 """
@@ -32,8 +34,13 @@ NODES = ("prefill_node", "decode_node")
 # Torch-free modules that define data and errors; the rooms that may only use "engine types"
 # import these at run time (anything else from engine only under TYPE_CHECKING).
 ENGINE_TYPES = ("engine.errors", "engine.core.request", "engine.config")
-SCHEDULER_CORE = ("engine.core.scheduler", "engine.core.request", "engine.core.page_allocator")
+ENGINE_SHARED = ("engine.errors", "engine.config")  # what every engine sub-room may import
 ANY_NON_STDLIB = "*"  # a pattern that matches every module outside the standard library
+# The sub-rooms of engine/ and of transfer/ (each a package whose docstring says what it holds).
+ENGINE_ROOMS = ("core", "kv", "attention", "runner", "sampling", "multimodal", "text", "parallel",
+                "models", "builtin")
+TRANSFER_ROOMS = ("backends", "bootstrap", "plan", "tp")
+ENGINE_TOP_MODULES = 8  # the most modules engine/ keeps at its top level, __init__ included
 
 
 @dataclass(frozen=True)
@@ -48,9 +55,9 @@ class Import:
     in_function: bool = False  # inside a function body (runs only when called)
 
     @property
-    def at_load(self) -> bool:
-        """Whether the import runs when its module is loaded."""
-        return not (self.type_checking or self.in_function)
+    def runs(self) -> bool:
+        """Whether the import can run (anything not under ``TYPE_CHECKING``)."""
+        return not self.type_checking
 
     def where(self) -> str:
         if self.type_checking:
@@ -81,14 +88,22 @@ class Rule:
         return not (imp.type_checking and matches(imp.target, self.types_only))
 
 
-RULES = (
+def engine_room(room: str, may: Sequence[str], text: str, types_only: Sequence[str] = ()) -> Rule:
+    """``engine/ROOM/`` imports from the engine only itself, errors and config, and ``may``."""
+    return Rule(text, sources=(f"engine.{room}",), forbidden=("engine",),
+                allowed=(f"engine.{room}", *ENGINE_SHARED, *(f"engine.{m}" for m in may)),
+                types_only=tuple(f"engine.{m}" for m in types_only))
+
+
+ROOM_RULES = (
     Rule("engine imports no networking and no other room",
          sources=("engine",),
          forbidden=(*NETWORKING, "transfer", "proto", "serving", *NODES, "router", "cli", "bench",
                     "deploy")),
-    Rule("the scheduler core and the engine types import no torch (not even through another "
-         "module)",
-         sources=(*SCHEDULER_CORE, *ENGINE_TYPES), forbidden=("torch",), transitive=True),
+    Rule("the scheduler core (engine/core/), engine/text/ and the engine types import no torch "
+         "(not even through another module)",
+         sources=("engine.core", "engine.text", *ENGINE_TYPES), forbidden=("torch",),
+         transitive=True),
     Rule("transfer imports no model code: from engine only engine.errors (engine.kv.pool under "
          "TYPE_CHECKING); no proto, serving, nodes, router, cli, bench, deploy",
          sources=("transfer",),
@@ -116,6 +131,50 @@ RULES = (
          forbidden=("cli",)),
     Rule("no room imports tests", sources=PACKAGES, forbidden=("tests",)),
 )
+
+ENGINE_RULES = (
+    Rule("engine's shared modules (errors, config, device) import from the engine only errors "
+         "and config",
+         sources=("engine.errors", "engine.config", "engine.device"), forbidden=("engine",),
+         allowed=ENGINE_SHARED),
+    engine_room("core", (), "engine/core/ imports from the engine only errors and config"),
+    engine_room("text", (), "engine/text/ imports from the engine only errors and config"),
+    engine_room("multimodal", (),
+                "engine/multimodal/ imports from the engine only errors and config"),
+    engine_room("kv", (), "engine/kv/ imports from the engine only errors and config"),
+    engine_room("attention", ("kv",), "engine/attention/ imports from the engine only errors, "
+                "config and kv/"),
+    engine_room("sampling", ("core",), "engine/sampling/ imports from the engine only errors, "
+                "config and core/ (the request's sampling values)"),
+    engine_room("models", ("device", "checkpoint", "checkpoint_bin", "attention", "kv",
+                           "parallel.group", "parallel.shard"),
+                "engine/models/ never imports runner/ (nor core/, sampling/, text/, "
+                "multimodal/, builtin/, the TP processes or LLMEngine): from the engine only "
+                "errors, config, device, checkpoint reading, attention/, kv/ and the TP group "
+                "and shard"),
+    engine_room("parallel", ("device", "checkpoint", "attention", "kv", "models"),
+                "engine/parallel/ imports from the engine only errors, config, device, "
+                "checkpoint reading, attention/, kv/ and models/ (never runner/ or LLMEngine)"),
+    engine_room("runner", ("device", "attention", "kv", "core", "models", "multimodal",
+                           "parallel"),
+                "engine/runner/ imports no sampling/, text/ or builtin/, and LLMEngine only "
+                "under TYPE_CHECKING",
+                types_only=("llm_engine",)),
+    Rule("no engine module but builtin/ itself imports builtin/ (the tiny model is a leaf)",
+         sources=("engine",), exempt=("engine.builtin",), forbidden=("engine.builtin",)),
+)
+
+TRANSFER_RULES = (
+    Rule("transfer/plan/ is pure logic: the standard library, transfer.errors and itself",
+         sources=("transfer.plan",), forbidden=(ANY_NON_STDLIB,),
+         allowed=("transfer.errors", "transfer.plan")),
+    Rule("only transfer/backends/ loads a transfer engine build (mooncake, torch_npu)",
+         sources=("transfer",), exempt=("transfer.backends",), forbidden=("mooncake", "torch_npu")),
+    Rule("only transfer/bootstrap/ opens sockets and encodes messages (socket, msgpack)",
+         sources=("transfer",), exempt=("transfer.bootstrap",), forbidden=("socket", "msgpack")),
+)
+
+RULES = (*ROOM_RULES, *ENGINE_RULES, *TRANSFER_RULES)
 
 
 def matches(module: str, patterns: Iterable[str]) -> bool:
@@ -237,12 +296,13 @@ def violations(imports: Sequence[Import], rules: Sequence[Rule]) -> dict[str, li
 
 def cycles(imports: Sequence[Import]) -> list[list[str]]:
     """One cycle path (first module repeated at the end) per strongly connected group of
-    project modules that import each other when loaded."""
+    project modules that import each other through imports that can run (function-level ones
+    included)."""
     graph: dict[str, list[str]] = {}
     for imp in imports:
         graph.setdefault(imp.source, [])
     for imp in imports:
-        if imp.at_load and imp.target in graph and imp.target not in graph[imp.source]:
+        if imp.runs and imp.target in graph and imp.target not in graph[imp.source]:
             graph[imp.source].append(imp.target)
     return [_cycle_in(group, graph) for group in _strong_components(graph)
             if len(group) > 1 or group[0] in graph[group[0]]]
@@ -328,10 +388,30 @@ def test_every_source_room_is_checked() -> None:
     assert rooms == set(PACKAGES)
 
 
+@pytest.mark.parametrize(("room", "subrooms"), [("engine", ENGINE_ROOMS),
+                                                ("transfer", TRANSFER_ROOMS)])
+def test_every_sub_room_is_named_and_says_what_it_holds(room: str, subrooms: tuple[str, ...]
+                                                        ) -> None:
+    """Each sub-room of engine/ and transfer/ is listed here (and so has its arrows), and its
+    ``__init__`` docstring says what it holds; engine/ keeps few modules at its top."""
+    found = {p.parent.name for p in (ROOT / room).glob("*/__init__.py")}
+    assert found == set(subrooms)
+    for sub in (ROOT / room).rglob("__init__.py"):
+        assert ast.get_docstring(ast.parse(sub.read_text())), f"{sub} has no docstring"
+    if room == "engine":
+        assert len(list((ROOT / room).glob("*.py"))) <= ENGINE_TOP_MODULES
+
+
 def _write(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
+
+
+def _rule(start: str) -> str:
+    """The text of the one rule that starts with ``start``."""
+    (text,) = [r.text for r in RULES if r.text.startswith(start)]
+    return text
 
 
 def test_the_checker_reports_arrows_and_cycles(tmp_path: Path) -> None:
@@ -344,24 +424,42 @@ def test_the_checker_reports_arrows_and_cycles(tmp_path: Path) -> None:
         "engine/b.py": "from . import c\n",
         "engine/c.py": "from engine.a import thing\n",
         "engine/d.py": "def f():\n    from engine import a\n",
+        "engine/e.py": "import engine.f\n",
+        "engine/f.py": "def g():\n    import engine.e\n",
+        "engine/models/m.py": "from engine.runner.model_runner import X\n"
+                              "from engine.parallel.shard import TextShard\n",
+        "engine/runner/r.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from engine.llm_engine import LLMEngine\n"
+                              "from engine.sampling.sampler import Sampler\n",
         "transfer/__init__.py": "",
         "transfer/base.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                             "    from engine.kv.pool import BufferInfo\n"
                             "from engine.errors import EngineError\nimport grpc\n",
-        "transfer/bad.py": "from engine.kv.pool import BufferInfo\n",
+        "transfer/bad.py": "from engine.kv.pool import BufferInfo\nimport mooncake.engine\n",
+        "transfer/plan/p.py": "import torch\nfrom transfer.errors import E\n",
         "proto/__init__.py": "",
         "proto/convert.py": "import os\nimport numpy\nfrom engine.errors import E\nimport torch\n",
     })
     imports = read_imports(tmp_path, project_modules(tmp_path, ("engine", "transfer", "proto")))
     broken = violations(imports, RULES)
     assert broken == {
-        RULES[0].text: ["engine/a.py:4 transfer.base (under TYPE_CHECKING)"],
-        RULES[1].text: ["engine/helper.py:2 torch (in a function)"],
-        RULES[2].text: ["transfer/bad.py:1 engine.kv.pool (at module level)"],
-        RULES[3].text: ["proto/convert.py:4 torch (at module level)"],
+        _rule("engine imports no networking"): [
+            "engine/a.py:4 transfer.base (under TYPE_CHECKING)"],
+        _rule("the scheduler core"): ["engine/helper.py:2 torch (in a function)"],
+        _rule("transfer imports no model code"): [
+            "transfer/bad.py:1 engine.kv.pool (at module level)"],
+        _rule("proto imports only"): ["proto/convert.py:4 torch (at module level)"],
+        _rule("engine/core/"): ["engine/core/scheduler.py:1 engine.helper (at module level)"],
+        _rule("engine/models/"): [
+            "engine/models/m.py:1 engine.runner.model_runner (at module level)"],
+        _rule("engine/runner/"): ["engine/runner/r.py:4 engine.sampling.sampler (at module level)"],
+        _rule("transfer/plan/"): ["transfer/plan/p.py:1 torch (at module level)"],
+        _rule("only transfer/backends/"): ["transfer/bad.py:2 mooncake.engine (at module level)"],
     }
-    assert cycles(imports) == [["engine.a", "engine.b", "engine.c", "engine.a"]]
-    text = report(broken, cycles(imports))
+    loops = cycles(imports)
+    assert loops == [["engine.a", "engine.b", "engine.c", "engine.a"],
+                     ["engine.e", "engine.f", "engine.e"]]
+    text = report(broken, loops)
     assert "engine/helper.py:2 torch" in text and "engine.a -> engine.b -> engine.c" in text
 
 

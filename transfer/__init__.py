@@ -1,12 +1,10 @@
 """Moving KV between prefill and decode nodes.
 
-Modules, one job each: :mod:`errors` (error types), :mod:`status` (ordered transfer status),
-:mod:`messages` (typed msgpack messages of the P/D boundary), :mod:`wire` (framing on a socket),
-:mod:`layers` (layer-id pairing), :mod:`blocks` (contiguous runs and engine batches),
-:mod:`aux` (aux rows), :mod:`memory` (where registered memory lives and which engine build
-registers it), :mod:`base` (the :class:`~transfer.base.KVManager` contract), :mod:`faults`
-(built-in fault injection, off by default),
-:mod:`engine_import` (loading the Mooncake engine, with an error naming the fix),
-:mod:`mooncake` and :mod:`ascend` (backends), :mod:`bootstrap`, :mod:`bootstrap_prefill` and
-:mod:`bootstrap_decode` (the handshake).
+At the top, one job each: :mod:`~transfer.base` (the :class:`~transfer.base.KVManager`
+contract), :mod:`~transfer.errors` (error types), :mod:`~transfer.status` (ordered transfer
+status), :mod:`~transfer.aux` (aux rows), :mod:`~transfer.faults` (built-in fault injection, off
+by default) and :mod:`~transfer.setup` (building a node's manager). The sub-rooms:
+:mod:`transfer.backends` (Mooncake and Ascend managers, the engine import, registered memory),
+:mod:`transfer.bootstrap` (the P/D handshake, its messages and framing), :mod:`transfer.plan`
+(layer-id, head-slice and block pairing) and :mod:`transfer.tp` (tensor-parallel nodes).
 """
