@@ -58,7 +58,7 @@ class DraftHead:
     embedding).
 
     Beside a tensor-parallel target (``peers``: its other ranks), ``draft`` holds rank 0's
-    share of its layer (:func:`engine.models.eagle.draft.load_draft` with the target's group), the
+    share of its layer (:func:`engine.models.eagle.loader.load_draft` with the target's group), the
     pool rank 0's key/value heads, and every forward runs the layer on every rank (each rank
     holds the draft's share and its pool, :mod:`engine.parallel.rank`)."""
 
