@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from bench.transfer_shape import HOST, Shape, _pages
+from bench.transfer_shape import HOST, Shape, random_pages
 from bench.transfer_tp import print_table, run_tp
 from transfer.backends.mooncake import MooncakeKVManager
 from transfer.bootstrap.messages import Registration
@@ -116,8 +116,8 @@ def _measure(shape: Shape, reg: Registration, batch_limit: int) -> dict[str, Any
     for tokens in shape.tokens:
         for fragmented in (False, True):
             n = -(-tokens // shape.page_size)
-            src = _pages(n, shape.num_pages, fragmented, rng)
-            dst = _pages(n, shape.num_pages, fragmented, rng)
+            src = random_pages(n, shape.num_pages, fragmented, rng)
+            dst = random_pages(n, shape.num_pages, fragmented, rng)
             case = _case(mgr, reg, src, dst, copy_ptrs, shape.reps)
             cases.append({"tokens": tokens, "fragmented": fragmented, **case})
     total = sum(c["bytes"] for c in cases)

@@ -34,7 +34,9 @@ class Shape:
                       list(range(self.layers)), getattr(torch, self.dtype))
 
 
-def _pages(n: int, num_pages: int, fragmented: bool, rng: random.Random) -> list[int]:
+def random_pages(n: int, num_pages: int, fragmented: bool, rng: random.Random) -> list[int]:
+    """``n`` page ids of a pool of ``num_pages``: one contiguous run, or ``fragmented`` ones
+    drawn anywhere."""
     if not fragmented:
         start = rng.randrange(num_pages - n + 1)
         return list(range(start, start + n))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.transfer_shape import HOST, Shape, _pages
+from bench.transfer_shape import HOST, Shape, random_pages
 from engine.kv.pool import KVPool
 from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
 from transfer.backends.mooncake import MooncakeKVManager
@@ -162,8 +162,8 @@ def run_tp(shape: Shape, pairs: Sequence[tuple[int, int]]) -> dict[str, Any]:
             n = -(-tokens // shape.page_size)
             for fragmented in (False, True):
                 lists.append((tokens, fragmented,
-                              _pages(n, shape.num_pages, fragmented, rng),
-                              _pages(n, shape.num_pages, fragmented, rng)))
+                              random_pages(n, shape.num_pages, fragmented, rng),
+                              random_pages(n, shape.num_pages, fragmented, rng)))
         runs = []
         for p, d in pairs:
             totals = {"hetero": [0.0, 0], "equal_p": [0.0, 0], "equal_d": [0.0, 0]}
