@@ -1,23 +1,47 @@
-"""Configs: the model's, read from a Hugging Face ``config.json`` of ``model_type`` ``qwen2_vl``
-or ``qwen2_5_vl``, and the engine's runtime settings (:class:`EngineConfig`).
+"""Configs: the model's, read from a Hugging Face ``config.json`` of ``model_type``
+``qwen2_vl``, ``qwen2_5_vl``, ``qwen3_vl`` or ``qwen3_5``, and the engine's runtime settings
+(:class:`EngineConfig`).
 
 Both layouts are accepted: the nested one transformers 5 writes (``text_config`` /
-``vision_config`` with ``rope_parameters``) and the flat one of the published Qwen2-VL and
-Qwen2.5-VL checkpoints (text fields at the top level, ``rope_scaling`` with ``mrope_section``).
-The two architectures share the decoder; their ``vision_config`` fields differ (see
-:func:`_vision_config`).
+``vision_config`` with ``rope_parameters``) and the flat one of the published checkpoints (text
+fields at the top level, ``rope_scaling`` with ``mrope_section``). Qwen2-VL and Qwen2.5-VL share
+the decoder; their ``vision_config`` fields differ (see :func:`_vision_config`). Qwen3-VL and
+Qwen3.5 share the vision tower (Qwen3.5 without DeepStack); their decoders add q/k norms and
+interleaved mrope, and Qwen3.5's is hybrid (:class:`LinearAttentionConfig`, ``layer_types``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN3_FAMILY = ("qwen3_vl", "qwen3_5")  # the patch-16 vision tower, q/k norms, interleaved mrope
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid decoder (Qwen3.5): ``num_k_heads`` query/key heads
+    of width ``head_k_dim``, ``num_v_heads`` value heads of width ``head_v_dim`` (each key head
+    serves ``num_v_heads / num_k_heads`` consecutive value heads) and a causal depthwise conv of
+    width ``conv_kernel`` over the concatenated q/k/v channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels the conv mixes: q and k (``num_k_heads * head_k_dim`` each) and v."""
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
 
 
 @dataclass(frozen=True)
@@ -35,10 +59,47 @@ class TextConfig:
     rope_theta: float
     mrope_section: tuple[int, int, int]
     hidden_act: str = "silu"
+    # Qwen3 families: an explicit head width (else hidden_size / num_attention_heads)
+    explicit_head_dim: int | None = None
+    attention_bias: bool = True  # q/k/v biases (Qwen2); Qwen3 decoders have none
+    qk_norm: bool = False  # RMSNorm over each q and k head before the rotation (Qwen3)
+    mrope_interleaved: bool = False  # t/h/w frequencies alternate (Qwen3) instead of sections
+    partial_rotary_factor: float = 1.0  # the rotated share of each head (Qwen3.5: 0.25)
+    attn_output_gate: bool = False  # q_proj also makes a sigmoid gate on the output (Qwen3.5)
+    zero_centered_norm: bool = False  # RMSNorm weights are offsets from 1 (Qwen3.5)
+    # per layer FULL_ATTENTION or LINEAR_ATTENTION; empty: every layer is full attention
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionConfig | None = None  # the linear layers' shape (hybrid models)
 
     @property
     def head_dim(self) -> int:
+        if self.explicit_head_dim is not None:
+            return self.explicit_head_dim
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each head the rotation turns (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers are linear attention (a per-request state beside the KV)."""
+        return LINEAR_ATTENTION in self.layer_types
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether global layer ``layer`` is a linear-attention layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    def attention_layers(self, layers: range | None = None) -> list[int]:
+        """The full-attention layers among ``layers`` (all when None): those the KV pool holds."""
+        ids = range(self.num_hidden_layers) if layers is None else layers
+        return [i for i in ids if not self.is_linear(i)]
+
+    def linear_layers(self, layers: range | None = None) -> list[int]:
+        """The linear-attention layers among ``layers``: those the state pool holds."""
+        ids = range(self.num_hidden_layers) if layers is None else layers
+        return [i for i in ids if self.is_linear(i)]
 
 
 @dataclass(frozen=True)
@@ -68,6 +129,11 @@ class VisionConfig:
     window_size: int | None = None
     # Qwen2.5-VL: the blocks that attend over whole frames; every other block is windowed
     fullatt_block_indexes: tuple[int, ...] = ()
+    # Qwen3 families: learned position embeddings (a square table, interpolated to each grid)
+    num_position_embeddings: int = 0
+    # Qwen3-VL: the blocks whose merged outputs are added to the first decoder layers' hidden
+    # states at the visual tokens (DeepStack), in this order; empty for Qwen3.5
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @property
     def window_merged(self) -> int:
@@ -88,8 +154,8 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything the engine needs to know about a Qwen2-VL-architecture checkpoint
-    (``model_type`` ``qwen2_vl`` or ``qwen2_5_vl``)."""
+    """Everything the engine needs to know about a checkpoint of one of
+    :data:`SUPPORTED_MODEL_TYPES`."""
 
     text: TextConfig
     vision: VisionConfig
@@ -100,6 +166,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     model_type: str = "qwen2_vl"
+
+    @property
+    def is_qwen3(self) -> bool:
+        """Whether this is a Qwen3-VL or Qwen3.5 checkpoint (:data:`QWEN3_FAMILY`)."""
+        return self.model_type in QWEN3_FAMILY
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -121,7 +192,7 @@ class ModelConfig:
             )
         try:
             text_raw = dict(raw.get("text_config") or raw)
-            text = text_config_from_dict(text_raw)
+            text = text_config_from_dict(text_raw, model_type)
             vision = _vision_config(raw["vision_config"], text.hidden_size, model_type)
             eos = _as_ids(text_raw.get("eos_token_id", raw.get("eos_token_id")))
             tie = bool(raw.get("tie_word_embeddings", text_raw.get("tie_word_embeddings", False)))
@@ -142,14 +213,20 @@ class ModelConfig:
         return cfg
 
 
-def text_config_from_dict(t: dict[str, Any]) -> TextConfig:
+# transformers' mrope sections when a config names none
+_DEFAULT_SECTIONS = {"qwen3_vl": [24, 20, 20], "qwen3_5": [11, 11, 10]}
+
+
+def text_config_from_dict(t: dict[str, Any], model_type: str = "qwen2_vl") -> TextConfig:
+    """The decoder's config from the text fields of a ``model_type`` checkpoint (a nested
+    ``text_config`` or the top level of a flat one)."""
     rope = dict(t.get("rope_parameters") or t.get("rope_scaling") or {})
-    section = rope.get("mrope_section", [16, 24, 24])
+    section = rope.get("mrope_section", _DEFAULT_SECTIONS.get(model_type, [16, 24, 24]))
     if not isinstance(section, list) or len(section) != 3:
         raise ValueError(f"mrope_section must be a list of 3 ints, got {section!r}")
     theta = rope.get("rope_theta", t.get("rope_theta", 1_000_000.0))
     heads = int(t["num_attention_heads"])
-    return TextConfig(
+    base = TextConfig(
         vocab_size=int(t["vocab_size"]),
         hidden_size=int(t["hidden_size"]),
         intermediate_size=int(t["intermediate_size"]),
@@ -162,6 +239,45 @@ def text_config_from_dict(t: dict[str, Any]) -> TextConfig:
         mrope_section=(int(section[0]), int(section[1]), int(section[2])),
         hidden_act=str(t.get("hidden_act", "silu")),
     )
+    if model_type not in QWEN3_FAMILY:
+        return base
+    head_dim = t.get("head_dim")
+    common: dict[str, Any] = {
+        "explicit_head_dim": int(head_dim) if head_dim is not None else None,
+        "attention_bias": bool(t.get("attention_bias", False)), "qk_norm": True,
+        # transformers' Qwen3 rotaries interleave whatever ``mrope_interleaved`` says
+        "mrope_interleaved": True,
+    }
+    if model_type == "qwen3_vl":
+        return replace(base, **common)
+    factor = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
+    return replace(base, **common, partial_rotary_factor=float(factor), attn_output_gate=True,
+                   zero_centered_norm=True, layer_types=_layer_types(t, base.num_hidden_layers),
+                   linear=LinearAttentionConfig(
+                       num_k_heads=int(t.get("linear_num_key_heads", 16)),
+                       num_v_heads=int(t.get("linear_num_value_heads", 32)),
+                       head_k_dim=int(t.get("linear_key_head_dim", 128)),
+                       head_v_dim=int(t.get("linear_value_head_dim", 128)),
+                       conv_kernel=int(t.get("linear_conv_kernel_dim", 4))))
+
+
+def _layer_types(t: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """A hybrid decoder's ``layer_types``, or the pattern ``full_attention_interval`` (default
+    4) makes: every interval-th layer full attention, the others linear."""
+    types = t.get("layer_types")
+    if types is None:
+        every = int(t.get("full_attention_interval", 4))
+        if every < 1:
+            raise ValueError(f"full_attention_interval must be positive, got {every}")
+        return tuple(FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION
+                     for i in range(num_layers))
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ValueError(f"layer_types must list all {num_layers} layers, got {types!r}")
+    bad = sorted({x for x in types if x not in (FULL_ATTENTION, LINEAR_ATTENTION)})
+    if bad:
+        raise ValueError(f"unknown layer_types {bad}: pdserve runs {FULL_ATTENTION!r} and "
+                         f"{LINEAR_ATTENTION!r}")
+    return tuple(types)
 
 
 def _vision_config(v: dict[str, Any], text_hidden: int, model_type: str) -> VisionConfig:
@@ -170,6 +286,8 @@ def _vision_config(v: dict[str, Any], text_hidden: int, model_type: str) -> Visi
     transformers' defaults."""
     if model_type == "qwen2_5_vl":
         return _vision_config_2_5(v, text_hidden)
+    if model_type in QWEN3_FAMILY:
+        return _vision_config_3(v, text_hidden, model_type)
     rope = dict(v.get("rope_parameters") or {})
     return VisionConfig(
         depth=int(v["depth"]),
@@ -210,6 +328,32 @@ def _vision_config_2_5(v: dict[str, Any], text_hidden: int) -> VisionConfig:
     )
 
 
+def _vision_config_3(v: dict[str, Any], text_hidden: int, model_type: str) -> VisionConfig:
+    """Qwen3-VL's tower (and Qwen3.5's, which has no ``deepstack_visual_indexes``): names as
+    Qwen2.5-VL's, plus the learned position table."""
+    rope = dict(v.get("rope_parameters") or {})
+    default_stack = (8, 16, 24) if model_type == "qwen3_vl" else ()
+    stack = v.get("deepstack_visual_indexes", default_stack)
+    if not isinstance(stack, (list, tuple)):
+        raise ValueError(f"deepstack_visual_indexes must be a list of ints, got {stack!r}")
+    return VisionConfig(
+        depth=int(v["depth"]),
+        embed_dim=int(v["hidden_size"]),
+        hidden_size=int(v.get("out_hidden_size", text_hidden)),
+        num_heads=int(v["num_heads"]),
+        mlp_ratio=0.0,
+        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
+        patch_size=int(v.get("patch_size", 16)),
+        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        intermediate_size=int(v["intermediate_size"]),
+        num_position_embeddings=int(v.get("num_position_embeddings", 2304)),
+        deepstack_visual_indexes=tuple(int(i) for i in stack),
+    )
+
+
 def _as_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -241,22 +385,56 @@ def _read_generation_eos(model_dir: Path) -> tuple[int, ...]:
 
 def _validate(cfg: ModelConfig) -> None:
     t, v = cfg.text, cfg.vision
-    if t.hidden_size % t.num_attention_heads:
+    if t.explicit_head_dim is None and t.hidden_size % t.num_attention_heads:
         raise ConfigError("hidden_size must be divisible by num_attention_heads")
     if t.num_attention_heads % t.num_key_value_heads:
         raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-    if 2 * sum(t.mrope_section) != t.head_dim:
+    if t.head_dim < 2 or t.rotary_dim % 2 or not 0 < t.rotary_dim <= t.head_dim:
+        raise ConfigError(f"the rotated width {t.rotary_dim} of head_dim {t.head_dim} must be "
+                          "even and positive (check partial_rotary_factor)")
+    # an interleaved layout takes what it finds of its sections, as transformers' does
+    if not t.mrope_interleaved and 2 * sum(t.mrope_section) != t.rotary_dim:
         raise ConfigError(
-            f"mrope_section {t.mrope_section} must sum to head_dim/2 = {t.head_dim // 2}"
+            f"mrope_section {t.mrope_section} must sum to head_dim/2 = {t.rotary_dim // 2}"
         )
+    if t.linear is not None:
+        _validate_linear(t.linear)
     if v.embed_dim % v.num_heads or v.head_dim % 4:
         raise ConfigError("vision embed_dim/num_heads must be a multiple of 4")
     if v.hidden_size != t.hidden_size:
-        out = "out_hidden_size" if cfg.model_type == "qwen2_5_vl" else "hidden_size"
+        out = "hidden_size" if cfg.model_type == "qwen2_vl" else "out_hidden_size"
         raise ConfigError(f"vision_config.{out} ({v.hidden_size}) must equal the text "
                           f"hidden_size ({t.hidden_size})")
     if cfg.model_type == "qwen2_5_vl":
         _validate_vision_2_5(v)
+    if cfg.is_qwen3:
+        _validate_vision_3(v)
+
+
+def _validate_linear(lin: LinearAttentionConfig) -> None:
+    sizes = {"linear_num_key_heads": lin.num_k_heads, "linear_num_value_heads": lin.num_v_heads,
+             "linear_key_head_dim": lin.head_k_dim, "linear_value_head_dim": lin.head_v_dim,
+             "linear_conv_kernel_dim": lin.conv_kernel}
+    for name, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    if lin.num_v_heads % lin.num_k_heads:
+        raise ConfigError(f"linear_num_value_heads ({lin.num_v_heads}) must be a multiple of "
+                          f"linear_num_key_heads ({lin.num_k_heads})")
+
+
+def _validate_vision_3(v: VisionConfig) -> None:
+    side = math.isqrt(v.num_position_embeddings)
+    if side < 1 or side * side != v.num_position_embeddings:
+        raise ConfigError(f"vision_config.num_position_embeddings ({v.num_position_embeddings}) "
+                          "must be a positive square (a side x side table)")
+    bad = [i for i in v.deepstack_visual_indexes if not 0 <= i < v.depth]
+    if bad:
+        raise ConfigError(f"vision_config.deepstack_visual_indexes {bad} are not blocks of a "
+                          f"tower of depth {v.depth}")
+    if v.intermediate_size is None or v.intermediate_size <= 0:
+        raise ConfigError(f"vision_config.intermediate_size must be positive, got "
+                          f"{v.intermediate_size}")
 
 
 def _validate_vision_2_5(v: VisionConfig) -> None:
