@@ -1,8 +1,11 @@
-"""Loading and saving Qwen2-VL and Qwen2.5-VL checkpoints in the Hugging Face safetensors layout.
+"""Loading and saving checkpoints of every supported family in the Hugging Face safetensors
+layout.
 
 Accepts one ``model.safetensors``, a sharded set listed in ``model.safetensors.index.json``, and
-both naming schemes (``model.layers.*`` / ``visual.*`` as published, and
-``model.language_model.*`` / ``model.visual.*`` as newer transformers name modules in memory).
+both naming schemes (``model.layers.*`` / ``visual.*`` as published for Qwen2-VL, and
+``model.language_model.*`` / ``model.visual.*`` as Qwen3-VL and Qwen3.5 are published and newer
+transformers name modules in memory). A Qwen3.5 checkpoint's ``mtp.*`` module (its
+multi-token-prediction draft) is not the target model's and is not read here.
 """
 
 from __future__ import annotations
@@ -20,10 +23,17 @@ from torch.overrides import TorchFunctionMode
 from engine.config import ModelConfig
 from engine.errors import CheckpointError
 from engine.models.qwen2_vl.model import Qwen2VLModel
+from engine.models.qwen3_5.model import Qwen35Model
+from engine.models.qwen3_vl.model import Qwen3VLModel
 from engine.parallel.group import SINGLE, TPGroup
-from engine.parallel.shard import TextShard
+from engine.parallel.shard import TensorPart, TextShard
 
 _LAYER_PREFIX = "model.layers."
+_NOT_TARGET = ("mtp.",)  # a Qwen3.5 checkpoint's MTP draft
+_MODELS: dict[str, type[Qwen2VLModel]] = {
+    "qwen2_vl": Qwen2VLModel, "qwen2_5_vl": Qwen2VLModel, "qwen3_vl": Qwen3VLModel,
+    "qwen3_5": Qwen35Model,
+}
 _RENAMES = (
     ("model.language_model.", "model."),
     ("model.visual.", "visual."),
@@ -80,20 +90,22 @@ def read_state_dict(
     """The tensors of a checkpoint under their canonical names, read straight onto ``device``
     (no host copy of the whole checkpoint first); with ``layers``, the decoder layers outside it
     are not read at all (a pipeline stage's share); with ``shard``, only a tensor-parallel
-    rank's slice of each split tensor is read."""
+    rank's part of each split tensor is read (:meth:`TextShard.part_of`)."""
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     canonical = canonical_name(name)
+                    if canonical.startswith(_NOT_TARGET):
+                        continue
                     layer = layer_of(canonical)
                     if shard is not None and not shard.holds(canonical):
                         continue
                     if layers is None or layer is None or layer in layers:
-                        part = shard.slice_of(canonical) if shard is not None else None
+                        part = shard.part_of(canonical) if shard is not None else None
                         state[canonical] = f.get_tensor(name) if part is None else _read_part(
-                            f.get_slice(name), *part)
+                            f.get_slice(name), part)
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises several unrelated types on bad files
@@ -101,12 +113,15 @@ def read_state_dict(
     return state
 
 
-def _read_part(tensor: Any, dim: int, start: int, stop: int) -> torch.Tensor:
-    """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of a safetensors slice, read
-    without the rest of the tensor."""
-    part = tensor[start:stop] if dim == 0 else tensor[:, start:stop]
-    assert isinstance(part, torch.Tensor)
-    return part.contiguous()
+def _read_part(tensor: Any, part: TensorPart) -> torch.Tensor:
+    """The rows (``part.dim`` 0) or columns (``part.dim`` 1) of ``part``'s spans of a
+    safetensors slice, concatenated in order, read without the rest of the tensor."""
+    pieces = [tensor[start:stop] if part.dim == 0 else tensor[:, start:stop]
+              for start, stop in part.spans]
+    assert all(isinstance(p, torch.Tensor) for p in pieces)
+    if len(pieces) == 1:
+        return pieces[0].contiguous()
+    return torch.cat(pieces, dim=part.dim)
 
 
 class _NoInit(TorchFunctionMode):
@@ -137,7 +152,7 @@ def load_model(
     cfg = ModelConfig.from_dir(path)
     shard = TextShard.of(cfg.text, tp.rank, tp.size) if tp.size > 1 else None
     with torch.device("meta"), _NoInit():
-        model = Qwen2VLModel(cfg, tp)
+        model = _MODELS[cfg.model_type](cfg, tp)
     if layers is not None:
         keep_layers(model, layers)
     if tp.rank > 0:

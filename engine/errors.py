@@ -36,3 +36,8 @@ class DeviceError(ConfigError):
 class TensorParallelError(EngineError):
     """A tensor-parallel rank failed (it raised, or its process died): the message names the
     rank and what it reported. The engine cannot step after it; close it and build a new one."""
+
+
+class OutOfStateSlotsError(OutOfPagesError):
+    """Every state slot is owned by a running request. A kind of :class:`OutOfPagesError`: the
+    node has no room for another request now (the servers answer ``RESOURCE_EXHAUSTED``)."""

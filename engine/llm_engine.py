@@ -7,6 +7,7 @@ pieces; this class is what ``pdserve generate`` and the benchmarks use.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,20 +15,24 @@ from pathlib import Path
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.linear.states import LinearStates
 from engine.attention.select import backend_name, make_attention
 from engine.checkpoint import load_model
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import FinishReason, Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.state_slots import StateSlotAllocator
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv.pool import KVPool, pages_for_budget
+from engine.kv.state_pool import StatePool
 from engine.models.eagle.eagle3 import Draft
 from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.image_processor import (
+    PREPROCESSOR_FILE,
     ImageProcessorConfig,
     expand_image_placeholders,
     expand_video_placeholders,
@@ -36,6 +41,7 @@ from engine.multimodal.image_processor import (
 )
 from engine.multimodal.inputs import ImageInput, RequestState, VideoInput, build_state
 from engine.multimodal.mrope import num_image_tokens
+from engine.multimodal.video_timestamps import default_timestamps, expand_video_frames
 from engine.multimodal.visual_digest import visual_keys
 from engine.parallel.driver import TPDriver
 from engine.parallel.group import SINGLE
@@ -46,6 +52,8 @@ from engine.runner.model_runner import ModelRunner, StepForward
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.sampler import Sampler, make_generator
 from engine.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,23 @@ class GenerationResult:
     finish_reason: FinishReason
 
 
+HYBRID_CACHE_REASON = ("a hybrid model's linear-attention state is valid only at the boundary "
+                       "it was taken at, and pdserve keeps no state checkpoints yet")
+
+
+def hybrid_states(text: TextConfig, layers: range, num_slots: int, dtype: torch.dtype,
+                  device: torch.device, shard: TextShard) -> LinearStates | None:
+    """The state pool of a hybrid model's linear layers among ``layers`` (``num_slots`` slots,
+    one per request that may run) over ``shard``'s linear-attention heads (a tensor-parallel
+    rank's), or None for a model without linear attention."""
+    lin, ids = shard.linear_here, text.linear_layers(layers)
+    if lin is None or not ids:
+        return None
+    pool = StatePool(num_slots, ids, lin.conv_channels, lin.conv_kernel, lin.num_v_heads,
+                     lin.head_k_dim, lin.head_v_dim, dtype, device)
+    return LinearStates(pool)
+
+
 def decode_graphs_for(engine: LLMEngine, attn: AttentionBackend, *, enabled: bool
                       ) -> DecodeGraphs:
     """Static decode buffers sized for ``engine``: its batch limit, its longest request, its
@@ -128,22 +153,31 @@ class LLMEngine:
         self.dtype = dtype = resolve_dtype(config.dtype, self.device)
         self.config = config = replace(config, device=str(self.device), dtype=dtype_name(dtype))
         text = ModelConfig.from_dir(model_dir).text
-        kv_heads = TextShard.of(text, 0, config.tp_size).num_kv_heads  # this rank's
+        shard = TextShard.of(text, 0, config.tp_size)  # this rank's heads
+        kv_heads = shard.num_kv_heads
         layers = config.layers if config.layers is not None else range(text.num_hidden_layers)
+        kv_layers = text.attention_layers(layers)  # a hybrid model's linear layers hold no KV
         num_pages = config.num_pages or pages_for_budget(
-            config.kv_budget_bytes, len(layers), config.page_size, kv_heads, text.head_dim, dtype,
+            config.kv_budget_bytes, len(kv_layers), config.page_size, kv_heads, text.head_dim,
+            dtype,
         )
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.image_config = ImageProcessorConfig.from_dir(model_dir)
+        self.image_config = _image_config(model_dir, ModelConfig.from_dir(model_dir))
         self.draft_dir = draft
         self.model_config, self.model = self._load(model_dir, config, num_pages, rank_attach)
         # one page more than the allocator hands out: a scratch page that padded rows of a
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)
         self.scratch_page = num_pages
         self.pool = KVPool(num_pages + 1, config.page_size, kv_heads, text.head_dim,
-                           list(layers), dtype, self.device)
+                           kv_layers, dtype, self.device)
         allocator = PageAllocator(num_pages)
-        cache = PrefixCache(config.page_size, allocator) if config.enable_prefix_cache else None
+        self.states = hybrid_states(text, layers, config.max_num_seqs, dtype, self.device, shard)
+        slots = StateSlotAllocator(config.max_num_seqs) if self.states is not None else None
+        cache = None
+        if config.enable_prefix_cache and self.states is not None:
+            log.warning("prefix cache off: %s", HYBRID_CACHE_REASON)
+        elif config.enable_prefix_cache:
+            cache = PrefixCache(config.page_size, allocator)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=num_pages,
@@ -157,12 +191,14 @@ class LLMEngine:
             ),
             allocator,
             cache,
+            slots,
         )
         attn = make_attention(self.pool)
         self.runner = ModelRunner(self.model, attn)
         self.runner.peers = self.tp
+        self.runner.states = self.states
         if (config.graphs and self.device.type == "cuda" and backend_name(self.pool) == "triton"
-                and self.tp is None):
+                and self.tp is None and self.states is None):
             self.runner.decode_graphs = decode_graphs_for(self, attn, enabled=True)
         self.sampler = Sampler()
         self._next_id = 0
@@ -273,7 +309,9 @@ class LLMEngine:
         held by requests (0 once every request finished: anything else is a leak);
         ``kv_pages_cached`` are held only by the prefix cache (evictable on demand, not a
         leak); ``kv_pages_free`` are in the allocator. The three add up to ``kv_pages_total``.
-        The prefix cache's counters (``prefix_cache_*``) are there only while it is on."""
+        The prefix cache's counters (``prefix_cache_*``) are there only while it is on; a hybrid
+        model's state slots (``state_slots_*``: held by running requests, 0 once all finished)
+        only for such a model."""
         sched = self.scheduler
         cache = sched.prefix_cache
         out: dict[str, float] = {
@@ -282,6 +320,10 @@ class LLMEngine:
             "kv_pages_used": sched.num_request_pages,
             "kv_pages_cached": sched.num_cached_only_pages,
         }
+        if sched.state_slots is not None and self.states is not None:
+            out.update(state_slots_total=sched.state_slots.num_slots,
+                       state_slots_used=sched.state_slots.num_used,
+                       state_bytes_per_slot=self.states.pool.bytes_per_slot)
         if cache is not None:
             st = cache.stats
             out.update(prefix_cache_pages=cache.num_cached_pages,
@@ -382,8 +424,36 @@ class LLMEngine:
         merge = cfg.vision.spatial_merge_size
         counts = [num_image_tokens(im.grid_thw, merge) for im in images]
         ids = expand_image_placeholders(ids, cfg.image_token_id, counts)
+        if cfg.is_qwen3:  # each temporal patch after its timestamp (video_timestamps.py)
+            return expand_video_frames(
+                ids, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
+                [num_image_tokens((1, *v.grid_thw[1:]), merge) for v in videos],
+                [_timestamps(i, v, cfg.vision.temporal_patch_size) for i, v in enumerate(videos)],
+                self.tokenizer.encode)
         counts = [num_image_tokens(v.grid_thw, merge) for v in videos]
         return expand_video_placeholders(ids, cfg.video_token_id, counts)
+
+
+def _image_config(model_dir: str | Path, cfg: ModelConfig) -> ImageProcessorConfig:
+    """The checkpoint's image processor settings; without a ``preprocessor_config.json`` the
+    patch geometry is the vision tower's (a checkpoint transformers' model wrote alone)."""
+    if (Path(model_dir) / PREPROCESSOR_FILE).is_file():
+        return ImageProcessorConfig.from_dir(model_dir)
+    v = cfg.vision
+    return ImageProcessorConfig.from_dir(model_dir, patch_size=v.patch_size,
+                                         temporal_patch_size=v.temporal_patch_size,
+                                         merge_size=v.spatial_merge_size)
+
+
+def _timestamps(i: int, video: VideoInput, temporal_patch_size: int) -> list[float]:
+    """A Qwen3 video's seconds per temporal patch: its own, else from ``second_per_grid``."""
+    grid_t = video.grid_thw[0]
+    if not video.timestamps:
+        return default_timestamps(grid_t, video.second_per_grid, temporal_patch_size)
+    if len(video.timestamps) != grid_t:
+        raise InvalidRequestError(f"video {i}: {len(video.timestamps)} timestamps for "
+                                  f"{grid_t} temporal patches")
+    return list(video.timestamps)
 
 
 def _video_input(i: int, video: VideoInput) -> VideoInput:

@@ -9,6 +9,7 @@ exception                       status                  why
 =============================== ======================= ==========================================
 ``InvalidRequestError``         ``INVALID_ARGUMENT``    the request itself is refused
 ``OutOfPagesError``             ``RESOURCE_EXHAUSTED``  the node has no KV pages for it now
+``OutOfStateSlotsError``        ``RESOURCE_EXHAUSTED``  no hybrid-model state slot is free now
 ``DeviceError``                 ``FAILED_PRECONDITION`` (start-up only) a device this machine lacks
 ``ConfigError``                 ``INVALID_ARGUMENT``    (start-up only) a bad model directory
 ``CheckpointError``             ``INVALID_ARGUMENT``    (start-up only) bad weight files
@@ -56,6 +57,7 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
+    OutOfStateSlotsError,
     TensorParallelError,
 )
 from proto.convert import ConversionError
@@ -82,6 +84,7 @@ PREFILL_SIDE: Trailing = ((PREFILL_SIDE_KEY, "1"),)
 
 STATUS_TABLE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (InvalidRequestError, Code.INVALID_ARGUMENT),
+    (OutOfStateSlotsError, Code.RESOURCE_EXHAUSTED),
     (OutOfPagesError, Code.RESOURCE_EXHAUSTED),
     (DeviceError, Code.FAILED_PRECONDITION),
     (ConfigError, Code.INVALID_ARGUMENT),

@@ -145,3 +145,117 @@ def hf25_model(hf25_dir: Path):  # noqa: ANN201 - transformers model
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     return Qwen2_5_VLForConditionalGeneration.from_pretrained(hf25_dir).eval()
+
+
+# ---------------------------------------------------------------- Qwen3-VL and Qwen3.5
+# head_dim 16 (explicit), interleaved mrope over all 8 frequencies; a patch-16 tower whose
+# 4 x 4 position table is interpolated to every grid, DeepStack from blocks 0 and 2
+HF3_TEXT = {
+    **HF_TEXT,
+    "head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                        "mrope_interleaved": True, "rope_theta": 10000.0},
+}
+HF3_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "out_hidden_size": 64,
+    "intermediate_size": 48,
+    "num_heads": 2,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0, 2],
+}
+# four layers, two of each kind, the full-attention ones gated with a half-width rotation
+HF35_TEXT = {
+    **HF3_TEXT,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                        "mrope_interleaved": True, "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.5},
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
+HF35_VISION = {k: v for k, v in HF3_VISION.items() if k != "deepstack_visual_indexes"}
+
+
+def write_hf_qwen3_vl_checkpoint(path: Path, seed: int = 0, **text: object) -> Path:
+    """A random tiny Qwen3-VL checkpoint written by transformers' own ``save_pretrained``."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    cfg = Qwen3VLConfig(text_config={**HF3_TEXT, **text}, vision_config=dict(HF3_VISION),
+                        **HF_SPECIAL)
+    return _save_random(Qwen3VLForConditionalGeneration, cfg, path, seed)
+
+
+def write_hf_qwen3_5_checkpoint(path: Path, seed: int = 0, **text: object) -> Path:
+    """A random tiny Qwen3.5 checkpoint written by transformers' own ``save_pretrained``."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    cfg = Qwen3_5Config(text_config={**HF35_TEXT, **text}, vision_config=dict(HF35_VISION),
+                        **HF_SPECIAL)
+    return _save_random(Qwen3_5ForConditionalGeneration, cfg, path, seed)
+
+
+@pytest.fixture(scope="session")
+def hf3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_qwen3_vl_checkpoint(tmp_path_factory.mktemp("hf3") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def hf3_model(hf3_dir: Path):  # noqa: ANN201 - transformers model
+    """transformers' model of :func:`hf3_dir`: the oracle of the Qwen3-VL tests."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(hf3_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def hf35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_qwen3_5_checkpoint(tmp_path_factory.mktemp("hf35") / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def hf35_model(hf35_dir: Path):  # noqa: ANN201 - transformers model
+    """transformers' model of :func:`hf35_dir`: the oracle of the Qwen3.5 tests."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(hf35_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def hf3_one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`hf3_dir`'s shape with 1 KV head (4 query heads): tensor-parallel ranks replicate
+    it."""
+    path = tmp_path_factory.mktemp("hf3_kv1") / "ckpt"
+    return write_hf_qwen3_vl_checkpoint(path, seed=1, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def hf3_one_kv_head_model(hf3_one_kv_head_dir: Path):  # noqa: ANN201 - transformers model
+    """transformers' model of :func:`hf3_one_kv_head_dir`."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(hf3_one_kv_head_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def hf35_one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`hf35_dir`'s shape with 1 KV head in its full-attention layers (4 query heads):
+    tensor-parallel ranks replicate it."""
+    path = tmp_path_factory.mktemp("hf35_kv1") / "ckpt"
+    return write_hf_qwen3_5_checkpoint(path, seed=1, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def hf35_one_kv_head_model(hf35_one_kv_head_dir: Path):  # noqa: ANN201 - transformers model
+    """transformers' model of :func:`hf35_one_kv_head_dir`."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.from_pretrained(hf35_one_kv_head_dir).eval()

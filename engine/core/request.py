@@ -162,7 +162,9 @@ class Request:
       * ``len(output_logprobs) == len(output_token_ids)`` for tokens the engine sampled;
       * once ``finish_reason`` is set the request never runs again;
       * ``batch_row`` is the request's row in the runner's persistent batch while it runs (given
-        at admission, taken back when it finishes or is aborted), -1 otherwise.
+        at admission, taken back when it finishes or is aborted), -1 otherwise;
+      * ``state_slot`` likewise is its slot of a hybrid model's state pool while it runs, -1
+        otherwise (and always -1 for a model without linear attention).
 
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
     ``history`` is the token history of a request with penalties (``engine.sampling.penalties``
@@ -182,6 +184,7 @@ class Request:
     finish_reason: FinishReason | None = None
     payload: object | None = None
     batch_row: int = -1
+    state_slot: int = -1
     history: object | None = None
     visual_keys: tuple[tuple[int, bytes], ...] = ()
     prefix_state: object | None = None

@@ -33,6 +33,11 @@ Batch rows: admission also gives a request a free row in ``[0, max_num_seqs)``
 (``engine/runner/input_batch.py``); finishing or aborting it returns the row. So the rows held are
 exactly the running requests' rows, and a row is reused only after its last holder finished.
 
+State slots (hybrid models, optional ``state_slots``): admission also takes a free slot of the
+linear-attention state pool (``Request.state_slot``) and waits, FIFO, while none is free;
+finishing or aborting returns it, exactly once, with the request's pages. So the slots held are
+exactly the running requests' slots.
+
 No torch here.
 """
 
@@ -43,6 +48,7 @@ from dataclasses import dataclass
 from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import FinishReason, Request
+from engine.core.state_slots import StateSlotAllocator
 from engine.errors import InvalidRequestError
 
 
@@ -113,7 +119,8 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None,
+                 state_slots: StateSlotAllocator | None = None) -> None:
         if config.num_pages > allocator.num_pages:
             raise ValueError(
                 f"SchedulerConfig.num_pages={config.num_pages} exceeds the allocator's "
@@ -125,6 +132,7 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.prefix_cache = prefix_cache
+        self.state_slots = state_slots
         self._waiting: dict[str, Request] = {}  # FIFO by insertion order
         self._running: dict[str, Request] = {}  # admission order
         self._worst: dict[str, int] = {}  # request_id -> pages reserved at admission
@@ -302,6 +310,9 @@ class Scheduler:
         return SchedulerOutput(items)
 
     def _try_admit(self, req: Request) -> bool:
+        slots = self.state_slots
+        if slots is not None and slots.num_free == 0:
+            return False
         worst = self.worst_case_pages(req)
         cache = self.prefix_cache
         hit: list[int] = []
@@ -320,6 +331,8 @@ class Scheduler:
         self._reserved += worst
         self._held += held
         req.batch_row = self._free_rows.pop()
+        if slots is not None:
+            req.state_slot = slots.allocate()
         return True
 
     def _schedule_chunk(
@@ -430,6 +443,9 @@ class Scheduler:
             self._held -= len(req.page_ids)
             self._free_rows.append(req.batch_row)
             req.batch_row = -1
+            if self.state_slots is not None:
+                self.state_slots.free(req.state_slot)
+                req.state_slot = -1
         else:
             del self._waiting[rid]
         req.finish_reason = reason
@@ -450,6 +466,9 @@ class Scheduler:
         assert self.num_available_pages >= self.num_owed_pages, "running requests could starve"
         rows = sorted([r.batch_row for r in running] + self._free_rows)
         assert rows == list(range(self.config.max_num_seqs)), "batch rows leaked or shared"
+        if self.state_slots is not None:
+            held = [r.state_slot for r in running]
+            assert len(set(held)) == len(held) == self.state_slots.num_used, "state slots leaked"
         for req in running:
             assert not req.is_finished
             assert len(req.page_ids) >= cdiv(req.num_computed_tokens, self.config.page_size)
@@ -464,6 +483,8 @@ class Scheduler:
         assert not self._waiting and not self._running, "requests left in the scheduler"
         assert self._reserved == 0 and self._held == 0 and not self._worst
         assert len(self._free_rows) == self.config.max_num_seqs, "batch rows leaked"
+        if self.state_slots is not None:
+            assert self.state_slots.num_used == 0, "state slots leaked"
         assert self.num_available_pages == self._initial_free, "KV pages leaked"
         self.allocator.check_integrity()
         if self.prefix_cache is not None:

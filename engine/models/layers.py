@@ -29,6 +29,26 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """RMS normalisation scaled by ``1 + weight`` (Qwen3.5's zero-centred norms: a checkpoint's
+    weight 0 is the identity scale), the product taken in float32 before the cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(dim: int, eps: float, *, offset: bool) -> RMSNorm:
+    """:class:`OffsetRMSNorm` when ``offset`` (``TextConfig.zero_centered_norm``), else
+    :class:`RMSNorm`."""
+    return OffsetRMSNorm(dim, eps) if offset else RMSNorm(dim, eps)
+
+
 class DeviceCopies:
     """A constant tensor made once on the host, and its copy on each device asked for, made the
     first time that device asks: a forward on an accelerator reads a cached device tensor and
@@ -70,7 +90,13 @@ class RotaryTables:
         self.swap = _swap_index(half, cos.device)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, heads, D]``."""
+        """Rotate ``x`` ``[T, heads, D]``; with tables narrower than ``D`` (partial rotary) only
+        the leading channels turn and the rest pass through."""
+        width = self.cos.shape[-1]
+        if width != x.shape[-1]:
+            rot = x[..., :width]
+            turned = rot * self.cos + rot.index_select(-1, self.swap) * self.signed_sin
+            return torch.cat((turned, x[..., width:]), dim=-1)
         return x * self.cos + x.index_select(-1, self.swap) * self.signed_sin
 
 
@@ -79,24 +105,42 @@ def inverse_frequencies(dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
 
 
+def mrope_axes(half: int, mrope_section: tuple[int, int, int], interleaved: bool) -> list[int]:
+    """The position axis (0 temporal, 1 height, 2 width) of each of ``half`` rotary frequencies.
+
+    Sectioned (Qwen2-VL): the first ``mrope_section[0]`` frequencies are temporal, the next
+    ``mrope_section[1]`` height, the rest width. Interleaved (Qwen3): frequency ``j`` is height
+    when ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, width when ``j % 3 == 2`` and
+    ``j < 3 * mrope_section[2]``, temporal otherwise (sections longer than ``half`` are cut,
+    as transformers' slicing cuts them)."""
+    if not interleaved:
+        return [axis for axis, n in enumerate(mrope_section) for _ in range(n)]
+    axes = []
+    for j in range(half):
+        if j % 3 == 1 and j < 3 * mrope_section[1]:
+            axes.append(1)
+        elif j % 3 == 2 and j < 3 * mrope_section[2]:
+            axes.append(2)
+        else:
+            axes.append(0)
+    return axes
+
+
 class MropeRotary:
     """cos/sin tables for the decoder from 3-D positions.
 
-    Frequency ``j`` of the ``head_dim / 2`` rotary frequencies takes its position from axis
-    ``axis_of[j]``: the first ``mrope_section[0]`` from the temporal axis, the next
-    ``mrope_section[1]`` from height, the rest from width. The tables are computed on the
-    positions' device (the constants are copied there once) and stay float32 until the end,
-    whatever the model's dtype.
+    Frequency ``j`` of the ``rotary_dim / 2`` rotary frequencies takes its position from axis
+    ``axis_of[j]`` (:func:`mrope_axes`). The tables are computed on the positions' device (the
+    constants are copied there once) and stay float32 until the end, whatever the model's dtype.
+    ``rotary_dim`` may be narrower than a head (partial rotary): :meth:`RotaryTables.apply`
+    then turns the leading channels only.
     """
 
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
-        self.inv_freq = DeviceCopies(inverse_frequencies(head_dim, theta))  # [D/2]
-        self.axis_of = DeviceCopies(torch.cat(
-            [
-                torch.full((n,), axis, dtype=torch.long, device="cpu")
-                for axis, n in enumerate(mrope_section)
-            ]
-        ))  # [D/2]
+    def __init__(self, rotary_dim: int, theta: float, mrope_section: tuple[int, int, int],
+                 interleaved: bool = False) -> None:
+        self.inv_freq = DeviceCopies(inverse_frequencies(rotary_dim, theta))  # [D/2]
+        axes = mrope_axes(rotary_dim // 2, mrope_section, interleaved)
+        self.axis_of = DeviceCopies(torch.tensor(axes, dtype=torch.long, device="cpu"))  # [D/2]
 
     def __call__(self, mrope_positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
         """``mrope_positions`` ``[3, T]`` -> rotation tables for ``T`` tokens."""

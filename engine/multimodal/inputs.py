@@ -15,13 +15,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.multimodal.mrope import Grid, num_image_tokens, rope_index, vision_blocks
+from engine.multimodal.mrope import (
+    Grid,
+    VisionBlock,
+    num_image_tokens,
+    rope_index,
+    vision_blocks,
+)
 
 
 @dataclass(frozen=True)
@@ -41,11 +48,14 @@ def image_from_array(patches: np.ndarray, grid_thw: Grid) -> ImageInput:
 class VideoInput:
     """One video as the vision tower takes it: patches ``[t*h*w, C*T*P*P]`` of its frames (``t``
     temporal patches of ``temporal_patch_size`` frames each) and its grid; ``second_per_grid`` is
-    the seconds one temporal patch spans (Qwen2.5-VL spaces temporal positions by it)."""
+    the seconds one temporal patch spans (Qwen2.5-VL spaces temporal positions by it);
+    ``timestamps``: Qwen3-VL's seconds of each temporal patch, shown in the prompt (empty:
+    derived from ``second_per_grid``, see ``video_timestamps.default_timestamps``)."""
 
     patches: torch.Tensor
     grid_thw: Grid
     second_per_grid: float = 1.0
+    timestamps: tuple[float, ...] = ()
 
 
 def video_from_array(
@@ -68,8 +78,9 @@ class RequestState:
     # where an id is a vision placeholder's
     vision_end: int = 1 << 62
     generator: torch.Generator | None = None
-    # [n_vision_tokens, H], in prompt order
-    image_embeds: torch.Tensor | None = field(default=None, repr=False)
+    # the vision tower's output for every vision token, in prompt order (engine.models
+    # .step_extras.VisualEmbeds; typed loosely: this module does not import the models)
+    image_embeds: Any = field(default=None, repr=False)
     # first placeholder index of each visual input, in prompt order (``images``' order)
     vision_starts: tuple[int, ...] = ()
 
@@ -129,18 +140,45 @@ def _prompt_state(ids: np.ndarray, images: Sequence[ImageInput], cfg: ModelConfi
         return RequestState(images=[], mrope_table=None, delta=0, image_prefix=None)
     image_grids = [im.grid_thw for im in images]
     video_grids = [v.grid_thw for v in videos]
+    frame_of: list[int] = []  # Qwen3: the video of each frame block
+    if cfg.is_qwen3:  # each frame of a video is a block of its own, between timestamps
+        frame_of = [i for i, g in enumerate(video_grids) for _ in range(g[0])]
+        video_grids = [(1, video_grids[i][1], video_grids[i][2]) for i in frame_of]
     table, delta = rope_index(
         ids.tolist(), image_grids, cfg.image_token_id, merge,
         video_grids=video_grids, video_token_id=cfg.video_token_id,
-        video_seconds=[v.second_per_grid for v in videos],
-        tokens_per_second=cfg.vision.tokens_per_second,
+        video_seconds=[] if cfg.is_qwen3 else [v.second_per_grid for v in videos],
+        tokens_per_second=None if cfg.is_qwen3 else cfg.vision.tokens_per_second,
     )
     blocks = vision_blocks(ids.tolist(), image_grids, cfg.image_token_id, merge,
                            video_grids=video_grids, video_token_id=cfg.video_token_id)
+    if frame_of:
+        blocks = _whole_videos(blocks, frame_of)
     ordered = [images[b.index] if b.kind == "image" else videos[b.index] for b in blocks]
     prefix = np.concatenate(([0], np.cumsum(vision)))
     return RequestState(images=ordered, mrope_table=torch.from_numpy(table), delta=delta,
                         image_prefix=prefix, vision_starts=tuple(b.start for b in blocks))
+
+
+def _whole_videos(blocks: list[VisionBlock], frame_of: list[int]) -> list[VisionBlock]:
+    """Qwen3's frame blocks merged back into one block per video (at its first frame): the
+    vision tower encodes a video whole, so its frames must follow each other with no other
+    visual input between them (text, the timestamps, may sit between)."""
+    out: list[VisionBlock] = []
+    for b in blocks:
+        if b.kind != "video":
+            out.append(b)
+            continue
+        video = frame_of[b.index]
+        if b.index == 0 or frame_of[b.index - 1] != video:  # the video's first frame
+            out.append(VisionBlock("video", video, b.start, b.count))
+            continue
+        last = out[-1]
+        if last.kind != "video" or last.index != video:
+            raise InvalidRequestError(f"video {video}: another image or video sits between "
+                                      "its frames")
+        out[-1] = VisionBlock("video", video, last.start, last.count + b.count)
+    return out
 
 
 def _check_visual(kind: str, i: int, item: ImageInput | VideoInput, cfg: ModelConfig) -> None:

@@ -27,14 +27,17 @@ from engine.attention.backend import AttentionBatch
 from engine.config import EngineConfig
 from engine.device import resolve_device
 from engine.errors import TensorParallelError
+from engine.models.step_extras import NO_EXTRAS, StepExtras
 from engine.parallel.group import DistGroup, rank_device, serve_store
 from engine.parallel.messages import (
     Command,
     RankReport,
+    StateStep,
     StepHeader,
     move_header,
     pack_step,
     step_header,
+    step_message,
 )
 from engine.parallel.rank import RankAttach, RankSpec, rank_main
 
@@ -94,22 +97,31 @@ class TPDriver:
 
     @contextmanager
     def step(self, rows: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch,
-             command: Command = Command.FORWARD) -> Iterator[None]:
+             command: Command = Command.FORWARD, extras: StepExtras = NO_EXTRAS,
+             states: StateStep | None = None) -> Iterator[None]:
         """Announce a forward over ``rows`` ``[T, hidden]`` at ``mrope`` ``[3, T]`` with
         ``batch`` and send its inputs; run rank 0's forward inside. ``command``: the target's
         forward (``rows`` are its embeddings) or the draft's (``rows`` are its layer's input,
-        :meth:`engine.models.eagle.draft.EagleDraft.layer_input`). A failure of any rank in here
-        raises :class:`TensorParallelError`."""
+        :meth:`engine.models.eagle.draft.EagleDraft.layer_input`). ``extras``: the target
+        forward's DeepStack rows and features are sent too, so every rank adds them to its
+        residual stream (its ``states`` are rank 0's pool: the other ranks apply ``states``, the
+        forward's :class:`StateStep`, to their own). A failure of any rank in here raises
+        :class:`TensorParallelError`."""
         with self._guard():
-            self._announce(step_header(rows, batch, command))
+            deepstack = extras.deepstack
+            self._announce(step_message(step_header(rows, batch, command, deepstack), states))
             self.group.broadcast(pack_step(mrope, batch))
             self.group.broadcast(rows.contiguous())
+            if deepstack:
+                assert extras.deepstack_rows is not None, "DeepStack features without rows"
+                self.group.broadcast(extras.deepstack_rows.to(torch.int64).contiguous())
+                self.group.broadcast(torch.stack(deepstack))
             yield
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Have every other rank copy its target K/V of slots ``src`` ``[M]`` to ``dst``."""
         with self._guard():
-            self._announce(move_header(int(src.shape[0])))
+            self._announce(step_message(move_header(int(src.shape[0]))))
             self.group.broadcast(torch.cat((src, dst)).to(torch.int64))
 
     @contextmanager
@@ -123,8 +135,7 @@ class TPDriver:
             self.failed = True
             raise step_failure(self._procs, self._conns, exc) from exc
 
-    def _announce(self, header: StepHeader) -> None:
-        data = header.encode()
+    def _announce(self, data: bytes) -> None:
         for conn in self._conns:
             conn.send_bytes(data)
 

@@ -4,14 +4,21 @@ Two channels per non-zero rank:
 
 - a pipe between rank 0 and the rank (a ``multiprocessing`` connection, raw bytes only): rank 0
   sends one :class:`StepHeader` per forward (the target's, or an EAGLE draft's), per KV move
-  and one to stop; the rank sends one
+  and one to stop, a hybrid model's forward followed in the same message by its
+  :class:`StateStep` (:func:`step_message`); the rank sends one
   :class:`RankReport` when its model is loaded (or failed to load) and one if it fails later.
   A rank waits for work on its pipe, never inside a collective, so an idle engine holds no
   collective open (NCCL's watchdog would end it);
 - the group's broadcast (``torch.distributed``) for the step's tensors, whose shapes the header
   gives: for a forward, one int64 tensor holding every integer input (:func:`pack_step`) and
   the input rows ``[T, hidden]`` in the model's dtype (the target's embeddings, or the draft
-  layer's input); for a KV move, one int64 tensor ``src [M] | dst [M]`` of slots.
+  layer's input) and, when the forward carries Qwen3-VL's DeepStack features of ``V`` visual
+  tokens, their rows ``[V]`` (int64) and the features ``[L, V, hidden]`` (model dtype, one per
+  stacked layer); for a KV move, one int64 tensor ``src [M] | dst [M]`` of slots.
+
+A hybrid model's state slots travel on the pipe, not in a collective: they are host integers on
+rank 0 (the scheduler's), and the kernels want host offsets, so no rank reads its device for
+them.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from enum import IntEnum
 import torch
 
 from engine.attention.backend import AttentionBatch
+from engine.attention.linear.states import LinearStates
 
-_HEADER = struct.Struct("<8q")
+_HEADER = struct.Struct("<10q")
 
 
 class Command(IntEnum):
@@ -46,10 +54,13 @@ class StepHeader:
     max_kv: int = 0
     hidden: int = 0  # width of the input rows
     mask_width: int = 0  # W of the draft tree mask [B, max_q, W]; 0: causal
+    stack_rows: int = 0  # V, rows taking DeepStack features (0: none this forward)
+    stack_layers: int = 0  # L, the decoder layers whose outputs take them
 
     def encode(self) -> bytes:
         return _HEADER.pack(self.command, self.num_tokens, self.num_seqs, self.table_width,
-                            self.max_q, self.max_kv, self.hidden, self.mask_width)
+                            self.max_q, self.max_kv, self.hidden, self.mask_width,
+                            self.stack_rows, self.stack_layers)
 
     @classmethod
     def decode(cls, data: bytes) -> StepHeader:
@@ -64,6 +75,52 @@ class StepHeader:
         if self.command == Command.MOVE_KV:
             return 2 * t
         return 4 * t + 3 * b + 1 + b * self.table_width + b * self.max_q * self.mask_width
+
+
+@dataclass(frozen=True)
+class StateStep:
+    """A hybrid forward's use of the state pool, in host integers: sequence ``b`` owns rows
+    ``q_starts[b]:q_starts[b + 1]`` and state slot ``slots[b]``; the slots ``fresh`` (requests
+    computing from token 0) are zeroed first. Every rank applies the same step to its own pool
+    (its heads' states), so the slots hold the same requests on every rank."""
+
+    q_starts: tuple[int, ...]
+    slots: tuple[int, ...]
+    fresh: tuple[int, ...] = ()
+
+    def apply(self, states: LinearStates) -> LinearStates:
+        """Zero the fresh slots of ``states``' pool and prepare ``states`` for this forward."""
+        if self.fresh:
+            states.pool.reset(self.fresh)
+        slots = torch.tensor(self.slots, dtype=torch.int64).to(states.pool.device)
+        states.prepare(list(self.q_starts), slots)
+        return states
+
+    def encode(self) -> bytes:
+        values = (len(self.slots), len(self.fresh), *self.q_starts, *self.slots, *self.fresh)
+        return struct.pack(f"<{len(values)}q", *values)
+
+    @classmethod
+    def decode(cls, data: bytes) -> StateStep:
+        b, f = struct.unpack("<2q", data[:16])
+        size = 8 * (3 + 2 * b + f)
+        if len(data) != size:
+            raise ValueError(f"a state step of {b} sequences and {f} fresh slots is {size} "
+                             f"bytes, got {len(data)}")
+        values = struct.unpack(f"<{2 * b + 1 + f}q", data[16:])
+        return cls(values[: b + 1], values[b + 1 : 2 * b + 1], values[2 * b + 1 :])
+
+
+def step_message(header: StepHeader, states: StateStep | None = None) -> bytes:
+    """What rank 0 sends on a rank's pipe for ``header``: the header, then ``states``."""
+    return header.encode() + (b"" if states is None else states.encode())
+
+
+def read_step_message(data: bytes) -> tuple[StepHeader, StateStep | None]:
+    """The header and state step (None without one) of :func:`step_message`'s bytes."""
+    header = StepHeader.decode(data[: _HEADER.size])
+    tail = data[_HEADER.size :]
+    return header, StateStep.decode(tail) if tail else None
 
 
 @dataclass(frozen=True)
@@ -88,12 +145,16 @@ class RankReport:
 
 
 def step_header(rows: torch.Tensor, batch: AttentionBatch,
-                command: Command = Command.FORWARD) -> StepHeader:
+                command: Command = Command.FORWARD,
+                deepstack: tuple[torch.Tensor, ...] = ()) -> StepHeader:
     """The header of a forward (``command``: the target's or the draft's) over ``rows``
-    ``[T, hidden]`` with ``batch``."""
+    ``[T, hidden]`` with ``batch`` and the DeepStack features ``deepstack`` (one ``[V, hidden]``
+    per stacked layer; none: the forward carries none)."""
     width = 0 if batch.tree_mask is None else batch.tree_mask.shape[2]
+    stack_rows = deepstack[0].shape[0] if deepstack else 0
     return StepHeader(command, rows.shape[0], batch.num_seqs, batch.page_table.shape[1],
-                      batch.max_q, batch.max_kv, rows.shape[1], width)
+                      batch.max_q, batch.max_kv, rows.shape[1], width, stack_rows,
+                      len(deepstack))
 
 
 def pack_step(mrope: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:

@@ -1,6 +1,9 @@
 """The process of a tensor-parallel rank other than 0: it holds its share of the model and its
-share of every KV page (its key/value heads), and runs every forward rank 0 runs, on the inputs
-rank 0 broadcasts (:mod:`engine.parallel.messages`). It schedules and samples nothing.
+share of every KV page (its key/value heads) and, for a hybrid model, of every state slot (its
+linear-attention heads), and runs every forward rank 0 runs, on the inputs rank 0 broadcasts
+(:mod:`engine.parallel.messages`): a Qwen3-VL forward's DeepStack features, a hybrid forward's
+:class:`StateStep` (slots zeroed and prepared as rank 0 did its own). It schedules and samples
+nothing.
 
 With ``config.layers`` (a pipeline stage's share) the rank holds those decoder layers only, its
 pool holds them, and the broadcast tensor is the hidden state entering the first of them: each
@@ -31,16 +34,26 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.linear.states import LinearStates
 from engine.attention.select import make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv.pool import KVPool, move_kv
+from engine.kv.state_pool import StatePool
 from engine.models.eagle.eagle3 import Draft
 from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
-from engine.parallel.group import DistGroup, join_store, rank_device
-from engine.parallel.messages import Command, RankReport, StepHeader, unpack_step
+from engine.models.step_extras import StepExtras
+from engine.parallel.group import DistGroup, TPGroup, join_store, rank_device
+from engine.parallel.messages import (
+    Command,
+    RankReport,
+    StateStep,
+    StepHeader,
+    read_step_message,
+    unpack_step,
+)
 from engine.parallel.shard import TextShard
 
 RankAttach = Callable[[Sequence[KVPool], int], bytes]
@@ -79,13 +92,13 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     group = DistGroup(spec.rank, spec.config.tp_size)
     try:
         device = rank_device(resolve_device(spec.config.device), spec.rank)
-        model, pool = _build(spec, group, device)
+        model, pool, states = _build(spec, group, device)
         draft = _build_draft(spec, model, pool, group, device)
         pools = [pool] if draft is None else [pool, draft.pool]
         payload = spec.attach(pools, spec.rank) if spec.attach is not None else b""
         conn.send_bytes(RankReport(spec.rank, payload=payload).encode())
         group.join(join_store(spec.store_port, group.size), device)
-        _serve(conn, _Shares(model, _layers(spec), make_attention(pool), draft), device)
+        _serve(conn, _Shares(model, _layers(spec), make_attention(pool), draft, states), device)
     except EOFError:  # rank 0 is gone
         pass
     except BaseException as exc:
@@ -100,19 +113,26 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
 
 
 def _build(spec: RankSpec, group: DistGroup, device: torch.device
-           ) -> tuple[Qwen2VLModel, KVPool]:
-    """This rank's model share (of ``config.layers`` when set), and its KV pool (rank 0's page
-    count, this rank's key/value heads, those layers)."""
+           ) -> tuple[Qwen2VLModel, KVPool, LinearStates | None]:
+    """This rank's model share (of ``config.layers`` when set), its KV pool (rank 0's page
+    count, this rank's key/value heads, the full-attention layers among those) and a hybrid
+    model's state pool (rank 0's slot count, this rank's linear-attention heads, the linear
+    layers among those; None without any: as the engine's ``hybrid_states`` for rank 0)."""
     config = spec.config
     if device.type != "cpu":  # NCCL and HCCL take the rank's device from the current one
         getattr(torch, device.type).set_device(device)
     dtype = resolve_dtype(config.dtype, device)
     model_config, model = load_model(spec.model_dir, dtype, device, config.layers, tp=group)
-    text = model_config.text
+    text, layers = model_config.text, _layers(spec)
     shard = TextShard.of(text, group.rank, group.size)
     pool = KVPool(spec.num_pages + 1, config.page_size, shard.num_kv_heads, text.head_dim,
-                  list(_layers(spec)), dtype, device)
-    return model, pool
+                  text.attention_layers(layers), dtype, device)
+    lin, linear_ids = shard.linear_here, text.linear_layers(layers)
+    if lin is None or not linear_ids:
+        return model, pool, None
+    states = StatePool(config.max_num_seqs, linear_ids, lin.conv_channels, lin.conv_kernel,
+                       lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, dtype, device)
+    return model, pool, LinearStates(states)
 
 
 @dataclass
@@ -137,12 +157,13 @@ def _build_draft(spec: RankSpec, model: Qwen2VLModel, pool: KVPool, group: DistG
 
 @dataclass
 class _Shares:
-    """What a rank runs: its target layers and pool, and its draft share."""
+    """What a rank runs: its target layers and pool, its draft share and its state pool."""
 
     model: Qwen2VLModel
     layers: range
     attn: AttentionBackend
     draft: _DraftShare | None
+    states: LinearStates | None
 
 
 def _layers(spec: RankSpec) -> range:
@@ -158,7 +179,7 @@ def _serve(conn: Connection, shares: _Shares, device: torch.device) -> None:
     model = shares.model
     tp = model.tp
     while True:
-        header = StepHeader.decode(conn.recv_bytes())
+        header, states = read_step_message(conn.recv_bytes())
         if header.command == Command.STOP:
             return
         packed = tp.broadcast(torch.empty(header.packed_len(), dtype=torch.int64, device=device))
@@ -175,6 +196,28 @@ def _serve(conn: Connection, shares: _Shares, device: torch.device) -> None:
             shares.draft.attn.prepare(batch)
             shares.draft.draft.run_layer(rows, mrope, shares.draft.attn)
             continue
+        extras = _step_extras(header, states, shares, tp, device)
         shares.attn.prepare(batch)
         # rank 0's own layers' output (before its final norm, a per-rank op); rank 0 samples
-        model.forward_layers(rows, mrope, shares.attn, shares.layers, final_norm=False)
+        model.forward_layers_aux(rows, mrope, shares.attn, shares.layers, final_norm=False,
+                                 extras=extras)
+
+
+def _step_extras(header: StepHeader, states: StateStep | None, shares: _Shares, tp: TPGroup,
+                 device: torch.device) -> StepExtras:
+    """A target forward's extras: the DeepStack rows and features rank 0 broadcasts after the
+    input rows, and this rank's state pool with ``states`` applied (as rank 0 applied it to
+    its own)."""
+    stack_rows: torch.Tensor | None = None
+    stack: tuple[torch.Tensor, ...] = ()
+    if header.stack_layers:
+        v, dtype = header.stack_rows, shares.model.dtype
+        stack_rows = tp.broadcast(torch.empty(v, dtype=torch.int64, device=device))
+        features = torch.empty(header.stack_layers, v, header.hidden, dtype=dtype, device=device)
+        stack = tuple(tp.broadcast(features).unbind(0))
+    prepared: LinearStates | None = None
+    if states is not None:
+        if shares.states is None:
+            raise RuntimeError("rank 0 ran a hybrid forward, but this rank holds no state pool")
+        prepared = states.apply(shares.states)
+    return StepExtras(stack_rows, stack, prepared)

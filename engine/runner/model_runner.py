@@ -6,22 +6,30 @@ Per step it gathers, for the flat batch of ``T`` scheduled tokens, from the pers
 mrope positions ``[3, T]`` derived from the positions (the prompt's rope table for prompt tokens
 of image and video requests) and the attention batch. Python work per step is O(items), never
 O(tokens). Vision embeddings (images and videos, encoded together in prompt order) are computed
-when a request's first prompt chunk with vision tokens runs and dropped when its prompt is done.
+when a request's first prompt chunk with vision tokens runs and dropped when its prompt is done;
+a Qwen3-VL chunk also takes the DeepStack features of its visual tokens (:class:`StepExtras`).
+
+Hybrid models (``states`` set): each forward names its sequences' state slots, and the slot of a
+request whose computation starts at token 0 (a fresh prompt, or one resumed from scratch) is
+zeroed first, so a request never sees an earlier holder's state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
+from engine.attention.linear.states import LinearStates
 from engine.core.scheduler import ScheduledItem, SchedulerOutput
 from engine.kv.pool import move_kv
 from engine.models.qwen2_vl.model import Qwen2VLModel
+from engine.models.step_extras import NO_EXTRAS, StepExtras
 from engine.multimodal.inputs import RequestState
 from engine.multimodal.mrope import mrope_from_1d
 from engine.parallel.driver import TPDriver
+from engine.parallel.messages import StateStep
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.input_batch import InputBatch
 
@@ -58,6 +66,8 @@ class ModelRunner:
         self.peers: TPDriver | None = None
         # target layers whose outputs every forward also returns (set by an EAGLE-3 draft)
         self.aux_layers: tuple[int, ...] = ()
+        # a hybrid model's state pool (None for a model without linear attention)
+        self.states: LinearStates | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -79,8 +89,12 @@ class ModelRunner:
             aux = hidden[:, :0]
         else:
             embeds = self.model.embed(step.input_ids)  # [T, H]
-            mrope = self._prompt_positions(out.items, mrope, embeds, step.input_ids)
-            hidden, aux = self.forward_embeds_aux(embeds, mrope, batch)
+            mrope, extras = self._prompt_positions(out.items, mrope, embeds, step.input_ids)
+            states = None
+            if self.states is not None:
+                states = _state_step(out.items)
+                extras = replace(extras, states=states.apply(self.states))
+            hidden, aux = self.forward_embeds_aux(embeds, mrope, batch, extras, states)
         return StepForward(step.input_ids, hidden, mrope, batch.slot_mapping, step.sample_rows,
                            batch, aux)
 
@@ -94,15 +108,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_embeds_aux(
-        self, embeds: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch
+        self, embeds: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch,
+        extras: StepExtras = NO_EXTRAS, states: StateStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward_embeds`, also returning the outputs of ``aux_layers``
-        ``[T, len(aux_layers) * H]`` (:meth:`Qwen2VLModel.forward_aux`)."""
+        ``[T, len(aux_layers) * H]`` (:meth:`Qwen2VLModel.forward_aux`). ``extras``: the
+        forward's DeepStack features and this rank's prepared state pool; ``states``: the state
+        step that prepared it, which the other tensor-parallel ranks apply to their pools."""
         self.attn.prepare(batch)
         if self.peers is None:
-            return self._forward(embeds, mrope)
-        with self.peers.step(embeds, mrope, batch):
-            return self._forward(embeds, mrope)
+            return self._forward(embeds, mrope, extras)
+        with self.peers.step(embeds, mrope, batch, extras=extras, states=states):
+            return self._forward(embeds, mrope, extras)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the target K/V of slots ``src`` ``[M]`` to ``dst`` ``[M]`` (int64, on the pool's
@@ -111,12 +128,12 @@ class ModelRunner:
             self.peers.move_kv(src, dst)
         move_kv(self.attn.pool, src, dst)
 
-    def _forward(self, embeds: torch.Tensor, mrope: torch.Tensor
+    def _forward(self, embeds: torch.Tensor, mrope: torch.Tensor, extras: StepExtras
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.aux_layers:  # the model's plain call (a pipeline stage stands in for it)
-            hidden = self.model(embeds, mrope, self.attn)
+            hidden = self.model(embeds, mrope, self.attn, extras)
             return hidden, hidden[:, :0]
-        return self.model.forward_aux(embeds, mrope, self.attn, self.aux_layers)
+        return self.model.forward_aux(embeds, mrope, self.attn, self.aux_layers, extras)
 
     def _prompt_positions(
         self,
@@ -124,11 +141,13 @@ class ModelRunner:
         mrope: torch.Tensor,
         embeds: torch.Tensor,
         ids: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, StepExtras]:
         """Put vision embeddings and the prompt's rope table in place for image and video prompt
-        chunks."""
+        chunks; the DeepStack rows and features of their visual tokens (Qwen3-VL)."""
         offset = 0
         copied = False
+        stack_rows: list[torch.Tensor] = []
+        stack_feats: list[tuple[torch.Tensor, ...]] = []
         for item in items:
             prompt_len = len(item.request.prompt_token_ids)
             s, n = item.start, item.num_tokens
@@ -142,32 +161,55 @@ class ModelRunner:
                     mrope, copied = mrope.contiguous(), True
                 mrope[:, offset : offset + k] = state.mrope_table[:, s : s + k]
                 chunk = slice(offset, offset + k)
-                self._place_vision_embeds(state, embeds[chunk], ids[chunk], s)
+                placed = self._place_vision_embeds(state, embeds[chunk], ids[chunk], s)
+                if placed is not None and placed[1]:
+                    stack_rows.append(placed[0] + offset)
+                    stack_feats.append(placed[1])
                 if s + k == prompt_len:
                     state.image_embeds = None
                     state.images = []
             offset += n
-        return mrope
+        if not stack_rows:
+            return mrope, NO_EXTRAS
+        layers = zip(*stack_feats, strict=True)  # per stacked layer, every chunk's features
+        return mrope, StepExtras(torch.cat(stack_rows), tuple(torch.cat(f) for f in layers))
 
     def _place_vision_embeds(
         self, state: RequestState, embeds: torch.Tensor, ids: torch.Tensor, start: int
-    ) -> None:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """Image and video tokens of a chunk starting at prompt index ``start`` take their
-        embeddings, in prompt order."""
+        embeddings, in prompt order. Returns the chunk rows ``[V]`` of those tokens and their
+        DeepStack features (one ``[V, H]`` per stacked layer; none but Qwen3-VL's), or None
+        when the chunk has no visual token."""
         if state.image_prefix is None:
-            return
+            return None
         mask = (ids == self.image_token_id) | (ids == self.video_token_id)
         if start + len(ids) > state.vision_end:  # resumed output: text whatever its ids
             mask[max(0, state.vision_end - start):] = False
         count = int(mask.sum())
         if not count:
-            return
+            return None
         if state.image_embeds is None:
             patches = torch.cat([im.patches for im in state.images])
             grids = [im.grid_thw for im in state.images]
             state.image_embeds = self.model.encode_images(patches, grids)
         first = int(state.image_prefix[start])
-        embeds[mask] = state.image_embeds[first : first + count]
+        visual = state.image_embeds
+        embeds[mask] = visual.embeds[first : first + count]
+        rows = mask.nonzero().squeeze(1)
+        return rows, tuple(f[first : first + count] for f in visual.deepstack)
+
+
+def _state_step(items: list[ScheduledItem]) -> StateStep:
+    """The state pool's use by this forward: every item's rows and slot, the slots of items
+    starting at token 0 to be zeroed first."""
+    starts, slots, fresh = [0], [], []
+    for item in items:
+        starts.append(starts[-1] + item.num_tokens)
+        slots.append(item.request.state_slot)
+        if item.start == 0:
+            fresh.append(item.request.state_slot)
+    return StateStep(tuple(starts), tuple(slots), tuple(fresh))
 
 
 def _state(item: ScheduledItem) -> RequestState:

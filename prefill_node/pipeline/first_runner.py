@@ -11,9 +11,11 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.core.scheduler import SchedulerOutput
+from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.models.qwen2_vl.vision import Grid
+from engine.models.step_extras import NO_EXTRAS, StepExtras, VisualEmbeds
 from engine.runner.model_runner import ModelRunner
 from prefill_node.pipeline.aux_layers import merge_aux
 
@@ -31,14 +33,16 @@ class _FirstStageModel:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
 
-    def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+    def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> VisualEmbeds:
         return self.model.encode_images(patches, grids)
 
     def __call__(
-        self, embeds: torch.Tensor, mrope: torch.Tensor, attn: AttentionBackend
+        self, embeds: torch.Tensor, mrope: torch.Tensor, attn: AttentionBackend,
+        extras: StepExtras = NO_EXTRAS,
     ) -> torch.Tensor:
         hidden, own = self.model.forward_layers_aux(embeds, mrope, attn, self.layers,
-                                                    final_norm=False, aux_layers=self.aux_ids)
+                                                    final_norm=False, aux_layers=self.aux_ids,
+                                                    extras=extras)
         empty = hidden.new_zeros(hidden.shape[0], 0, dtype=torch.float32)
         self.out = (hidden, mrope, merge_aux(self.aux_ids, self.layers, empty, own, slice(None)))
         return hidden
@@ -74,4 +78,7 @@ def first_stage_runner(engine: LLMEngine, aux_ids: Sequence[int] = ()) -> FirstS
     the weights and a KV pool of those layers only)."""
     if engine.config.layers is None:
         raise ValueError("the first pipeline stage needs an engine built with EngineConfig.layers")
+    if engine.model_config.text.is_hybrid:
+        raise ConfigError("pipeline stages do not hand a hybrid model's linear-attention states "
+                          "on yet: run Qwen3.5 without --pp-size")
     return FirstStageRunner(engine, engine.config.layers, aux_ids)

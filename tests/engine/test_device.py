@@ -156,7 +156,7 @@ def test_resolve_dtype() -> None:
 
 
 def test_mrope_tables_are_made_on_the_positions_device() -> None:
-    rotary = MropeRotary(head_dim=16, theta=10000.0, mrope_section=(2, 3, 3))
+    rotary = MropeRotary(rotary_dim=16, theta=10000.0, mrope_section=(2, 3, 3))
     pos = torch.arange(15).view(3, 5)
     host = rotary(pos, torch.float32)
     meta = rotary(pos.to(META), torch.bfloat16)

@@ -16,6 +16,7 @@ from engine.errors import (
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
+    OutOfStateSlotsError,
     TensorParallelError,
 )
 from proto.convert import ConversionError
@@ -43,6 +44,7 @@ Code = grpc.StatusCode
 EXPECTED: dict[type[Exception], grpc.StatusCode] = {
     InvalidRequestError: Code.INVALID_ARGUMENT,
     OutOfPagesError: Code.RESOURCE_EXHAUSTED,
+    OutOfStateSlotsError: Code.RESOURCE_EXHAUSTED,
     DeviceError: Code.FAILED_PRECONDITION,
     ConfigError: Code.INVALID_ARGUMENT,
     CheckpointError: Code.INVALID_ARGUMENT,

@@ -20,6 +20,7 @@ from engine.config import ModelConfig, TextConfig
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
 from engine.models.qwen2_vl.vision import Grid, VisionTower
 from engine.models.qwen2_vl.vision_qwen2_5 import Qwen25VisionTower
+from engine.models.step_extras import NO_EXTRAS, StepExtras, VisualEmbeds
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TextShard
 
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_weight = torch.cat([p.weight.detach() for p in projs])
         self.qkv_bias = torch.cat([p.bias.detach() for p in projs])
-        _share_rows(projs, self.qkv_weight, self.qkv_bias)
+        share_rows(projs, self.qkv_weight, self.qkv_bias)
 
     def forward(
         self, x: torch.Tensor, rot: RotaryTables, attn: AttentionBackend, layer: int
@@ -80,14 +81,14 @@ class Mlp(nn.Module):
         """Store gate and up weights in one tensor (see :meth:`Attention.fuse`)."""
         projs = (self.gate_proj, self.up_proj)
         self.gate_up_weight = torch.cat([p.weight.detach() for p in projs])
-        _share_rows(projs, self.gate_up_weight, None)
+        share_rows(projs, self.gate_up_weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         return self.tp.all_reduce(F.linear(self.act(gate) * up, self.down_proj.weight))
 
 
-def _share_rows(
+def share_rows(
     projs: Sequence[nn.Linear], weight: torch.Tensor, bias: torch.Tensor | None
 ) -> None:
     """Re-point each projection's parameters at its rows of the fused ``weight``/``bias``."""
@@ -136,7 +137,10 @@ class TextModel(nn.Module):
 class Qwen2VLModel(nn.Module):
     """Vision tower + decoder + LM head. Stateless: the KV lives in the attention backend's pool.
 
-    Qwen2-VL and Qwen2.5-VL share the decoder; ``cfg.model_type`` picks the vision tower.
+    Qwen2-VL and Qwen2.5-VL share the decoder; ``cfg.model_type`` picks the vision tower. The
+    Qwen3 families subclass this (:mod:`engine.models.qwen3_vl.model`): they build their own
+    layers and tower (:meth:`build_text`, :meth:`build_visual`) and add to a layer's output
+    (:meth:`run_layer`); every method here runs them unchanged.
 
     With a ``tp`` group of several ranks the decoder layers hold this rank's share
     (:mod:`engine.parallel.shard`) and every rank runs :meth:`forward` over the same inputs
@@ -149,15 +153,33 @@ class Qwen2VLModel(nn.Module):
         self.cfg = cfg
         self.tp = tp
         t = cfg.text
-        self.model = TextModel(t, tp)
-        self.visual: VisionTower | Qwen25VisionTower = (
-            Qwen25VisionTower(cfg.vision) if cfg.model_type == "qwen2_5_vl"
-            else VisionTower(cfg.vision)
-        )
+        self.model = self.build_text(t, tp)
+        self.visual = self.build_visual(cfg)
         self.lm_head = nn.Linear(t.hidden_size, t.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = MropeRotary(t.head_dim, t.rope_theta, t.mrope_section)
+        self.rotary = MropeRotary(t.rotary_dim, t.rope_theta, t.mrope_section,
+                                  t.mrope_interleaved)
+
+    def build_text(self, cfg: TextConfig, tp: TPGroup) -> TextModel:
+        """The decoder stack (embedding, layers, final norm)."""
+        return TextModel(cfg, tp)
+
+    def build_visual(self, cfg: ModelConfig) -> nn.Module:
+        """The vision tower ``cfg.model_type`` names."""
+        if cfg.model_type == "qwen2_5_vl":
+            return Qwen25VisionTower(cfg.vision)
+        return VisionTower(cfg.vision)
+
+    def pool_index(self, layer: int, layers: range) -> int:
+        """Where global decoder layer ``layer`` keeps its context in an engine holding
+        ``layers``: its index in the KV pool (layers numbered from ``layers.start``)."""
+        return layer - layers.start
+
+    def run_layer(self, layer: int, x: torch.Tensor, rot: RotaryTables,
+                  attn: AttentionBackend, index: int, extras: StepExtras) -> torch.Tensor:
+        """Global decoder layer ``layer`` over ``x``, its context at pool index ``index``."""
+        return self.model.layers[layer].forward(x, rot, attn, index)
 
     def fuse(self) -> None:
         """Fuse projections for inference; call after the weights are loaded and placed."""
@@ -179,38 +201,36 @@ class Qwen2VLModel(nn.Module):
         """``[T]`` token ids -> ``[T, hidden]``."""
         return F.embedding(input_ids, self.model.embed_tokens.weight)
 
-    def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+    def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> VisualEmbeds:
         """Image patches (on any device; host ones are copied to the model's) -> one embedding
-        per image token ``[sum(t*h*w/m^2), hidden]``, on the model's device."""
+        per image token ``[sum(t*h*w/m^2), hidden]``, on the model's device, and (Qwen3-VL)
+        the DeepStack features of those tokens."""
         patches = patches.to(device=self.device, dtype=self.dtype)
-        return self.visual(patches, grids).to(self.dtype)
+        return VisualEmbeds(self.visual(patches, grids).to(self.dtype))
 
     def forward(
-        self, embeds: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend
+        self, embeds: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,
+        extras: StepExtras = NO_EXTRAS,
     ) -> torch.Tensor:
         """Run the decoder over ``embeds`` ``[T, hidden]`` at ``mrope_positions`` ``[3, T]``.
 
-        Writes every token's K/V through ``attn`` and returns the final-normed hidden states
-        ``[T, hidden]``.
+        Writes every token's K/V through ``attn`` (and a hybrid model's states through
+        ``extras.states``) and returns the final-normed hidden states ``[T, hidden]``.
         """
-        return self.forward_aux(embeds, mrope_positions, attn, ())[0]
+        return self.forward_aux(embeds, mrope_positions, attn, (), extras)[0]
 
     def forward_aux(
         self, embeds: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,
-        aux_layers: Sequence[int],
+        aux_layers: Sequence[int], extras: StepExtras = NO_EXTRAS,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, also returning the outputs of decoder layers ``aux_layers`` (the
         residual stream after each, before the final norm; what an EAGLE-3 draft fuses),
         concatenated in the order given: ``([T, hidden], [T, len(aux_layers) * hidden])``."""
-        rot = self.rotary(mrope_positions, embeds.dtype)
-        x = embeds
-        outs: dict[int, torch.Tensor] = {}
-        for local, layer in enumerate(self.model.layers):
-            x = layer.forward(x, rot, attn, local)
-            if local in aux_layers:
-                outs[local] = x
+        layers = range(len(self.model.layers))
+        x, outs = self.forward_layers_aux(embeds, mrope_positions, attn, layers, final_norm=True,
+                                          aux_layers=aux_layers, extras=extras)
         aux = torch.cat([outs[i] for i in aux_layers], dim=-1) if aux_layers else x[:, :0]
-        return self.model.norm.forward(x), aux
+        return x, aux
 
     def forward_layers(
         self, hidden: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,
@@ -230,6 +250,7 @@ class Qwen2VLModel(nn.Module):
     def forward_layers_aux(
         self, hidden: torch.Tensor, mrope_positions: torch.Tensor, attn: AttentionBackend,
         layers: range, *, final_norm: bool, aux_layers: Sequence[int] = (),
+        extras: StepExtras = NO_EXTRAS,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """:meth:`forward_layers`, also returning the outputs of those of global layers
         ``aux_layers`` in ``layers`` (``[T, hidden]`` each, by layer id; the residual stream
@@ -238,7 +259,7 @@ class Qwen2VLModel(nn.Module):
         x = hidden
         outs: dict[int, torch.Tensor] = {}
         for gid in layers:
-            x = self.model.layers[gid].forward(x, rot, attn, gid - layers.start)
+            x = self.run_layer(gid, x, rot, attn, self.pool_index(gid, layers), extras)
             if gid in aux_layers:
                 outs[gid] = x
         return (self.model.norm.forward(x) if final_norm else x), outs

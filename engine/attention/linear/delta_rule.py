@@ -1,0 +1,166 @@
+"""The gated delta rule over a flat varlen batch (torch reference).
+
+Per value head, with the key ``k_t`` and query ``q_t`` l2-normalised (eps 1e-6) and the query
+scaled by ``Dk ** -0.5``, the state ``S`` ``[Dk, Dv]`` of a sequence advances token by token:
+
+    S = exp(g_t) * S
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T q_t
+
+Value head ``h`` reads key head ``h // (Hv // Hk)``. A one-token sequence takes that step (all
+of them in one batched step); a longer one goes through the equivalent chunked form, chunks of
+64 from its first token, starting from its slot's state. That is the split transformers' Qwen3.5
+makes (recurrent for one token with a cache, chunked otherwise), so outputs match it closely.
+The chunks of all longer sequences are stacked (each sequence's last one zero-padded), so memory
+follows the tokens, and the scan over chunks steps every sequence still running together: the
+Python loop runs as many times as the longest sequence has chunks.
+
+The chunked form, for a chunk starting from state ``S0`` with ``G_t`` the cumulative log decay
+inside the chunk: the corrected values ``u`` solve the unit lower-triangular system
+``u_t + sum_{s<t} beta_t exp(G_t - G_s) (k_t . k_s) u_s = beta_t (v_t - exp(G_t) S0^T k_t)``;
+then ``o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) u_s`` and the chunk ends
+in ``exp(G_C) S0 + sum_s exp(G_C - G_s) k_s u_s^T``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import accumulate
+
+import torch
+
+from engine.attention.linear.varlen import span_rows, split_varlen
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    q_starts: Sequence[int],
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The rule's output for every token of the batch: ``[T, Hv, Dv]`` in ``v``'s dtype.
+
+    ``q``, ``k`` ``[T, Hk, Dk]`` (not yet normalised), ``v`` ``[T, Hv, Dv]``, ``g`` ``[T, Hv]``
+    (log decay, float32), ``beta`` ``[T, Hv]``; sequence ``b`` owns rows
+    ``q_starts[b]:q_starts[b + 1]`` (host offsets). ``state`` ``[num_slots, Hv, Dk, Dv]``
+    float32 is the pool's tensor for this layer and ``slots`` ``[B]`` int64 the sequences'
+    (distinct) slots: slot ``slots[b]`` starts sequence ``b`` and afterwards holds its state
+    after its last token; no other slot changes. Computes in float32.
+    """
+    num_v_heads = v.shape[1]
+    if num_v_heads % k.shape[1]:
+        raise ValueError(f"{num_v_heads} value heads do not split over {k.shape[1]} key heads")
+    split = split_varlen(q_starts, slots, v.shape[0])
+    qf, kf = _normalised(q, k, num_v_heads)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if split.num_single:
+        rows, slot = split.single_rows, split.single_slots
+        q1, k1, v1, g1, b1 = (t.index_select(0, rows) for t in (qf, kf, vf, gf, bf))
+        o, s = _step(q1, k1, v1, g1, b1, state.index_select(0, slot))
+        state.index_copy_(0, slot, s)
+        out.index_copy_(0, rows, o.to(v.dtype))
+    if split.spans:
+        layout = _ChunkLayout(split.spans, v.device)
+        slot = split.span_slots.index_select(0, layout.order)
+        qc, kc, vc, gc, bc = (layout.pad(t.index_select(0, layout.rows))
+                              for t in (qf, kf, vf, gf, bf))
+        o, s = _chunked(qc, kc, vc, gc, bc, state.index_select(0, slot), layout)
+        state.index_copy_(0, slot, s)
+        o = o.transpose(1, 2).reshape(-1, num_v_heads, v.shape[-1])  # [chunks * CHUNK, Hv, Dv]
+        out.index_copy_(0, layout.rows, o.index_select(0, layout.dst).to(v.dtype))
+    return out
+
+
+def _normalised(q: torch.Tensor, k: torch.Tensor, num_v_heads: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``k`` in float32, l2-normalised, ``q`` scaled, each key head repeated for the
+    value heads that read it: ``[T, Hv, Dk]`` each."""
+    group = num_v_heads // k.shape[1]
+    qf, kf = (x.float() for x in (q, k))
+    qf = qf * torch.rsqrt(qf.square().sum(-1, keepdim=True) + L2_EPS) * q.shape[-1] ** -0.5
+    kf = kf * torch.rsqrt(kf.square().sum(-1, keepdim=True) + L2_EPS)
+    return qf.repeat_interleave(group, dim=1), kf.repeat_interleave(group, dim=1)
+
+
+def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+          s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of ``N`` sequences: ``q``, ``k`` ``[N, H, Dk]``, ``v`` ``[N, H, Dv]``, ``g``,
+    ``beta`` ``[N, H]``, state ``s`` ``[N, H, Dk, Dv]``; returns the output ``[N, H, Dv]`` and
+    the new state."""
+    s = s * g.exp()[..., None, None]
+    predicted = torch.einsum("nhkv,nhk->nhv", s, k)
+    s = s + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
+    return torch.einsum("nhkv,nhk->nhv", s, q), s
+
+
+class _ChunkLayout:
+    """Where the tokens of several sequences go when each is cut into whole chunks (its last
+    one zero-padded) and all chunks are stacked: sequences longest first (``order``, indexes
+    into the spans), sequence ``m``'s chunks at ``first[m] .. first[m] + counts[m] - 1``, its
+    token ``i`` at flat row ``first[m] * CHUNK + i`` (``dst``), read from batch row ``rows``.
+    Longest first makes the sequences still running at chunk ``c`` a prefix (``active[c]`` of
+    them)."""
+
+    def __init__(self, spans: Sequence[tuple[int, int]], device: torch.device) -> None:
+        order = sorted(range(len(spans)), key=lambda m: spans[m][0] - spans[m][1])
+        spans = [spans[m] for m in order]
+        counts = [math.ceil((end - start) / CHUNK) for start, end in spans]
+        first = list(accumulate(counts, initial=0))
+        self.num_chunks = first[-1]
+        self.active = [sum(n > c for n in counts) for c in range(counts[0])]
+        self.order = torch.tensor(order, dtype=torch.int64, device=device)
+        self.first = torch.tensor(first[:-1], dtype=torch.int64, device=device)
+        self.rows = span_rows(spans, device)
+        self.dst = torch.cat([torch.arange(end - start, device=device) + f * CHUNK
+                              for (start, end), f in zip(spans, first[:-1], strict=True)])
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``x`` ``[R, H, ...]`` (in ``rows`` order) laid out as chunks, head-major:
+        ``[num_chunks, H, CHUNK, ...]``. Zero padding leaves a state as it is (no decay, no
+        write) and its outputs are never read."""
+        padded = x.new_zeros(self.num_chunks * CHUNK, *x.shape[1:]).index_copy_(0, self.dst, x)
+        return padded.view(self.num_chunks, CHUNK, *x.shape[1:]).transpose(1, 2)
+
+
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, s: torch.Tensor, layout: _ChunkLayout
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences of ``layout`` from states ``s`` ``[M, H, Dk, Dv]`` (in ``layout.order``):
+    ``q``, ``k`` ``[num_chunks, H, CHUNK, Dk]``, ``v`` ``[num_chunks, H, CHUNK, Dv]``, ``g``,
+    ``beta`` ``[num_chunks, H, CHUNK]``. Returns the outputs ``[num_chunks, H, CHUNK, Dv]`` and
+    the final states (module docstring for the algebra). Everything inside a chunk is computed
+    for all chunks at once; the scan over chunks steps every running sequence together."""
+    dk = k.shape[-1]
+    cum = g.cumsum(-1)  # G_t
+    lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, -math.inf).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    # the system's strictly lower part; solve_triangular(unitriangular) takes the diagonal as 1
+    system = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
+    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u_free, u_state = solved.split([v.shape[-1], dk], dim=-1)  # u = u_free - u_state @ S0
+    scores = q @ k.transpose(-1, -2) * decay
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(u_free)
+    for c, running in enumerate(layout.active):
+        ids = layout.first[:running] + c
+        now = s[:running]
+        u = u_free.index_select(0, ids) - u_state.index_select(0, ids) @ now
+        out.index_copy_(0, ids, q_decayed.index_select(0, ids) @ now
+                        + scores.index_select(0, ids) @ u)
+        now = now * chunk_decay.index_select(0, ids) + k_to_end.index_select(0, ids) @ u
+        s = torch.cat([now, s[running:]])
+    return out, s
