@@ -305,50 +305,48 @@ def _vision_config(v: dict[str, Any], text_hidden: int, model_type: str) -> Visi
 
 
 def _vision_config_2_5(v: dict[str, Any], text_hidden: int) -> VisionConfig:
-    rope = dict(v.get("rope_parameters") or {})
     full = v.get("fullatt_block_indexes", (7, 15, 23, 31))
     if not isinstance(full, (list, tuple)):
         raise ValueError(f"fullatt_block_indexes must be a list of ints, got {full!r}")
     return VisionConfig(
-        depth=int(v["depth"]),
-        embed_dim=int(v["hidden_size"]),
-        hidden_size=int(v.get("out_hidden_size", text_hidden)),
-        num_heads=int(v["num_heads"]),
-        mlp_ratio=0.0,
-        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        patch_size=int(v.get("patch_size", 14)),
-        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        hidden_act=str(v.get("hidden_act", "silu")),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        **_gated_tower_fields(v, text_hidden, patch_size=14, act="silu"),
         tokens_per_second=float(v.get("tokens_per_second", 4)),
-        intermediate_size=int(v["intermediate_size"]),
         window_size=int(v.get("window_size", 112)),
         fullatt_block_indexes=tuple(int(i) for i in full),
     )
 
 
+def _gated_tower_fields(v: dict[str, Any], text_hidden: int, *, patch_size: int, act: str
+                        ) -> dict[str, Any]:
+    """The fields Qwen2.5-VL's and the Qwen3 towers name alike (block width ``hidden_size``,
+    merger output ``out_hidden_size``, an MLP of ``intermediate_size``); ``patch_size`` and
+    ``act`` are the family's defaults."""
+    rope = dict(v.get("rope_parameters") or {})
+    return {
+        "depth": int(v["depth"]),
+        "embed_dim": int(v["hidden_size"]),
+        "hidden_size": int(v.get("out_hidden_size", text_hidden)),
+        "num_heads": int(v["num_heads"]),
+        "mlp_ratio": 0.0,
+        "in_channels": int(v.get("in_channels", v.get("in_chans", 3))),
+        "patch_size": int(v.get("patch_size", patch_size)),
+        "spatial_merge_size": int(v.get("spatial_merge_size", 2)),
+        "temporal_patch_size": int(v.get("temporal_patch_size", 2)),
+        "hidden_act": str(v.get("hidden_act", act)),
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "intermediate_size": int(v["intermediate_size"]),
+    }
+
+
 def _vision_config_3(v: dict[str, Any], text_hidden: int, model_type: str) -> VisionConfig:
     """Qwen3-VL's tower (and Qwen3.5's, which has no ``deepstack_visual_indexes``): names as
     Qwen2.5-VL's, plus the learned position table."""
-    rope = dict(v.get("rope_parameters") or {})
     default_stack = (8, 16, 24) if model_type == "qwen3_vl" else ()
     stack = v.get("deepstack_visual_indexes", default_stack)
     if not isinstance(stack, (list, tuple)):
         raise ValueError(f"deepstack_visual_indexes must be a list of ints, got {stack!r}")
     return VisionConfig(
-        depth=int(v["depth"]),
-        embed_dim=int(v["hidden_size"]),
-        hidden_size=int(v.get("out_hidden_size", text_hidden)),
-        num_heads=int(v["num_heads"]),
-        mlp_ratio=0.0,
-        in_channels=int(v.get("in_channels", v.get("in_chans", 3))),
-        patch_size=int(v.get("patch_size", 16)),
-        spatial_merge_size=int(v.get("spatial_merge_size", 2)),
-        temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        intermediate_size=int(v["intermediate_size"]),
+        **_gated_tower_fields(v, text_hidden, patch_size=16, act="gelu_pytorch_tanh"),
         num_position_embeddings=int(v.get("num_position_embeddings", 2304)),
         deepstack_visual_indexes=tuple(int(i) for i in stack),
     )

@@ -152,7 +152,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = dtype = resolve_dtype(config.dtype, self.device)
         self.config = config = replace(config, device=str(self.device), dtype=dtype_name(dtype))
-        text = ModelConfig.from_dir(model_dir).text
+        model_config = ModelConfig.from_dir(model_dir)
+        text = model_config.text
         shard = TextShard.of(text, 0, config.tp_size)  # this rank's heads
         kv_heads = shard.num_kv_heads
         layers = config.layers if config.layers is not None else range(text.num_hidden_layers)
@@ -162,7 +163,7 @@ class LLMEngine:
             dtype,
         )
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.image_config = _image_config(model_dir, ModelConfig.from_dir(model_dir))
+        self.image_config = _image_config(model_dir, model_config)
         self.draft_dir = draft
         self.model_config, self.model = self._load(model_dir, config, num_pages, rank_attach)
         # one page more than the allocator hands out: a scratch page that padded rows of a

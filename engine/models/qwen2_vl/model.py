@@ -125,13 +125,14 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    """Embedding, the stack of decoder layers, final norm."""
+    """Embedding, the stack of decoder layers, final norm (each family builds its own layers
+    and norm; the names are the checkpoints' for all)."""
 
-    def __init__(self, cfg: TextConfig, tp: TPGroup) -> None:
+    def __init__(self, cfg: TextConfig, layers: Sequence[nn.Module], norm: RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
 
 
 class Qwen2VLModel(nn.Module):
@@ -163,7 +164,8 @@ class Qwen2VLModel(nn.Module):
 
     def build_text(self, cfg: TextConfig, tp: TPGroup) -> TextModel:
         """The decoder stack (embedding, layers, final norm)."""
-        return TextModel(cfg, tp)
+        return TextModel(cfg, [DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)],
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def build_visual(self, cfg: ModelConfig) -> nn.Module:
         """The vision tower ``cfg.model_type`` names."""

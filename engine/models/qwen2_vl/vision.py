@@ -84,12 +84,15 @@ class VisionMlp(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
+    """LayerNorm, attention within frames, LayerNorm, MLP (Qwen2-VL's ``VisionMlp`` unless
+    ``mlp`` is given: the Qwen3 tower passes its own)."""
+
+    def __init__(self, cfg: VisionConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.attn = SegmentAttention(cfg)
-        self.mlp = VisionMlp(cfg)
+        self.mlp = VisionMlp(cfg) if mlp is None else mlp
 
     def forward(
         self, x: torch.Tensor, frames: Sequence[torch.Tensor], rot: RotaryTables

@@ -56,17 +56,6 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
-class HybridTextModel(TextModel):
-    """Embedding, hybrid decoder layers, final (zero-centred) norm."""
-
-    def __init__(self, cfg: TextConfig, tp: TPGroup) -> None:
-        nn.Module.__init__(self)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([HybridDecoderLayer(cfg, i, tp)
-                                     for i in range(cfg.num_hidden_layers)])
-        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Qwen35Model(Qwen3VLModel):
     """Qwen3.5 (``model_type`` ``qwen3_5``): see the module docstring. The vision tower and
     its encoding are Qwen3-VL's (its DeepStack list is empty)."""
@@ -77,7 +66,9 @@ class Qwen35Model(Qwen3VLModel):
         self._indexes: dict[range, dict[int, int]] = {}
 
     def build_text(self, cfg: TextConfig, tp: TPGroup) -> TextModel:
-        return HybridTextModel(cfg, tp)
+        return TextModel(cfg, [HybridDecoderLayer(cfg, i, tp)
+                               for i in range(cfg.num_hidden_layers)],
+                         OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def fuse(self) -> None:
         for layer in self.model.layers:

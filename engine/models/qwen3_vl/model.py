@@ -25,22 +25,12 @@ from engine.models.step_extras import StepExtras, VisualEmbeds
 from engine.parallel.group import TPGroup
 
 
-class Qwen3TextModel(TextModel):
-    """Embedding, Qwen3-VL decoder layers, final norm (names as :class:`TextModel`'s)."""
-
-    def __init__(self, cfg: TextConfig, tp: TPGroup) -> None:
-        nn.Module.__init__(self)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(cfg, tp)
-                                     for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class Qwen3VLModel(Qwen2VLModel):
     """Qwen3-VL (``model_type`` ``qwen3_vl``): see the module docstring."""
 
     def build_text(self, cfg: TextConfig, tp: TPGroup) -> TextModel:
-        return Qwen3TextModel(cfg, tp)
+        return TextModel(cfg, [Qwen3DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers)],
+                         RMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def build_visual(self, cfg: ModelConfig) -> nn.Module:
         return Qwen3VisionTower(cfg.vision)

@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.config import VisionConfig
 from engine.models.layers import DeviceCopies, RotaryTables, activation, inverse_frequencies
-from engine.models.qwen2_vl.vision import Grid, SegmentAttention, rotary_angles, segment_groups
+from engine.models.qwen2_vl.vision import Grid, VisionBlock, rotary_angles, segment_groups
 
 _NORM_EPS = 1e-6
 
@@ -101,21 +101,6 @@ class Mlp(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: VisionConfig) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=_NORM_EPS)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=_NORM_EPS)
-        self.attn = SegmentAttention(cfg)
-        self.mlp = Mlp(cfg)
-
-    def forward(
-        self, x: torch.Tensor, frames: Sequence[torch.Tensor], rot: RotaryTables
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), frames, rot)
-        return x + self.mlp(self.norm2(x))
-
-
 class PatchMerger(nn.Module):
     """Each run of ``m*m`` rows ``[N, embed_dim]`` becomes one ``[N/m^2, hidden]`` row. The
     LayerNorm comes before the rows are joined (over each row: the final merger) or after
@@ -146,7 +131,7 @@ class Qwen3VisionTower(nn.Module):
         self.side = math.isqrt(cfg.num_position_embeddings)
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.embed_dim)
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([VisionBlock(cfg, Mlp(cfg)) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, postshuffle=False)
         indexes = cfg.deepstack_visual_indexes
         self.deepstack_merger_list = nn.ModuleList(
