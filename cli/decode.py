@@ -39,6 +39,8 @@ def run_decode(args: argparse.Namespace) -> int:
     from decode_node.spec.tree import TreeShape
 
     config = engine_config(args)
+    if config.state_slots is None:  # slots for a full batch running and as many in transfer
+        config = replace(config, state_slots=2 * config.max_num_seqs)
     shape = TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # checks flags
     if args.draft:
         config = replace(config, lookahead_tokens=shape.lookahead)

@@ -43,6 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=positive, default=512,
                    help="token budget per step (also the prefill chunk size)")
     p.add_argument("--max-num-seqs", type=positive, default=64)
+    p.add_argument("--state-slots", type=positive, default=None, metavar="N",
+                   help="a hybrid model's linear-attention state slots, one per request that "
+                        "runs or (on a decode node) is in transfer (default: --max-num-seqs; "
+                        "twice that on a decode node); ignored for other models")
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full instead of reusing the KV of full pages "
@@ -74,6 +78,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, dtype=dtype_name(dtype), device=str(device),
         graphs=not args.no_graphs, enable_prefix_cache=not args.no_prefix_cache,
         tp_size=getattr(args, "tp_size", 1),  # only commands with add_tp_args have the flag
+        state_slots=args.state_slots,
     )
 
 

@@ -27,6 +27,11 @@ room succeeds when every stage says ``Success`` and fails when any stage fails (
 aborted). Its pages are freed once, after every stage that took them is quiet: the clients each
 hand them back through :meth:`free_later`, counted in ``_shares``.
 
+A hybrid model's room also takes a state slot at prealloc (lent by the scheduler,
+:meth:`engine.core.scheduler.Scheduler.take_state_slot`), sent with the pages as the
+destination of the prompt's final linear-attention states. The adopted request holds it from
+then on; a room that fails gives it back with its pages, once no prefill can write into it.
+
 Every method except :meth:`free_later` runs on the engine thread with the loop lock held.
 """
 
@@ -57,6 +62,7 @@ class RemoteRoom:
     pages: list[int] | None = None  # the transfer's destination pages
     cached: list[int] = field(default_factory=list)  # pinned prefix-cache pages before them
     holding: list[DecodeBootstrapClient] = field(default_factory=list)  # took the pages
+    state_slot: int = -1  # a hybrid model's destination state slot (lent by the scheduler)
 
     @property
     def aux_client(self) -> DecodeBootstrapClient:
@@ -87,6 +93,7 @@ class RemoteQueues:
         self._to_free: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._shares: dict[tuple[int, ...], int] = {}  # pages of a failed pipeline room: holders
         self._owed: set[tuple[int, ...]] = set()  # pages of given-up rooms not yet back
+        self._owed_slots: dict[tuple[int, ...], int] = {}  # their state slots, freed with them
         self.cached_pages_hit = 0  # prompt pages rooms found in the prefix cache (not sent)
 
     def free_later(self, pages: list[int]) -> None:
@@ -139,6 +146,9 @@ class RemoteQueues:
             self._shares.pop(key, None)
             self._owed.discard(key)
             sched.free_pages(pages)
+            slot = self._owed_slots.pop(key, None)
+            if slot is not None:
+                sched.free_state_slot(slot)
         self._admit()
         return self._poll()
 
@@ -153,20 +163,28 @@ class RemoteQueues:
             available = sched.num_available_pages - pinned - sched.num_owed_pages
             if available < sched.worst_case_pages(r.request) - len(hit):
                 return  # FIFO: nobody overtakes the head
+            slots = sched.state_slots
+            if slots is not None and slots.num_free == 0:
+                return  # a hybrid model's states need a slot here too
             if cache is not None and hit:
                 cache.pin(hit)  # before taking pages, so that no eviction takes them
             pages = sched.take_pages(need - len(hit))
+            slot = sched.take_state_slot() if slots is not None else -1
             try:
-                r.aux_client.send_destination(room, pages, cached_pages=len(hit))
+                r.aux_client.send_destination(room, pages, cached_pages=len(hit),
+                                              state_slot=slot)
             except TransferError:
                 sched.free_pages(pages + hit)
+                if slot >= 0:
+                    sched.free_state_slot(slot)
                 return  # no aux slot now: retry on a later tick
-            r.pages, r.cached = pages, hit
+            r.pages, r.cached, r.state_slot = pages, hit, slot
             self.cached_pages_hit += len(hit)
             r.holding = [r.aux_client]
             for c in r.clients[:-1]:  # earlier stages: same pages, no aux row
                 try:
-                    c.send_destination(room, pages, aux=False, cached_pages=len(hit))
+                    c.send_destination(room, pages, aux=False, cached_pages=len(hit),
+                                       state_slot=slot)
                 except TransferError:
                     pass  # the room failed on that stage; _poll fails the whole room
                 else:
@@ -196,6 +214,7 @@ class RemoteQueues:
         req, pages, sched = r.request, r.pages or [], self.engine.scheduler
         if row.room != r.room:
             sched.free_pages(r.cached + pages)
+            self._free_slot(r)
             return RoomOutcome(r, error=f"aux row names room {row.room}, expected {r.room}")
         if sched.prefix_cache is not None:
             sched.prefix_cache.take(req, r.cached, pinned=True)
@@ -214,7 +233,9 @@ class RemoteQueues:
                 sched.prefix_cache.insert(req)  # its prompt's KV is whole: keep it for others
             sched.free_pages(req.page_ids)
             req.page_ids = []
+            self._free_slot(r)
             return RoomOutcome(r, finished=True)
+        req.state_slot, r.state_slot = r.state_slot, -1  # the request adopts the states
         self.engine.scheduler.add(req)
         if self._seed is not None:
             self._seed(req, torch.tensor(row.hidden, dtype=torch.float32))
@@ -228,6 +249,12 @@ class RemoteQueues:
         if params.max_new_tokens <= 1:
             return FinishReason.LENGTH
         return None
+
+    def _free_slot(self, r: RemoteRoom) -> None:
+        """Give back the room's lent state slot (no prefill writes it any more)."""
+        if r.state_slot >= 0:
+            self.engine.scheduler.free_state_slot(r.state_slot)
+            r.state_slot = -1
 
     def _give_up(self, r: RemoteRoom, reason: str) -> None:
         """Fail the room on every stage; its pages come back once every holder is quiet (its
@@ -249,7 +276,11 @@ class RemoteQueues:
         if r.pages:
             if released == 0:
                 sched.free_pages(r.pages)
+                self._free_slot(r)
                 return
             self._owed.add(tuple(r.pages))
+            if r.state_slot >= 0:  # the prefill may still write it: back with the pages
+                self._owed_slots[tuple(r.pages)] = r.state_slot
+                r.state_slot = -1
             if released > 1:
                 self._shares[tuple(r.pages)] = released

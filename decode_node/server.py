@@ -23,6 +23,7 @@ from serving.process_exit import keep_until_exit
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
 from transfer.plan.heads import HeadLayout
+from transfer.plan.states import StateLayout
 from transfer.setup import make_kv_manager
 
 SERVICE_NAME = "pdserve.v1.DecodeWorker"
@@ -58,17 +59,20 @@ async def serve_decode(
         spec = EagleEngine(engine, engine.load_draft(), num_draft_tokens, draft_topk,
                            draft_steps)
         pools = spec.drafter.pools()
+    state_pool = engine.states.pool if engine.states is not None else None
     manager = make_kv_manager(
         transfer_backend, [b for pool in pools for b in pool.buffer_infos()],
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
+        states=state_pool.buffer_infos() if state_pool is not None else (),
     )
     keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
     heads = HeadLayout.tensor_parallel(text.num_key_value_heads, config.tp_size,
                                        head_dim=text.head_dim, dtype=engine.config.dtype,
                                        page_size=config.page_size)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
-                             text.num_hidden_layers, heads=heads)
+                             text.num_hidden_layers, heads=heads,
+                             states=StateLayout.of(text.linear, state_pool, config.tp_size))
     service = DecodeService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
     loop = DecodeLoop(engine, service.emit, spec)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from decode_node.rank_landing import LandingAgent, RankLandingAgent
 from engine.kv.pool import KVPool
+from engine.kv.state_pool import StatePool
 from serving.process_exit import keep_until_exit
 from transfer.bootstrap.handshake import ModelIdentity
 from transfer.bootstrap.messages import Registration, decode, encode
@@ -30,7 +31,8 @@ _PORT = struct.Struct("<I")  # a rank's payload: its agent's port, then its regi
 @dataclass(frozen=True)
 class RankTransfer:
     """The attach hook of a decode's TP ranks: a KV manager of ``backend`` on ``hostname`` with
-    the rank's pools registered (the target's, then a draft's) and a one-row aux buffer of
+    the rank's pools registered (the target's, then a draft's, and its state pool's entries)
+    and a one-row aux buffer of
     ``hidden_size`` (the registration needs one; the prefill writes the aux row into rank 0's
     only), and the rank's landing agent (``authkey`` proves rank 0). Both live until the
     rank's process exits."""
@@ -40,10 +42,11 @@ class RankTransfer:
     hidden_size: int
     authkey: bytes = field(repr=False)
 
-    def __call__(self, pools: Sequence[KVPool], rank: int) -> bytes:
+    def __call__(self, pools: Sequence[KVPool], rank: int, states: StatePool | None) -> bytes:
         manager = make_kv_manager(self.backend, [b for p in pools for b in p.buffer_infos()],
                                   hidden_size=self.hidden_size, aux_rows=1,
-                                  hostname=self.hostname)
+                                  hostname=self.hostname,
+                                  states=states.buffer_infos() if states is not None else ())
         keep_until_exit(manager)
         agent = LandingAgent(pools, manager, self.authkey)
         keep_until_exit(agent)
@@ -65,7 +68,7 @@ def _read(rank: int, payload: bytes) -> tuple[Registration, int]:
 
 def rank_registrations(payloads: list[bytes], identity: ModelIdentity) -> list[Registration]:
     """The registrations of ranks ``1..`` from what their hooks returned, completed with rank
-    0's ``identity`` (model, page size, dtype, and every rank's KV heads)."""
+    0's ``identity`` (model, page size, dtype, every rank's KV heads and state geometry)."""
     heads = identity.heads
     if payloads and heads is None:
         raise TransferError("a tensor-parallel decode must describe its KV heads")
@@ -77,7 +80,8 @@ def rank_registrations(payloads: list[bytes], identity: ModelIdentity) -> list[R
             reg, page_size=identity.page_size, dtype=identity.dtype,
             model_fingerprint=identity.model_fingerprint,
             kv_head_ranges=[x for pair in heads.ranges for x in pair],
-            num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim))
+            num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim,
+            state_layout=identity.states.to_list() if identity.states is not None else []))
     return out
 
 

@@ -479,6 +479,14 @@ class EngineConfig:
     # starts the others; 1 runs the whole model here. Each rank's KV pool holds its own key/value
     # heads in kv_budget_bytes, so the page count grows with the ranks that split the heads
     tp_size: int = 1
+    # a hybrid model's linear-attention state slots (engine/kv/state_pool.py): None for one per
+    # running request (max_num_seqs); a decode node wants more, for the rooms in transfer
+    state_slots: int | None = None
+
+    @property
+    def num_state_slots(self) -> int:
+        """The state pool's slot count (``state_slots``, else ``max_num_seqs``)."""
+        return self.state_slots if self.state_slots is not None else self.max_num_seqs
 
     def __post_init__(self) -> None:
         """Refuse settings no engine can run (a page size of 0 divided by zero at start-up; a
@@ -486,9 +494,10 @@ class EngineConfig:
         sizes = {"page_size": self.page_size, "kv_budget_bytes": self.kv_budget_bytes,
                  "max_num_seqs": self.max_num_seqs, "tp_size": self.tp_size,
                  "max_num_batched_tokens": self.max_num_batched_tokens,
-                 "num_pages": self.num_pages, "max_model_len": self.max_model_len}
+                 "num_pages": self.num_pages, "max_model_len": self.max_model_len,
+                 "state_slots": self.state_slots}
         for name, value in sizes.items():
-            if value is None and name in ("num_pages", "max_model_len"):
+            if value is None and name in ("num_pages", "max_model_len", "state_slots"):
                 continue  # unset: from the budget, from the model
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be a positive int, got {value!r}")

@@ -172,8 +172,9 @@ class LLMEngine:
         self.pool = KVPool(num_pages + 1, config.page_size, kv_heads, text.head_dim,
                            kv_layers, dtype, self.device)
         allocator = PageAllocator(num_pages)
-        self.states = hybrid_states(text, layers, config.max_num_seqs, dtype, self.device, shard)
-        slots = StateSlotAllocator(config.max_num_seqs) if self.states is not None else None
+        self.states = hybrid_states(text, layers, config.num_state_slots, dtype, self.device,
+                                    shard)
+        slots = StateSlotAllocator(config.num_state_slots) if self.states is not None else None
         cache = None
         if config.enable_prefix_cache and self.states is not None:
             log.warning("prefix cache off: %s", HYBRID_CACHE_REASON)

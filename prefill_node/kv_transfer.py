@@ -22,6 +22,7 @@ from engine.config import TextConfig
 from engine.device import dtype_name
 from engine.kv.pool import KVPool
 from engine.kv.staging import HeadStagingBuffer
+from engine.kv.state_pool import StatePool
 from serving.process_exit import keep_until_exit
 from transfer.base import KVManager
 from transfer.bootstrap.messages import RankBuffers, decode, encode
@@ -35,14 +36,15 @@ AUX_ROWS = 4
 
 
 def prefill_manager(backend: str, pools: Sequence[KVPool], *, hidden_size: int,
-                    hostname: str) -> KVManager:
+                    hostname: str, states: StatePool | None = None) -> KVManager:
     """A KV manager of ``backend`` with ``pools``' entries registered (the target's, then a
-    draft's when it runs one) and a staging buffer over them. Its engine lives until the
-    process exits (:mod:`serving.process_exit`)."""
+    draft's when it runs one), a staging buffer over them and a hybrid model's state entries
+    (``states``). Its engine lives until the process exits (:mod:`serving.process_exit`)."""
     buffers = [b for pool in pools for b in pool.buffer_infos()]
     staging = HeadStagingBuffer([e for pool in pools for e in pool.entries()], STAGING_BYTES)
     manager = make_kv_manager(backend, buffers, hidden_size=hidden_size, aux_rows=AUX_ROWS,
-                              hostname=hostname, staging=staging)
+                              hostname=hostname, staging=staging,
+                              states=states.buffer_infos() if states is not None else ())
     keep_until_exit(manager)
     return manager
 
@@ -68,9 +70,9 @@ class PrefillRankTransfer:
     hidden_size: int
     authkey: bytes = field(repr=False)
 
-    def __call__(self, pools: Sequence[KVPool], rank: int) -> bytes:
+    def __call__(self, pools: Sequence[KVPool], rank: int, states: StatePool | None) -> bytes:
         manager = prefill_manager(self.backend, pools, hidden_size=self.hidden_size,
-                                  hostname=self.hostname)
+                                  hostname=self.hostname, states=states)
         agent = RankAgent(manager, self.authkey)
         keep_until_exit(agent)
         return encode(agent.buffers())

@@ -87,8 +87,9 @@ class PrefillRooms:
 
     def push(self, out: SchedulerOutput, aux: Mapping[int, AuxRow] | None = None) -> list[int]:
         """Send every page the step completed; a room's last chunk finishes its transfer, with
-        its row of ``aux`` when given (written after the pages). Returns the rooms whose
-        transfer failed."""
+        a hybrid model's final linear-attention states (its request's state slot, freed only
+        by ``Scheduler.update`` after this) and its row of ``aux`` when given (written after
+        the pages). Returns the rooms whose transfer failed."""
         failed = []
         page_size = self.engine.config.page_size
         for item in out.items:
@@ -102,7 +103,10 @@ class PrefillRooms:
                 continue
             r.pages_sent = done
             last = aux.get(room) if aux is not None else None
-            status = self.bootstrap.send_chunk(room, pages, last=last, finish=item.needs_sample)
+            slot = item.request.state_slot  # a hybrid model's final states go with the last chunk
+            status = self.bootstrap.send_chunk(
+                room, pages, last=last, finish=item.needs_sample,
+                state_slot=slot if item.needs_sample and slot >= 0 else None)
             if status is KVPoll.Failed:
                 failed.append(room)
         return failed

@@ -27,6 +27,7 @@ from serving.metrics import TransferMetrics
 from serving.server import serve_until_signal, start_server
 from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
 from transfer.bootstrap.prefill import PrefillBootstrapServer
+from transfer.plan.states import StateLayout
 
 SERVICE_NAME = "pdserve.v1.PrefillWorker"
 
@@ -69,12 +70,14 @@ async def serve_prefill(
     if draft is not None:  # the draft's prompt KV is computed here and travels in its band
         drafter = DraftRunner(engine, engine.load_draft())
         pools = drafter.pools()
+    state_pool = engine.states.pool if engine.states is not None else None
     manager = prefill_manager(transfer_backend, pools,
                               hidden_size=engine.model_config.text.hidden_size,
-                              hostname=advertise_host)
+                              hostname=advertise_host, states=state_pool)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
                              text.num_hidden_layers,
-                             heads=prefill_heads(text, engine.pool, config.tp_size))
+                             heads=prefill_heads(text, engine.pool, config.tp_size),
+                             states=StateLayout.of(text.linear, state_pool, config.tp_size))
     ranks = remote_ranks(engine.rank_payloads, authkey)
     bootstrap = PrefillBootstrapServer(manager, identity, host=host, port=bootstrap_port,
                                        config=bootstrap_config, ranks=ranks)

@@ -13,6 +13,11 @@ own keywords it takes those that callers written for SGLang's KV managers pass (
 :meth:`KVManager.send_kvcache`); any other keyword, a misspelled one included, is a
 ``TypeError`` naming it rather than silently dropped.
 
+A hybrid model's linear-attention states are *state entries* beside the KV entries
+(:mod:`transfer.plan.states`): registered with them, paired with the peer's by global layer id
+by the same rule, and moved by the same ``send_kvcache`` (its ``*_state_*`` keywords: one slot
+of every entry into the peer's reserved slot), in the same engine calls as the call's pages.
+
 Invariant: every check (page lists, layer pairing, bytes per page) runs before the first byte
 moves; a failure after that raises :class:`~transfer.errors.EngineCallError`.
 """
@@ -36,6 +41,7 @@ from transfer.plan.blocks import as_page_list, batches, build_blocks, contiguous
 from transfer.plan.head_blocks import head_geometry, strided_blocks
 from transfer.plan.heads import HeadCopy, HeadLayout
 from transfer.plan.layers import check_bytes_per_page, pair_entries
+from transfer.plan.states import StateCopy, StateLayout, entry_kinds, state_blocks
 from transfer.tp.staged_send import send_staged
 from transfer.tp.staging import HeadStaging
 
@@ -64,6 +70,11 @@ class KVManager(ABC):
         self.kv_layer_ids: list[int] | None = None
         self.kv_devices: list[str] = []  # where each KV entry lives: "cpu", "cuda:N", "npu:N"
         self.num_pages = 0
+        # state entries (hybrid models): one slot of each is bytes_per_slot at ptr + slot * it
+        self.state_ptrs: list[int] = []
+        self.state_bytes_per_slot: list[int] = []
+        self.state_layer_ids: list[int] = []
+        self.num_state_slots = 0
         self.aux: AuxBuffer | None = None
         self.staging: HeadStaging | None = None  # head-sliced sends gather here
         self._staging_lock = threading.Lock()  # one staged send at a time
@@ -98,6 +109,7 @@ class KVManager(ABC):
     def register(
         self, kv: Sequence[BufferInfo], aux: AuxBuffer | None = None, *, use_layer_ids: bool = True,
         staging: HeadStaging | None = None, landing: Sequence[BufferInfo] = (),
+        states: Sequence[BufferInfo] = (),
     ) -> None:
         """Register the KV buffer entries (and the aux buffer) with the engine, exactly once.
 
@@ -106,7 +118,8 @@ class KVManager(ABC):
         positional. ``staging``: the buffer head-sliced sends into a destination rank that holds
         fewer heads gather into, ``landing``: the buffers source ranks that each hold part of
         this rank's heads write whole pages into (:mod:`transfer.plan.heads`); both registered with
-        the entries.
+        the entries. ``states``: a hybrid model's state entries (:mod:`transfer.plan.states`;
+        ``bytes_per_page`` is bytes per slot), always published with their layer ids.
         """
         if self._registered:
             raise TransferError("buffers are already registered; a manager registers once")
@@ -117,13 +130,18 @@ class KVManager(ABC):
             ranges.append(MemoryRange(aux.ptr, aux.nbytes))
         if staging is not None:
             ranges.append(MemoryRange(staging.ptr, staging.nbytes, staging.device))
-        ranges.extend(MemoryRange(b.ptr, b.nbytes, b.device) for b in landing)
+        ranges.extend(MemoryRange(b.ptr, b.nbytes, b.device) for b in (*landing, *states))
+        entry_kinds([b.layer_id for b in states])  # at most a conv and a recurrent entry each
         self._register_ranges(ranges)
         self.kv_ptrs = [b.ptr for b in kv]
         self.kv_bytes_per_page = [b.bytes_per_page for b in kv]
         self.kv_layer_ids = [b.layer_id for b in kv] if use_layer_ids else None
         self.kv_devices = [b.device for b in kv]
         self.num_pages = min(b.nbytes // b.bytes_per_page for b in kv)
+        self.state_ptrs = [b.ptr for b in states]
+        self.state_bytes_per_slot = [b.bytes_per_page for b in states]
+        self.state_layer_ids = [b.layer_id for b in states]
+        self.num_state_slots = min((b.nbytes // b.bytes_per_page for b in states), default=0)
         self.aux = aux
         self.staging = staging
         self._registered = True
@@ -137,11 +155,13 @@ class KVManager(ABC):
 
     def registration(self, *, page_size: int, dtype: str, model_fingerprint: str,
                      auth_token: str = "", heads: HeadLayout | None = None,
-                     tp_rank: int = 0, landing: Sequence[BufferInfo] = ()) -> Registration:
+                     tp_rank: int = 0, landing: Sequence[BufferInfo] = (),
+                     states: StateLayout | None = None) -> Registration:
         """The message a decode node publishes once per connection (``auth_token``: the
         cluster's internal shared secret, "" without one; ``heads``: the decode's KV heads over
         its TP ranks, of which this manager serves ``tp_rank``; ``landing``: the landing
-        entries the prefill it registers with writes into, in KV entry order)."""
+        entries the prefill it registers with writes into, in KV entry order; ``states``: the
+        geometry of its state entries over its TP ranks, None without any)."""
         aux = self._require_aux()
         ranges = [x for pair in heads.ranges for x in pair] if heads is not None else []
         return Registration(
@@ -164,6 +184,11 @@ class KVManager(ABC):
             landing_ptrs=[b.ptr for b in landing],
             landing_bytes_per_page=[b.bytes_per_page for b in landing],
             landing_num_pages=min((b.nbytes // b.bytes_per_page for b in landing), default=0),
+            state_ptrs=list(self.state_ptrs),
+            state_bytes_per_slot=list(self.state_bytes_per_slot),
+            state_layer_ids=list(self.state_layer_ids),
+            num_state_slots=self.num_state_slots,
+            state_layout=states.to_list() if states is not None else [],
         )
 
     def send_kvcache(
@@ -180,6 +205,12 @@ class KVManager(ABC):
         dst_device_kv_indices: Sequence[int] | None = None,
         dst_attn_tp_size: int | None = None,
         dst_heads: HeadCopy | None = None,
+        src_state_slot: int | None = None,
+        dst_state_ptrs: Sequence[int] | None = None,
+        dst_state_slot: int | None = None,
+        dst_state_layer_ids: Sequence[int] | None = None,
+        dst_state_bytes_per_slot: Sequence[int] | None = None,
+        dst_state_copy: StateCopy | None = None,
     ) -> SendResult:
         """Write local pages ``src_pages`` into the peer's pages ``dst_pages`` of every entry.
 
@@ -197,6 +228,14 @@ class KVManager(ABC):
         slice that lands (``HeadCopy.lands``) goes page-sized as a plain send (no ``dst_heads``)
         into the destination's landing entries for it instead, which the destination scatters.
         ``dst_bytes_per_page`` are then the destination rank's (fewer or more heads per page).
+
+        States (a hybrid model, :mod:`transfer.plan.states`): with ``src_state_slot``, slot
+        ``src_state_slot`` of every local state entry goes into slot ``dst_state_slot`` of the
+        peer's state entries ``dst_state_ptrs`` (global ids ``dst_state_layer_ids``, bytes per
+        slot ``dst_state_bytes_per_slot``), paired by id as KV entries are, whole or, between
+        sides of different TP size, ``dst_state_copy``'s spans; in the same engine calls as
+        the pages (which may be none). Without ``src_state_slot`` no other state keyword may
+        be given.
 
         The keywords of callers written for SGLang's KV managers:
 
@@ -225,6 +264,8 @@ class KVManager(ABC):
             )
         if not self._registered:
             raise TransferError("register() the KV buffers before sending")
+        state = self._state_blocks(src_state_slot, dst_state_ptrs, dst_state_slot,
+                                   dst_state_layer_ids, dst_state_bytes_per_slot, dst_state_copy)
         src = as_page_list(src_pages, "src_pages")
         dst = as_page_list(dst_pages, "dst_pages")
         if src and max(src) >= self.num_pages:
@@ -233,8 +274,13 @@ class KVManager(ABC):
         if dst_heads is not None and not dst_heads.whole:
             if dst_kv_item_len is not None:
                 dst_bytes_per_page = [dst_kv_item_len] * len(dst_ptrs)
-            return self._send_heads(session, src, dst, dst_ptrs, pairs, dst_heads,
+            sent = self._send_heads(session, src, dst, dst_ptrs, pairs, dst_heads,
                                     dst_bytes_per_page)
+            if not state[0]:
+                return sent
+            more = self._write_blocks(session, *state)
+            return SendResult(sent.blocks + more.blocks, sent.batches + more.batches,
+                              sent.nbytes + more.nbytes)
         if dst_bytes_per_page is not None:
             if len(dst_bytes_per_page) != len(dst_ptrs):
                 raise LayerPairingError(
@@ -247,7 +293,37 @@ class KVManager(ABC):
             check_bytes_per_page(pairs, self.kv_bytes_per_page, uniform)
         runs = contiguous_runs(src, dst)
         srcs, dsts, lens = build_blocks(pairs, self.kv_ptrs, dst_ptrs, self.kv_bytes_per_page, runs)
-        return self._write_blocks(session, srcs, dsts, lens)
+        return self._write_blocks(session, srcs + state[0], dsts + state[1], lens + state[2])
+
+    def _state_blocks(
+        self, src_slot: int | None, dst_ptrs: Sequence[int] | None, dst_slot: int | None,
+        dst_ids: Sequence[int] | None, dst_bytes: Sequence[int] | None, copy: StateCopy | None,
+    ) -> tuple[list[int], list[int], list[int]]:
+        """The blocks of a send's states (none without ``src_slot``); every check of
+        :meth:`send_kvcache`'s state keywords, before a byte moves."""
+        given = [dst_ptrs, dst_slot, dst_ids, dst_bytes, copy]
+        if src_slot is None:
+            if any(v is not None for v in given):
+                raise TypeError("send_kvcache: state keywords without src_state_slot")
+            return [], [], []
+        if dst_ptrs is None or dst_slot is None or dst_ids is None or dst_bytes is None:
+            raise TypeError("send_kvcache: src_state_slot needs dst_state_ptrs, "
+                            "dst_state_slot, dst_state_layer_ids and dst_state_bytes_per_slot")
+        if not self.state_ptrs:
+            raise TransferError("no state entries were registered; register() them first")
+        if not 0 <= src_slot < self.num_state_slots:
+            raise PageListError(
+                f"source state slot {src_slot} is outside 0..{self.num_state_slots - 1}")
+        if dst_slot < 0:
+            raise PageListError(f"destination state slot {dst_slot} is negative")
+        if not len(dst_ptrs) == len(dst_ids) == len(dst_bytes):
+            raise LayerPairingError(
+                f"ragged destination states: {len(dst_ptrs)} entries, {len(dst_ids)} layer "
+                f"ids, {len(dst_bytes)} sizes")
+        pairs = pair_entries(self.state_layer_ids, dst_ids, len(self.state_ptrs), len(dst_ptrs))
+        return state_blocks(pairs, entry_kinds(self.state_layer_ids), self.state_ptrs,
+                            self.state_bytes_per_slot, src_slot, dst_ptrs, dst_bytes, dst_slot,
+                            copy)
 
     def _send_heads(
         self, session: str, src: list[int], dst: list[int], dst_ptrs: Sequence[int],

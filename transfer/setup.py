@@ -24,9 +24,11 @@ def make_kv_manager(
     aux_rows: int,
     hostname: str,
     staging: HeadStaging | None = None,
+    states: Sequence[BufferInfo] = (),
 ) -> KVManager:
-    """A manager of ``backend`` with ``kv``, a fresh aux buffer and ``staging`` (the buffer
-    head-sliced sends gather into, :mod:`transfer.plan.heads`) registered."""
+    """A manager of ``backend`` with ``kv``, a fresh aux buffer, ``staging`` (the buffer
+    head-sliced sends gather into, :mod:`transfer.plan.heads`) and a hybrid model's state
+    entries ``states`` (:mod:`transfer.plan.states`) registered."""
     manager: KVManager
     if backend == "mooncake":
         from transfer.backends.mooncake import MooncakeKVManager
@@ -38,5 +40,5 @@ def make_kv_manager(
         manager = AscendKVManager(hostname=hostname)
     else:
         raise TransferError(f"unknown transfer backend {backend!r}; choose from {BACKENDS}")
-    manager.register(kv, AuxBuffer(aux_rows, hidden_size), staging=staging)
+    manager.register(kv, AuxBuffer(aux_rows, hidden_size), staging=staging, states=states)
     return manager

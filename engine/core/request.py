@@ -163,8 +163,9 @@ class Request:
       * once ``finish_reason`` is set the request never runs again;
       * ``batch_row`` is the request's row in the runner's persistent batch while it runs (given
         at admission, taken back when it finishes or is aborted), -1 otherwise;
-      * ``state_slot`` likewise is its slot of a hybrid model's state pool while it runs, -1
-        otherwise (and always -1 for a model without linear attention).
+      * ``state_slot`` likewise is its slot of a hybrid model's state pool while it runs (or,
+        adopted from a transfer, from :meth:`Scheduler.add` on, holding the transferred
+        states), -1 otherwise (and always -1 for a model without linear attention).
 
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
     ``history`` is the token history of a request with penalties (``engine.sampling.penalties``

@@ -35,8 +35,11 @@ exactly the running requests' rows, and a row is reused only after its last hold
 
 State slots (hybrid models, optional ``state_slots``): admission also takes a free slot of the
 linear-attention state pool (``Request.state_slot``) and waits, FIFO, while none is free;
-finishing or aborting returns it, exactly once, with the request's pages. So the slots held are
-exactly the running requests' slots.
+finishing or aborting returns it, exactly once, with the request's pages. A decode node takes
+a transfer's destination slot through :meth:`Scheduler.take_state_slot` (a *lent* slot, held by
+the caller) and either frees it (:meth:`Scheduler.free_state_slot`) or hands it to the request it
+adopts (``Request.state_slot`` set before :meth:`Scheduler.add`, which admission keeps). So the
+slots held are exactly the scheduled requests' slots and the lent ones.
 
 No torch here.
 """
@@ -133,6 +136,7 @@ class Scheduler:
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.state_slots = state_slots
+        self._lent_slots = 0  # state slots taken by take_state_slot, not yet freed or adopted
         self._waiting: dict[str, Request] = {}  # FIFO by insertion order
         self._running: dict[str, Request] = {}  # admission order
         self._worst: dict[str, int] = {}  # request_id -> pages reserved at admission
@@ -184,6 +188,22 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.release(pages)
 
+    def take_state_slot(self) -> int:
+        """Lend a free state slot (a decode's transfer destination); raises
+        ``OutOfStateSlotsError`` when none is free, ``ValueError`` without a state pool."""
+        if self.state_slots is None:
+            raise ValueError("this scheduler has no state slots")
+        slot = self.state_slots.allocate()
+        self._lent_slots += 1
+        return slot
+
+    def free_state_slot(self, slot: int) -> None:
+        """Give back a slot :meth:`take_state_slot` lent (never adopted by a request)."""
+        if self.state_slots is None or self._lent_slots == 0:
+            raise ValueError(f"state slot {slot} was not lent by this scheduler")
+        self.state_slots.free(slot)
+        self._lent_slots -= 1
+
     def disable_prefix_cache(self) -> None:
         """Stop caching: drop every cached block (requests keep their pages)."""
         if self.prefix_cache is not None:
@@ -216,6 +236,8 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Validate ``request`` and queue it (FIFO). Raises :class:`InvalidRequestError`."""
         self.validate(request)
+        if request.state_slot >= 0:  # a lent slot the request adopts
+            self._lent_slots -= 1
         self._waiting[request.request_id] = request
 
     def validate(self, req: Request) -> None:
@@ -228,6 +250,10 @@ class Scheduler:
             raise InvalidRequestError(f"request {rid!r} is already finished")
         if req.batch_row != -1:
             raise InvalidRequestError(f"request {rid!r} already holds batch row {req.batch_row}")
+        if req.state_slot >= 0 and (self.state_slots is None or self._lent_slots == 0
+                                    or self.state_slots.is_free(req.state_slot)):
+            raise InvalidRequestError(
+                f"request {rid!r} holds state slot {req.state_slot}, which was not lent")
         if req.num_prompt_tokens == 0:
             raise InvalidRequestError(f"request {rid!r} has an empty prompt")
         req.sampling.validate(cfg.vocab_size)
@@ -311,7 +337,7 @@ class Scheduler:
 
     def _try_admit(self, req: Request) -> bool:
         slots = self.state_slots
-        if slots is not None and slots.num_free == 0:
+        if slots is not None and req.state_slot < 0 and slots.num_free == 0:
             return False
         worst = self.worst_case_pages(req)
         cache = self.prefix_cache
@@ -331,7 +357,7 @@ class Scheduler:
         self._reserved += worst
         self._held += held
         req.batch_row = self._free_rows.pop()
-        if slots is not None:
+        if slots is not None and req.state_slot < 0:
             req.state_slot = slots.allocate()
         return True
 
@@ -443,11 +469,11 @@ class Scheduler:
             self._held -= len(req.page_ids)
             self._free_rows.append(req.batch_row)
             req.batch_row = -1
-            if self.state_slots is not None:
-                self.state_slots.free(req.state_slot)
-                req.state_slot = -1
         else:
             del self._waiting[rid]
+        if self.state_slots is not None and req.state_slot >= 0:
+            self.state_slots.free(req.state_slot)
+            req.state_slot = -1
         req.finish_reason = reason
         cache = self.prefix_cache
         if cache is not None and req.page_ids:
@@ -468,7 +494,10 @@ class Scheduler:
         assert rows == list(range(self.config.max_num_seqs)), "batch rows leaked or shared"
         if self.state_slots is not None:
             held = [r.state_slot for r in running]
-            assert len(set(held)) == len(held) == self.state_slots.num_used, "state slots leaked"
+            held += [r.state_slot for r in self._waiting.values() if r.state_slot >= 0]
+            assert len(set(held)) == len(held), "a state slot is shared"
+            assert len(held) + self._lent_slots == self.state_slots.num_used, \
+                "state slots leaked"
         for req in running:
             assert not req.is_finished
             assert len(req.page_ids) >= cdiv(req.num_computed_tokens, self.config.page_size)
@@ -484,7 +513,8 @@ class Scheduler:
         assert self._reserved == 0 and self._held == 0 and not self._worst
         assert len(self._free_rows) == self.config.max_num_seqs, "batch rows leaked"
         if self.state_slots is not None:
-            assert self.state_slots.num_used == 0, "state slots leaked"
+            assert self.state_slots.num_used == 0 and self._lent_slots == 0, \
+                "state slots leaked"
         assert self.num_available_pages == self._initial_free, "KV pages leaked"
         self.allocator.check_integrity()
         if self.prefix_cache is not None:

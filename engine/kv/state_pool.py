@@ -10,6 +10,12 @@ a fixed size, so it is never shared and never partly valid.
 Layout: for local layer ``i`` (the position of its global id in ``layers``), ``conv(i)`` is
 ``[num_slots, C, K - 1]`` in the model dtype (the last ``K - 1`` inputs of the causal conv) and
 ``recurrent(i)`` is ``[num_slots, Hv, Dk, Dv]`` float32 (the delta rule's state).
+
+Transfer contract (``transfer/plan/states.py``): :meth:`StatePool.buffer_infos` lists the
+entries ``[conv_0 .. conv_{L-1}, rec_0 .. rec_{L-1}]``, each with its global layer id, so the
+first occurrence of an id is its conv state and the second its recurrent state, and one slot of
+an entry is ``bytes_per_page`` bytes at ``ptr + slot * bytes_per_page`` (a slot is an entry's
+page).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from engine.kv.pool import BufferInfo
 
 
 def slot_bytes(num_layers: int, conv_channels: int, conv_kernel: int, num_v_heads: int,
@@ -101,6 +109,22 @@ class StatePool:
         index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
         for tensor in (*self._conv, *self._recurrent):
             tensor.index_fill_(0, index, 0)
+
+    def buffer_infos(self) -> list[BufferInfo]:
+        """Base address, byte length, bytes per slot (``bytes_per_page``), layer id and
+        device of every state entry, in transfer order (see the module docstring)."""
+        out = []
+        for buf, lid in zip([*self._conv, *self._recurrent], [*self.layers, *self.layers],
+                            strict=True):
+            nbytes = buf.numel() * buf.element_size()
+            out.append(BufferInfo(buf.data_ptr(), nbytes, nbytes // self.num_slots, lid,
+                                  str(buf.device)))
+        return out
+
+    @property
+    def conv_elem_bytes(self) -> int:
+        """Bytes of one conv state element (the model dtype's)."""
+        return self._conv[0].element_size()
 
     @property
     def bytes_per_slot(self) -> int:

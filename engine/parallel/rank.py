@@ -56,9 +56,10 @@ from engine.parallel.messages import (
 )
 from engine.parallel.shard import TextShard
 
-RankAttach = Callable[[Sequence[KVPool], int], bytes]
+RankAttach = Callable[[Sequence[KVPool], int, StatePool | None], bytes]
 """A node's hook run in a rank's process once its pools are built, given them (the target's,
-then a draft's when the rank holds one) and the rank:
+then a draft's when the rank holds one), the rank and its state pool (a hybrid model's; None
+without one):
 what it returns reaches rank 0 with the ready report
 (:attr:`engine.parallel.driver.TPDriver.payloads`) and what it builds (a transfer engine with the
 pool registered) lives as long as the process. It crosses into a spawned process by reference, so it
@@ -95,7 +96,8 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         model, pool, states = _build(spec, group, device)
         draft = _build_draft(spec, model, pool, group, device)
         pools = [pool] if draft is None else [pool, draft.pool]
-        payload = spec.attach(pools, spec.rank) if spec.attach is not None else b""
+        state_pool = states.pool if states is not None else None
+        payload = spec.attach(pools, spec.rank, state_pool) if spec.attach is not None else b""
         conn.send_bytes(RankReport(spec.rank, payload=payload).encode())
         group.join(join_store(spec.store_port, group.size), device)
         _serve(conn, _Shares(model, _layers(spec), make_attention(pool), draft, states), device)
@@ -130,7 +132,7 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
     lin, linear_ids = shard.linear_here, text.linear_layers(layers)
     if lin is None or not linear_ids:
         return model, pool, None
-    states = StatePool(config.max_num_seqs, linear_ids, lin.conv_channels, lin.conv_kernel,
+    states = StatePool(config.num_state_slots, linear_ids, lin.conv_channels, lin.conv_kernel,
                        lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, dtype, device)
     return model, pool, LinearStates(states)
 

@@ -11,7 +11,6 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.core.scheduler import SchedulerOutput
-from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.models.qwen2_vl.vision import Grid
@@ -61,6 +60,7 @@ class FirstStageRunner:
         self._runner = ModelRunner(engine.model, engine.runner.attn)
         self._runner.model = self._stage  # type: ignore[assignment]
         self._runner.peers = engine.runner.peers
+        self._runner.states = engine.runner.states  # a hybrid model's linear layers here
 
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hidden states ``[T, H]`` after this stage's layers, mrope positions ``[3, T]`` and
@@ -78,7 +78,4 @@ def first_stage_runner(engine: LLMEngine, aux_ids: Sequence[int] = ()) -> FirstS
     the weights and a KV pool of those layers only)."""
     if engine.config.layers is None:
         raise ValueError("the first pipeline stage needs an engine built with EngineConfig.layers")
-    if engine.model_config.text.is_hybrid:
-        raise ConfigError("pipeline stages do not hand a hybrid model's linear-attention states "
-                          "on yet: run Qwen3.5 without --pp-size")
     return FirstStageRunner(engine, engine.config.layers, aux_ids)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -28,6 +28,10 @@ from engine.attention.backend import AttentionBatch
 from engine.attention.select import make_attention
 from engine.core.page_allocator import OutOfPagesError, PageAllocator
 from engine.core.request import SamplingParams
+from engine.core.state_slots import StateSlotAllocator
+from engine.errors import OutOfStateSlotsError
+from engine.models.step_extras import NO_EXTRAS, StepExtras
+from engine.parallel.messages import StateStep
 from engine.runner.draft_runner import draft_row_ids
 from engine.runner.input_batch import to_device, token_positions
 from engine.sampling.penalties import TokenHistory, penalize
@@ -54,6 +58,7 @@ class _Room:
     prompt_ids: list[int]  # for the first token's penalties and the draft's rows (or empty)
     pages_sent: int = 0
     ready_reported: bool = False
+    state_slot: int = -1  # a hybrid model's slot here, taken with its first rows
 
 
 class LaterStage:
@@ -73,6 +78,7 @@ class LaterStage:
         self.page_size = page_size
         self.link = link
         self.allocator = PageAllocator(share.pool.num_pages)
+        self.slots = StateSlotAllocator(share.states.pool.num_slots) if share.states else None
         self.attn = make_attention(share.pool)
         self.sampler = Sampler()
         self._hidden_size = share.model_config.text.hidden_size
@@ -87,9 +93,13 @@ class LaterStage:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"running_requests": len(self._rooms), "kv_pages_used": self.allocator.num_used,
-                    "kv_pages_total": self.allocator.num_pages,
-                    "rooms_active": self.bootstrap.num_rooms}
+            out = {"running_requests": len(self._rooms), "kv_pages_used": self.allocator.num_used,
+                   "kv_pages_total": self.allocator.num_pages,
+                   "rooms_active": self.bootstrap.num_rooms}
+            if self.slots is not None:
+                out.update(state_slots_used=self.slots.num_used,
+                           state_slots_total=self.slots.num_slots)
+            return out
 
     def abort(self, room: int, reason: str) -> bool:
         """Fail a room here (reported to the previous stage with the next reply)."""
@@ -187,8 +197,10 @@ class LaterStage:
         need = -(-(item.start + item.num_tokens) // self.page_size) - len(r.pages)
         try:
             r.pages += self.allocator.allocate(max(0, need))
-        except OutOfPagesError:
-            self._drop(item.room, "pipeline stage is out of KV pages")
+            if self.slots is not None and r.state_slot < 0:
+                r.state_slot = self.slots.allocate()
+        except (OutOfPagesError, OutOfStateSlotsError) as exc:
+            self._drop(item.room, f"pipeline stage is out of memory: {exc}")
             return False
         return True
 
@@ -212,10 +224,27 @@ class LaterStage:
         self.attn.prepare(batch)
         model = self.share.model
         x = hidden.to(model.dtype)
-        with self.share.step(x, mrope, batch):  # the other TP ranks run it too
+        states, extras = self._state_step(items)
+        with self.share.step(x, mrope, batch, states):  # the other TP ranks run it too
             out, own = model.forward_layers_aux(x, mrope, self.attn, self.share.layers,
-                                                final_norm=self.is_last, aux_layers=self.aux_ids)
+                                                final_norm=self.is_last, aux_layers=self.aux_ids,
+                                                extras=extras)
         return out, own, batch
+
+    def _state_step(self, items: list[wpb.StageItem]) -> tuple[StateStep | None, StepExtras]:
+        """A hybrid stage's use of its state pool in this forward (each item's rows and slot,
+        the slots of items starting at token 0 zeroed first), applied here; none without."""
+        if self.share.states is None:
+            return None, NO_EXTRAS
+        starts, slots, fresh = [0], [], []
+        for it in items:
+            slot = self._rooms[it.room].state_slot
+            starts.append(starts[-1] + it.num_tokens)
+            slots.append(slot)
+            if it.start == 0:
+                fresh.append(slot)
+        step = StateStep(tuple(starts), tuple(slots), tuple(fresh))
+        return step, replace(NO_EXTRAS, states=step.apply(self.share.states))
 
     def _sample(
         self, items: list[wpb.StageItem], out: torch.Tensor
@@ -275,8 +304,9 @@ class LaterStage:
                 seed = seeds.get(it.room)
                 hidden = self._zeros if seed is None else tuple(seed.tolist())
                 last = AuxRow(it.room, token, logprob, r.mrope_delta, hidden)
+            slot = r.state_slot if it.needs_sample and r.state_slot >= 0 else None
             status = self.bootstrap.send_chunk(it.room, pages, last=last,
-                                               finish=it.needs_sample)
+                                               finish=it.needs_sample, state_slot=slot)
             if status is KVPoll.Failed:
                 self._drop(it.room, self.bootstrap.failure_reason(it.room))
             elif it.needs_sample:
@@ -311,6 +341,8 @@ class LaterStage:
             self.link.forget(room)
         self.bootstrap.release(room)
         self.allocator.free(r.pages)
+        if self.slots is not None and r.state_slot >= 0:
+            self.slots.free(r.state_slot)
 
 
 def _penalized(logits: torch.Tensor, rooms: list[_Room]) -> torch.Tensor:

@@ -3,7 +3,9 @@ of the model and its KV pool.
 
 Stage ``r`` of ``s`` owns the contiguous global layers ``[r*L//s, (r+1)*L//s)``. Its pool holds
 only those layers, numbered locally from 0 but registered with their *global* ids, so the
-transfer layer pairs each stage's buffers with the right decode layers (layer remapping).
+transfer layer pairs each stage's buffers with the right decode layers (layer remapping). A
+hybrid model's stage holds KV for its full-attention layers and a state pool for its
+linear-attention ones, both registered by global id (each stage needs one full-attention layer).
 The first stage embeds (text and images); the last stage applies the final norm and LM head,
 samples and, with ``--draft``, runs the EAGLE draft (its pool mirrors the stage's pages and
 carries the draft band's global layer id).
@@ -23,14 +25,18 @@ from pathlib import Path
 import torch
 
 from engine.attention.backend import AttentionBatch
+from engine.attention.linear.states import LinearStates
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
 from engine.device import resolve_device, resolve_dtype
+from engine.errors import ConfigError
 from engine.kv.pool import KVPool, pages_for_budget
+from engine.llm_engine import hybrid_states
 from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.parallel.driver import TPDriver
 from engine.parallel.group import SINGLE
+from engine.parallel.messages import StateStep
 from engine.parallel.rank import RankAttach
 from engine.parallel.shard import TextShard
 from engine.runner.draft_runner import DraftHead
@@ -74,20 +80,24 @@ class LaterStageModel:
     model_config: ModelConfig
     model: Qwen2VLModel
     layers: range
-    pool: KVPool
+    pool: KVPool  # the full-attention layers among ``layers``
     draft: DraftHead | None = None
     tp: TPDriver | None = None
+    states: LinearStates | None = None  # a hybrid model's linear-attention layers among them
 
     @property
     def rank_payloads(self) -> list[bytes]:
         """What the attach hook returned in ranks ``1..`` (empty with one rank)."""
         return list(self.tp.payloads) if self.tp is not None else []
 
-    def step(self, hidden: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch
-             ) -> AbstractContextManager[None]:
+    def step(self, hidden: torch.Tensor, mrope: torch.Tensor, batch: AttentionBatch,
+             states: StateStep | None = None) -> AbstractContextManager[None]:
         """Where this stage's forward over ``hidden`` ``[T, H]`` runs: inside the driver's step
-        (the other ranks run it too) with tensor parallelism, else a no-op context."""
-        return self.tp.step(hidden, mrope, batch) if self.tp is not None else nullcontext()
+        (the other ranks run it too, applying ``states`` to their state pools) with tensor
+        parallelism, else a no-op context."""
+        if self.tp is None:
+            return nullcontext()
+        return self.tp.step(hidden, mrope, batch, states=states)
 
     def close(self) -> None:
         """End the other tensor-parallel ranks' processes (nothing with one rank)."""
@@ -112,9 +122,14 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
     layers = layout.layers(text.num_hidden_layers)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    heads = TextShard.of(text, 0, config.tp_size).num_kv_heads  # this rank's
+    shard = TextShard.of(text, 0, config.tp_size)  # this rank's heads
+    kv_layers = text.attention_layers(layers)  # a hybrid model's linear layers hold no KV
+    if not kv_layers:
+        raise ConfigError(f"pipeline stage {layout.rank} holds layers {list(layers)}, none of "
+                          "them full attention: split the model so each stage holds one")
     pages = config.num_pages or pages_for_budget(
-        config.kv_budget_bytes, len(layers), config.page_size, heads, text.head_dim, dtype)
+        config.kv_budget_bytes, len(kv_layers), config.page_size, shard.num_kv_heads,
+        text.head_dim, dtype)
     tp = None
     if config.tp_size > 1:
         # a rank's pool holds one page more than it is told (an engine's scratch page)
@@ -128,10 +143,12 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
         if tp is not None:
             tp.close()
         raise
-    pool = KVPool(pages, config.page_size, heads, text.head_dim, list(layers), dtype, device)
+    pool = KVPool(pages, config.page_size, shard.num_kv_heads, text.head_dim, kv_layers, dtype,
+                  device)
+    states = hybrid_states(text, layers, config.num_state_slots, dtype, device, shard)
     head = None
     if draft is not None:
         loaded = load_draft(draft, model_config.text, dtype, device=device,
                             tp=tp.group if tp is not None else SINGLE)
         head = DraftHead(loaded, model, pool, tp)
-    return LaterStageModel(model_config, model, layers, pool, head, tp)
+    return LaterStageModel(model_config, model, layers, pool, head, tp, states)

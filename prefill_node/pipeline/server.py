@@ -32,6 +32,7 @@ from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig, TextConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv.pool import KVPool, pages_for_budget
+from engine.kv.state_pool import StatePool
 from engine.llm_engine import LLMEngine
 from prefill_node.kv_transfer import (
     PrefillRankTransfer,
@@ -56,6 +57,7 @@ from serving.server import Registration, serve_until_signal, start_server
 from transfer.base import KVManager
 from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
 from transfer.bootstrap.prefill import PrefillBootstrapServer
+from transfer.plan.states import StateLayout
 from transfer.tp.rank_agent import RemoteRank
 
 
@@ -110,7 +112,8 @@ async def serve_first_stage(args: StageArgs) -> None:
     engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages),
                        rank_attach=_rank_attach(args, text, authkey))
     ends = await _open_endpoints(args, layers, [engine.pool], text,
-                                 remote_ranks(engine.rank_payloads, authkey))
+                                 remote_ranks(engine.rank_payloads, authkey),
+                                 states=engine.states.pool if engine.states else None)
     assert ends.link is not None  # the first stage is never the last: size > 1
     runner = first_stage_runner(engine, ends.aux_ids)
     service = PrefillService(args.max_waiting)
@@ -131,7 +134,8 @@ async def serve_later_stage(args: StageArgs) -> None:
                              _rank_attach(args, text, authkey))
     aux = share.draft.aux_layers if share.draft is not None else ()
     ends = await _open_endpoints(args, share.layers, share.pools(), text,
-                                 remote_ranks(share.rank_payloads, authkey), aux)
+                                 remote_ranks(share.rank_payloads, authkey), aux,
+                                 states=share.states.pool if share.states else None)
     stage = LaterStage(share, ends.bootstrap, args.config.page_size, ends.link, ends.aux_ids)
     info = wpb.StageInfo(pp_rank=args.layout.rank, pp_size=args.layout.size,
                          layer_start=share.layers.start, layer_end=share.layers.stop,
@@ -153,9 +157,11 @@ def _rank_attach(args: StageArgs, text: TextConfig, authkey: bytes) -> PrefillRa
 
 async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
                           text: TextConfig, ranks: Sequence[RemoteRank],
-                          aux_ids: Sequence[int] = ()) -> _Endpoints:
+                          aux_ids: Sequence[int] = (), *, states: StatePool | None = None
+                          ) -> _Endpoints:
     """Link to the next stage (waiting for it), register ``pools`` (the stage's, then the
-    draft's) for transfer (:mod:`prefill_node.kv_transfer`) and open the bootstrap
+    draft's) and a hybrid model's ``states`` (the stage's linear-attention layers) for
+    transfer (:mod:`prefill_node.kv_transfer`) and open the bootstrap
     endpoint, with the stage's other TP ``ranks`` writing their heads (``pools`` are rank 0's);
     it accepts a decode with a draft only when the pipeline's last stage
     runs the same one (the draft band: this stage's own on the last, else the next's; so are
@@ -174,9 +180,10 @@ async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
     identity = ModelIdentity(model_fingerprint(args.model_dir), args.config.page_size,
                              args.config.dtype, text.num_hidden_layers,
                              pipeline_draft_band=band,
-                             heads=prefill_heads(text, pools[0], args.config.tp_size))
+                             heads=prefill_heads(text, pools[0], args.config.tp_size),
+                             states=StateLayout.of(text.linear, states, args.config.tp_size))
     manager = prefill_manager(args.transfer_backend, pools, hidden_size=text.hidden_size,
-                              hostname=args.advertise_host)
+                              hostname=args.advertise_host, states=states)
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
                                        port=args.bootstrap_port, config=args.bootstrap_config,
                                        ranks=ranks)

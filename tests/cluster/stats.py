@@ -1,8 +1,8 @@
 """The leak check: every node of a cluster holds nothing once its work is over.
 
 :func:`assert_all_idle` polls ``pdserve.v1.Admin/GetStats`` on every address until each node
-reports zero pages, aux slots, rooms and requests (running or waiting), and fails naming the
-nodes still busy with their last figures.
+reports zero pages, aux slots, state slots, rooms and requests (running or waiting), and fails
+naming the nodes still busy with their last figures.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import grpc
 from proto.pdserve.v1 import admin_pb2, admin_pb2_grpc
 
 GAUGES = ("kv_pages_used", "aux_slots_used", "rooms_active", "requests_running",
-          "requests_waiting")
+          "requests_waiting", "state_slots_used")
 Metadata = Sequence[tuple[str, str]]
 
 

@@ -8,6 +8,8 @@ confirmed through ``Admin.GetStats`` (not by timing): before routing, queued on 
 during prefill, mid-transfer (more than half of the prompt's KV pushed, the decode holding the
 destination), queued on the decode and mid-decode. Cancelled calls end ``CANCELLED``; requests
 that were not cancelled end with the same tokens as a reference run; every node ends empty.
+Both storms run on the built-in tiny model and on a hybrid Qwen3.5 (``fault_model``), whose
+state slots (lent to transfers on the decode) are part of the leak check.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ LONG = 1600  # prompt tokens of a slow prefill: 100 chunks of 16
 
 
 def ids(seed: int, n: int) -> list[int]:
-    return [(seed * 31 + j * 7) % 500 for j in range(n)]
+    return [(seed * 31 + j * 7) % 380 for j in range(n)]
 
 
 def request(prompt: list[int], new: int) -> gpb.GenerateRequest:
@@ -54,16 +56,17 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dir: Path) -> Iterator[Cluster]:
-    model = ["--model", str(tiny_dir), "--port", "0", "--page-size", "8", "--num-pages", "2048"]
+def cluster(fault_model: Path) -> Iterator[Cluster]:
+    model = ["--model", str(fault_model), "--port", "0", "--page-size", "8", "--num-pages", "2048"]
     workers = start_all([
         ["prefill", *model, "--max-num-batched-tokens", "16", "--max-num-seqs", "1"],
-        ["decode", *model, "--max-num-seqs", "2"],
+        # slots for the two running and the rooms queued behind them (a hybrid model)
+        ["decode", *model, "--max-num-seqs", "2", "--state-slots", "16"],
     ])
     routers: list[Node] = []
     try:
         p, d = workers
-        base = ["router", "--model", str(tiny_dir), "--port", "0"]
+        base = ["router", "--model", str(fault_model), "--port", "0"]
         routers = start_all([[*base, "--prefill", p.address, "--decode", d.address],
                              [*base, "--colocated", d.address]])
         yield Cluster(p, d, dict(zip(("1p1d", "colocated"), routers, strict=True)))

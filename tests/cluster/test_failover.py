@@ -1,7 +1,9 @@
 """Decode failover on real processes: one of two decodes is killed (``kill -9``) while it
 streams; the router resubmits each of its requests to the other decode, through the prefill,
 with the prompt plus the tokens already streamed, and every stream completes, token for token
-equal to the in-process engine (greedy), with nothing left held on the survivors.
+equal to the in-process engine (greedy), with nothing left held on the survivors. It runs on the
+built-in tiny model and on a hybrid Qwen3.5 (``fault_model``): the resubmitted prompt's states
+travel again, and the survivors' state slots end free.
 """
 
 from __future__ import annotations
@@ -25,19 +27,19 @@ from tests.cluster.test_cluster import start_all, stop_all
 
 pytestmark = pytest.mark.slow
 NEW = 200  # long enough that every stream is still running when its decode dies
-PROMPTS = [[(i * 31 + j * 7) % 500 for j in range(6 + 5 * i)] for i in range(5)]
+PROMPTS = [[(i * 31 + j * 7) % 380 for j in range(6 + 5 * i)] for i in range(5)]
 
 
 @pytest.fixture(scope="module")
-def nodes(tiny_dir: Path) -> Iterator[dict[str, Node]]:
-    model = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "1024", "--port", "0",
+def nodes(fault_model: Path) -> Iterator[dict[str, Node]]:
+    model = ["--model", str(fault_model), "--page-size", "8", "--num-pages", "1024", "--port", "0",
              "--heartbeat-interval-s", "0.5", "--quarantine-s", "1"]
     started: dict[str, Node] = {}
     try:
         p, d0, d1 = start_all([["prefill", *model], ["decode", *model], ["decode", *model]])
         started.update(p=p, d0=d0, d1=d1)
         [started["router"]] = start_all([[
-            "router", "--model", str(tiny_dir), "--port", "0", "--prefill", p.address,
+            "router", "--model", str(fault_model), "--port", "0", "--prefill", p.address,
             "--decode", f"{d0.address},{d1.address}"]])
         yield started
     finally:
@@ -49,8 +51,8 @@ def _req(ids: list[int]) -> gpb.GenerateRequest:
                                sampling=gpb.SamplingParams(max_new_tokens=NEW, ignore_eos=True))
 
 
-def test_decode_killed_mid_stream_fails_over(nodes: dict[str, Node], tiny_dir: Path) -> None:
-    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=1024, page_size=8))
+def test_decode_killed_mid_stream_fails_over(nodes: dict[str, Node], fault_model: Path) -> None:
+    engine = LLMEngine(fault_model, EngineConfig(num_pages=1024, page_size=8))
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     want = [r.token_ids for r in engine.generate([Prompt(token_ids=p) for p in PROMPTS], params)]
     with grpc.insecure_channel(nodes["router"].address) as ch:

@@ -9,7 +9,8 @@ default policy (retry, then recompute) the same faults cost no request: every on
 to the engine, and the router counts its retries.
 
 The flaky nodes fail each fault draw with a fixed probability and seed, so a few sequential
-requests see both failures and successes on the same nodes.
+requests see both failures and successes on the same nodes. Every scenario runs on the built-in
+tiny model and on a hybrid Qwen3.5 (``fault_model``), whose state slots the leak check covers.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ TIMEOUTS = ["--bootstrap-timeout-s", "3", "--waiting-timeout-s", "4",
             "--heartbeat-interval-s", "0.5", "--quarantine-s", "1"]
 FAIL_WITHIN_S = 10.0  # the largest timeout above plus slack
 NEW = 8
-PROMPTS = [[(i * 37 + j * 11) % 500 for j in range(5 + 7 * i)] for i in range(16)]
+PROMPTS = [[(i * 37 + j * 11) % 380 for j in range(5 + 7 * i)] for i in range(16)]
 WORKERS = {  # name -> fault flags
     "p_err": ["--fault-transfer-fail-p", "0.3", "--fault-seed", "1"],  # engine network errors
     "p_slow": ["--fault-slow-peer-s", "0.05", "--fault-status-delay-s", "0.3"],
@@ -66,10 +67,10 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_dir: Path) -> Iterator[Cluster]:
-    model = ["--model", str(tiny_dir), "--page-size", "8", "--num-pages", "1024", "--port", "0",
+def cluster(fault_model: Path) -> Iterator[Cluster]:
+    model = ["--model", str(fault_model), "--page-size", "8", "--num-pages", "1024", "--port", "0",
              *TIMEOUTS]
-    c = Cluster({}, tiny_dir)
+    c = Cluster({}, fault_model)
     try:
         kinds = ["prefill" if name.startswith("p") else "decode" for name in WORKERS]
         nodes = start_all([[kind, *model, *flags]
@@ -84,9 +85,9 @@ def cluster(tiny_dir: Path) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_dir: Path) -> list[list[int]]:
+def expected(fault_model: Path) -> list[list[int]]:
     """The in-process engine's greedy output for every prompt."""
-    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=512, page_size=8))
+    engine = LLMEngine(fault_model, EngineConfig(num_pages=512, page_size=8))
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     return [r.token_ids for r in engine.generate([Prompt(token_ids=p) for p in PROMPTS], params)]
 
@@ -193,7 +194,7 @@ def test_router_killed_mid_stream(cluster: Cluster, expected: list[list[int]]) -
             while not all(s.tokens for s in streams):
                 assert time.monotonic() < deadline, [s.error for s in streams]
                 time.sleep(0.01)
-            streams.append(Stream(stub, _req([(j * 7) % 500 for j in range(1200)], 50)))
+            streams.append(Stream(stub, _req([(j * 7) % 380 for j in range(1200)], 50)))
             while get_stats(workers[0]).kv_pages_used == 0:  # the long prompt is in transfer
                 assert time.monotonic() < deadline and streams[-1].error is None
                 time.sleep(0.005)

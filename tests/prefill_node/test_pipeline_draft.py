@@ -67,7 +67,8 @@ class RecordingBootstrap:
         return KVPoll.WaitingForInput
 
     def send_chunk(self, room: int, pages: Sequence[int], *, last: AuxRow | None = None,
-                   finish: bool = False) -> KVPoll:
+                   finish: bool = False, state_slot: int | None = None) -> KVPoll:
+        assert state_slot is None, "a full-attention model has no states to send"
         self.pages.setdefault(room, []).extend(pages)
         if last is not None:
             self.aux[room] = last

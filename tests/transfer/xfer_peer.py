@@ -15,6 +15,7 @@ import torch
 
 from engine.kv.pool import KVPool
 from engine.kv.staging import HeadLandingBuffer, HeadStagingBuffer
+from engine.kv.state_pool import StatePool
 from serving.process_exit import exit_process, keep_until_exit
 from transfer.aux import AuxBuffer
 from transfer.backends.ascend import AscendKVManager
@@ -22,9 +23,38 @@ from transfer.backends.mooncake import MooncakeKVManager, create_mooncake_engine
 from transfer.base import KVManager
 from transfer.bootstrap.handshake import BootstrapConfig, ModelIdentity
 from transfer.plan.heads import HeadLayout
+from transfer.plan.states import StateLayout
 
 HOST = "127.0.0.1"
 HIDDEN = 8
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A node's linear-attention state entries: the layers they belong to, the whole layer's
+    geometry (float32 conv states) and this node's share of it (rank ``rank`` of ``tp``)."""
+
+    layer_ids: tuple[int, ...]
+    num_slots: int = 8
+    num_k_heads: int = 2
+    head_k_dim: int = 4
+    num_v_heads: int = 4
+    head_v_dim: int = 3
+    conv_kernel: int = 4
+    tp: int = 1
+    rank: int = 0
+
+    @property
+    def layout(self) -> StateLayout:
+        return StateLayout(self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim,
+                           self.conv_kernel, 4, self.tp)
+
+    def pool(self) -> StatePool:
+        """This rank's pool: its share of the key and value heads."""
+        k, v = self.num_k_heads // self.tp, self.num_v_heads // self.tp
+        channels = 2 * k * self.head_k_dim + v * self.head_v_dim
+        return StatePool(self.num_slots, list(self.layer_ids), channels, self.conv_kernel, v,
+                         self.head_k_dim, self.head_v_dim)
 
 
 @dataclass(frozen=True)
@@ -45,13 +75,15 @@ class Spec:
     @property
     def identity(self) -> ModelIdentity:
         """The node's identity; ``extra["tp"] = (kv heads, tp size, rank)`` adds its heads."""
+        states = self.extra["states"].layout if "states" in self.extra else None
         if "tp" not in self.extra:
-            return ModelIdentity(self.fingerprint, self.page_size, "torch.float32")
+            return ModelIdentity(self.fingerprint, self.page_size, "torch.float32",
+                                 states=states)
         kv, size, rank = self.extra["tp"]
         heads = HeadLayout.tensor_parallel(kv, size, head_dim=self.head_dim,
                                            dtype="torch.float32", page_size=self.page_size)
         return ModelIdentity(self.fingerprint, self.page_size, "torch.float32", heads=heads,
-                             tp_rank=rank)
+                             tp_rank=rank, states=states)
 
 
 class Node:
@@ -63,9 +95,11 @@ class Node:
         self.pools = [KVPool(*geo, layer_ids=list(spec.layer_ids))]
         if spec.draft_ids:
             self.pools.append(KVPool(*geo, layer_ids=list(spec.draft_ids)))
+        state_spec: StateSpec | None = spec.extra.get("states")
+        self.states = state_spec.pool() if state_spec is not None else None
         if fill_seed is not None:
             gen = torch.Generator().manual_seed(fill_seed)
-            for buf in self.entries():
+            for buf in [*self.entries(), *self.state_entries()]:
                 buf.copy_(torch.randn(buf.shape, generator=gen))
         self.aux = AuxBuffer(spec.aux_rows, HIDDEN)
         self.manager = make_manager(spec)
@@ -77,7 +111,8 @@ class Node:
                                           spec.num_pages) if slices else None)
         self.manager.register(infos, self.aux, use_layer_ids=spec.extra.get("ids", True),
                               staging=self.staging,
-                              landing=self.landing.buffer_infos() if self.landing else ())
+                              landing=self.landing.buffer_infos() if self.landing else (),
+                              states=self.states.buffer_infos() if self.states else ())
         # kept (buffers and engine) until the process ends, which skips the engine's one-second
         # destructor: a peer process exits when stopped, the test process after the session
         keep_until_exit(self)
@@ -88,19 +123,30 @@ class Node:
     def layer_ids(self) -> list[int]:
         return [i for pool in self.pools for i in pool.entry_layer_ids()]
 
+    def state_entries(self) -> list[torch.Tensor]:
+        """The state pool's tensors in transfer order (conv of every layer, then recurrent)."""
+        if self.states is None:
+            return []
+        n = self.states.num_layers
+        return [*(self.states.conv(i) for i in range(n)),
+                *(self.states.recurrent(i) for i in range(n))]
+
     def dump(self) -> list[bytes]:
         return [e.numpy().tobytes() for e in self.entries()]
 
+    def dump_states(self) -> list[bytes]:
+        return [e.numpy().tobytes() for e in self.state_entries()]
+
     def zero(self) -> None:
         landed = [b for slot in self.landing.land for b in slot] if self.landing else []
-        for e in [*self.entries(), *landed]:
+        for e in [*self.entries(), *landed, *self.state_entries()]:
             e.zero_()
 
     def registration(self) -> Any:
         ident = self.spec.identity
         return self.manager.registration(
             page_size=ident.page_size, dtype=ident.dtype, model_fingerprint=ident.model_fingerprint,
-            heads=ident.heads, tp_rank=ident.tp_rank,
+            heads=ident.heads, tp_rank=ident.tp_rank, states=ident.states,
         )
 
 
@@ -115,6 +161,9 @@ class Ranks:
 
     def dump(self, rank: int) -> list[bytes]:
         return self.nodes[rank].dump()
+
+    def dump_states(self, rank: int) -> list[bytes]:
+        return self.nodes[rank].dump_states()
 
     def landing(self, rank: int, slot: int) -> tuple[list[int], list[int], list[int]]:
         """(pointers, layer ids, bytes per page) of rank ``rank``'s landing entries of ``slot``."""

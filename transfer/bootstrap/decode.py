@@ -135,6 +135,7 @@ class DecodeBootstrapClient:
                 auth_token=self.config.secret or "", heads=identity.heads,
                 tp_rank=identity.tp_rank,
                 landing=landing[0].buffer_infos(landing[1]) if landing is not None else (),
+                states=identity.states,
             )
         self._num_pages = reg.num_pages
         self.tp_rank = reg.tp_rank
@@ -189,11 +190,14 @@ class DecodeBootstrapClient:
                 self._fail(self._rooms[room], "prefill peer is dead")
 
     def send_destination(self, room: int, pages: Sequence[int], *, aux: bool = True,
-                         cached_pages: int = 0) -> None:
+                         cached_pages: int = 0, state_slot: int = -1) -> None:
         """Hand the room's reserved pages to the client and tell the prefill where to write.
 
         ``cached_pages``: how many of the prompt's first pages this decode holds already (its
         prefix cache); ``pages`` are the destinations of the prompt's pages after those.
+        ``state_slot``: a hybrid model's state slot the prompt's final linear-attention states
+        go into (the caller's, held as the pages are: until :meth:`commit`, or until the pages
+        come back after :meth:`release`); -1 without states.
 
         Takes an aux slot. From here the client owns ``pages`` until :meth:`commit` or
         :meth:`release`. Raises if no aux slot is free (the pages stay the caller's).
@@ -227,7 +231,8 @@ class DecodeBootstrapClient:
             r.landing = landing
             r.sent_at = time.monotonic()
             r.status = advance(r.status, KVPoll.WaitingForInput)
-            msg = Destination(room, list(r.pages), slot, cached_pages, list(r.landing or []))
+            msg = Destination(room, list(r.pages), slot, cached_pages, list(r.landing or []),
+                              state_slot)
         self._send(msg)
 
     def poll(self, room: int) -> KVPoll:

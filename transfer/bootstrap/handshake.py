@@ -43,6 +43,7 @@ from transfer.faults import FaultConfig
 from transfer.plan.head_blocks import head_geometry
 from transfer.plan.heads import HeadCopy, HeadLayout, plan_head_copies, receivers
 from transfer.plan.layers import check_bytes_per_page, pair_entries
+from transfer.plan.states import StateCopy, StateLayout, entry_kinds, plan_state_copy
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ class ModelIdentity:
     rank ``tp_rank`` (:mod:`transfer.plan.heads`); None for a node that holds every head. A decode
     publishes them in its registration; a prefill plans the head slice it writes into that
     decode rank from them, or refuses the pair (:func:`check_compatible`).
+
+    ``states``: a hybrid model's linear-attention state geometry over this node's TP ranks
+    (:mod:`transfer.plan.states`), None for a model without such layers; checked and planned
+    like the heads (:func:`plan_state_sends`).
     """
 
     model_fingerprint: str
@@ -110,6 +115,7 @@ class ModelIdentity:
     pipeline_draft_band: tuple[int, ...] | None = None
     heads: HeadLayout | None = None
     tp_rank: int = 0
+    states: StateLayout | None = None
 
 
 class SourceRank(Protocol):
@@ -132,6 +138,12 @@ class SourceRank(Protocol):
     @property
     def aux(self) -> AuxBuffer | None: ...
 
+    @property
+    def state_layer_ids(self) -> list[int]: ...
+
+    @property
+    def state_bytes_per_slot(self) -> list[int]: ...
+
 
 class RankSender(SourceRank, Protocol):
     """A prefill rank the bootstrap server writes through: its own manager, or another rank's
@@ -141,6 +153,10 @@ class RankSender(SourceRank, Protocol):
         self, session: str, src_pages: Sequence[int], dst_ptrs: Sequence[int],
         dst_pages: Sequence[int], *, dst_layer_ids: Sequence[int] | None = None,
         dst_bytes_per_page: Sequence[int] | None = None, dst_heads: HeadCopy | None = None,
+        src_state_slot: int | None = None, dst_state_ptrs: Sequence[int] | None = None,
+        dst_state_slot: int | None = None, dst_state_layer_ids: Sequence[int] | None = None,
+        dst_state_bytes_per_slot: Sequence[int] | None = None,
+        dst_state_copy: StateCopy | None = None,
     ) -> SendResult: ...
 
 
@@ -350,3 +366,76 @@ def landing_slot(reg: Registration, slot: int) -> Registration:
     part = slice(slot * len(reg.kv_ptrs), (slot + 1) * len(reg.kv_ptrs))
     return dataclasses.replace(reg, landing_ptrs=reg.landing_ptrs[part],
                                landing_bytes_per_page=reg.landing_bytes_per_page[part])
+
+
+def plan_state_sends(identity: ModelIdentity, ranks: Sequence[SourceRank],
+                     reg: Registration) -> list[tuple[int, StateCopy]]:
+    """What every rank of the prefill (``ranks[i]`` is rank ``i``, or the one rank
+    ``identity.tp_rank`` names) writes of its linear-attention states into the registering
+    decode rank's slot: ``(index in ranks, copy)`` of each rank whose share of the heads
+    overlaps that rank's (:func:`transfer.plan.states.plan_state_copy`); empty when neither
+    side holds states.
+
+    Raises :class:`IncompatiblePeerError` with the numbers when a layer is full attention on
+    one side and linear attention on the other, when only one side holds states (a pipeline
+    stage may hold none of its decode's), when the geometry differs, when a prefill state
+    entry has no decode entry of its layer id, or when an entry's bytes per slot is not its
+    layout's."""
+    dst = StateLayout.from_list(reg.state_layout) if reg.state_layout else None
+    mine = sorted({i for rank in ranks for i in rank.state_layer_ids})
+    _check_layer_kinds(ranks, reg)
+    src = identity.states
+    if src is None or not mine:
+        if reg.state_layer_ids and identity.pipeline_draft_band is None:
+            raise IncompatiblePeerError(
+                f"the decode holds linear-attention states for layers "
+                f"{sorted(set(reg.state_layer_ids))}, the prefill none")
+        return []
+    if dst is None or not reg.state_layer_ids:
+        raise IncompatiblePeerError(
+            f"the prefill holds linear-attention states for layers {mine}, the decode none")
+    single = len(ranks) == 1
+    out = []
+    for index, rank in enumerate(ranks):
+        src_rank = identity.tp_rank if single else index
+        copy = plan_state_copy(src, dst, src_rank, reg.tp_rank)
+        if copy.empty:
+            continue
+        _check_state_entries(rank, src, reg, dst)
+        out.append((index, copy))
+    return out
+
+
+def _check_layer_kinds(ranks: Sequence[SourceRank], reg: Registration) -> None:
+    """Refuse a layer id that is KV (full attention) on one side and a state on the other."""
+    for rank in ranks:
+        for side, kv, states in (("prefill", rank.kv_layer_ids or [], reg.state_layer_ids),
+                                 ("decode", reg.kv_layer_ids, rank.state_layer_ids)):
+            both = sorted(set(kv) & set(states))
+            if both:
+                other = "decode" if side == "prefill" else "prefill"
+                raise IncompatiblePeerError(
+                    f"layer {both[0]} is full attention on the {side} and linear attention on "
+                    f"the {other}: the two sides run different models")
+
+
+def _check_state_entries(rank: SourceRank, src: StateLayout, reg: Registration,
+                         dst: StateLayout) -> None:
+    """Every state entry of ``rank`` pairs with a decode entry of its id, each side's of its
+    layout's size."""
+    if not len(reg.state_ptrs) == len(reg.state_bytes_per_slot) == len(reg.state_layer_ids):
+        raise IncompatiblePeerError("registration has ragged state entries")
+    try:
+        pairs = pair_entries(rank.state_layer_ids, reg.state_layer_ids,
+                             len(rank.state_layer_ids), len(reg.state_layer_ids))
+        src_kinds, dst_kinds = entry_kinds(rank.state_layer_ids), entry_kinds(reg.state_layer_ids)
+    except LayerPairingError as exc:
+        raise IncompatiblePeerError(f"linear-attention states do not match: {exc}") from exc
+    for i, j in pairs:
+        for side, layout, size, kind in (
+                ("prefill", src, rank.state_bytes_per_slot[i], src_kinds[i]),
+                ("decode", dst, reg.state_bytes_per_slot[j], dst_kinds[j])):
+            if size != layout.entry_bytes(kind):
+                raise IncompatiblePeerError(
+                    f"{side} state entry of layer {rank.state_layer_ids[i]} has {size} bytes "
+                    f"per slot, its layout {layout.entry_bytes(kind)}")

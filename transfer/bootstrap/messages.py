@@ -18,7 +18,7 @@ import msgpack
 from transfer.errors import MessageError
 from transfer.status import KVPoll
 
-VERSION = 4
+VERSION = 5
 MAX_MESSAGE_BYTES = 8 << 20
 
 
@@ -40,6 +40,14 @@ class Registration:
     entries, one slot per prefill rank that writes a slice of its heads (those ranks in rank
     order), each slot's entries parallel to ``kv_layer_ids``, each of ``landing_num_pages``
     pages; empty when the prefill writes into the pool itself.
+
+    A hybrid model's linear-attention layers (:mod:`transfer.plan.states`): ``state_ptrs``,
+    ``state_bytes_per_slot`` and ``state_layer_ids`` are parallel, one item per state entry
+    (``[conv_0..conv_{L-1}, rec_0..rec_{L-1}]``, global layer ids), each of
+    ``num_state_slots`` slots; ``state_layout`` is
+    :meth:`~transfer.plan.states.StateLayout.to_list` of their geometry over the decode's TP
+    ranks. All empty (and 0) for a model without linear-attention layers. A layer id is in
+    ``kv_layer_ids`` or in ``state_layer_ids``, never both: that is the layer-kind map.
     """
 
     session_id: str  # transfer engine address of the decode, "host:rpc_port"
@@ -61,6 +69,11 @@ class Registration:
     landing_ptrs: list[int] = dataclasses.field(default_factory=list)
     landing_bytes_per_page: list[int] = dataclasses.field(default_factory=list)
     landing_num_pages: int = 0
+    state_ptrs: list[int] = dataclasses.field(default_factory=list)
+    state_bytes_per_slot: list[int] = dataclasses.field(default_factory=list)
+    state_layer_ids: list[int] = dataclasses.field(default_factory=list)
+    num_state_slots: int = 0
+    state_layout: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -87,13 +100,16 @@ class Destination:
     cache). The prefill sends none of them: ``pages`` are the destinations of the prompt's pages
     from that index on (delta transfer). ``landing_pages``: with a landing buffer
     (:mod:`transfer.plan.heads`), the landing pages the prefill writes instead, one per page of
-    ``pages``; the decode scatters them into ``pages`` on ``Success``."""
+    ``pages``; the decode scatters them into ``pages`` on ``Success``. ``state_slot``: the
+    decode's state slot the prompt's final linear-attention states go into (a hybrid model;
+    -1 without states)."""
 
     room: int
     pages: list[int]
     aux_slot: int
     cached_pages: int = 0
     landing_pages: list[int] = dataclasses.field(default_factory=list)
+    state_slot: int = -1
 
 
 @dataclass(frozen=True)
@@ -138,8 +154,8 @@ class HeartbeatAck:
 @dataclass(frozen=True)
 class RankBuffers:
     """Within a tensor-parallel prefill: what another rank's process registered (its engine's
-    address, its KV entries, whether it has a staging buffer) and the port of its send agent
-    (:mod:`transfer.tp.rank_agent`), reported to rank 0 once."""
+    address, its KV entries, whether it has a staging buffer, its state entries) and the port
+    of its send agent (:mod:`transfer.tp.rank_agent`), reported to rank 0 once."""
 
     session_id: str
     kv_ptrs: list[int]
@@ -148,13 +164,17 @@ class RankBuffers:
     num_pages: int
     has_staging: bool
     agent_port: int
+    state_layer_ids: list[int] = dataclasses.field(default_factory=list)
+    state_bytes_per_slot: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class SendOrder:
     """Rank 0 of a tensor-parallel prefill to another rank: make this ``send_kvcache`` call
     (``dst_layer_ids`` empty: positional pairing; ``heads`` empty: whole pages, else the
-    :class:`~transfer.plan.heads.HeadCopy` fields in order)."""
+    :class:`~transfer.plan.heads.HeadCopy` fields in order; ``src_state_slot`` -1: no states,
+    else the state keywords, ``state_copy`` empty for whole entries, else
+    :meth:`~transfer.plan.states.StateCopy.to_list`)."""
 
     session_id: str
     src_pages: list[int]
@@ -163,6 +183,12 @@ class SendOrder:
     dst_layer_ids: list[int]
     dst_bytes_per_page: list[int]
     heads: list[int]
+    src_state_slot: int = -1
+    dst_state_ptrs: list[int] = dataclasses.field(default_factory=list)
+    dst_state_slot: int = -1
+    dst_state_layer_ids: list[int] = dataclasses.field(default_factory=list)
+    dst_state_bytes_per_slot: list[int] = dataclasses.field(default_factory=list)
+    state_copy: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclass(frozen=True)

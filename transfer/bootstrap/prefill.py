@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from transfer.aux import AuxRow
 from transfer.base import KVManager
@@ -36,6 +37,7 @@ from transfer.bootstrap.handshake import (
     check_token,
     landing_slot,
     plan_sends,
+    plan_state_sends,
 )
 from transfer.bootstrap.messages import (
     Abort,
@@ -52,6 +54,7 @@ from transfer.bootstrap.wire import FramedSocket
 from transfer.errors import EngineCallError, MessageError, TransferError
 from transfer.faults import make_injector
 from transfer.plan.heads import HeadCopy
+from transfer.plan.states import StateCopy
 from transfer.status import KVPoll, advance
 
 NO_AUX_SLOT = -1  # Destination.aux_slot of a room this prefill finishes without an aux row
@@ -66,6 +69,8 @@ class _Conn:
     reg: Registration
     last_seen: float
     sends: list[tuple[int, HeadCopy | None]] = field(default_factory=list)
+    # what each prefill rank writes of its linear-attention states into it: (rank, copy)
+    state_sends: list[tuple[int, StateCopy]] = field(default_factory=list)
     alive: bool = True
 
     @property
@@ -78,6 +83,18 @@ class _Conn:
     def decode_tp(self) -> int:
         """The TP size of the decode this rank belongs to (1 when it describes no heads)."""
         return max(1, len(self.reg.kv_head_ranges) // 2)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One write of one prefill rank into one decode rank: its KV send (the index into
+    ``conn.sends``; None: states only) and its state copy (None: no states)."""
+
+    conn: _Conn
+    dest: Destination
+    cursor: int
+    send: int | None
+    states: StateCopy | None
 
 
 @dataclass(eq=False)
@@ -189,7 +206,7 @@ class PrefillBootstrapServer:
 
     def send_chunk(
         self, room: int, src_pages: Sequence[int], *, last: AuxRow | None = None,
-        finish: bool = False,
+        finish: bool = False, state_slot: int | None = None,
     ) -> KVPoll:
         """Write the room's next ``len(src_pages)`` prompt pages (in prompt order, from the
         first) to their destination pages.
@@ -202,6 +219,11 @@ class PrefillBootstrapServer:
         destination's slot is :data:`NO_AUX_SLOT`) passes ``finish=True`` instead: its last
         chunk is followed by ``Status(Success)`` with no aux row written. Returns the room's
         status afterwards (``Failed`` when the room failed before or during the write).
+
+        ``state_slot`` (a hybrid model, on the last chunk only): the request's state slot here;
+        its final linear-attention states go into the decode's ``Destination.state_slot`` with
+        the chunk's pages, before the aux row. A decode that registered state entries gets no
+        ``Success`` without them.
         """
         src = [int(p) for p in src_pages]
         with self._lock:
@@ -227,14 +249,19 @@ class PrefillBootstrapServer:
             if last is not None and not aux_to:
                 self._fail(r, "the decode asked for no aux row from this prefill", quiesced=True)
                 return self._finish_locked(r)
+            problem = _state_problem(targets, state_slot, last is not None or finish)
+            if problem:
+                self._fail(r, problem, quiesced=True)
+                return self._finish_locked(r)
             writes = [(t.conn, _dest(t), r.cursor) for t in targets]
             r.cursor += len(src)
             r.inflight += 1
             r.status = advance(r.status, KVPoll.Transferring)
         error: TransferError | None = None
+        states = state_slot if last is not None or finish else None
         try:
-            if src:
-                self._write_ranks(writes, src)
+            if src or states is not None:
+                self._write_ranks(writes, src, states)
             if last is not None:
                 aux = _dest(aux_to[0])
                 self._send_aux(aux_to[0].conn.reg, aux.aux_slot,
@@ -249,49 +276,64 @@ class PrefillBootstrapServer:
                 r.status = advance(r.status, KVPoll.Success)
             return self._finish_locked(r)
 
-    def _write_ranks(self, writes: list[tuple[_Conn, Destination, int]], src: list[int]) -> None:
-        """Write ``src`` into every decode rank of ``writes`` (its connection, destination and
-        the room's cursor), each prefill rank's share on a thread of its own when several
-        write; returns once every write returned, raising the first error (an
-        :class:`EngineCallError` first: bytes may have landed)."""
-        jobs: dict[int, list[tuple[_Conn, Destination, int, int]]] = {}
+    def _write_ranks(self, writes: list[tuple[_Conn, Destination, int]], src: list[int],
+                     state_slot: int | None = None) -> None:
+        """Write ``src`` (and, with ``state_slot``, the states of that slot) into every decode
+        rank of ``writes`` (its connection, destination and the room's cursor), each prefill
+        rank's share on a thread of its own when several write; returns once every write
+        returned, raising the first error (an :class:`EngineCallError` first: bytes may have
+        landed)."""
+        jobs: dict[int, list[_Job]] = {}
         for conn, dest, cursor in writes:
+            states = dict(conn.state_sends) if state_slot is not None else {}
             for slot, (rank, _) in enumerate(conn.sends):
-                jobs.setdefault(rank, []).append((conn, dest, cursor, slot))
+                jobs.setdefault(rank, []).append(_Job(conn, dest, cursor, slot,
+                                                      states.pop(rank, None)))
+            for rank, copy in states.items():  # ranks that write states only
+                jobs.setdefault(rank, []).append(_Job(conn, dest, cursor, None, copy))
         if len(jobs) == 1:
             ((rank, mine),) = jobs.items()
-            self._write_rank(rank, mine, src)
+            self._write_rank(rank, mine, src, state_slot)
             return
         if self._writers is None:
             self._writers = ThreadPoolExecutor(len(self._ranks), "bootstrap-rank-write")
-        futures = [self._writers.submit(self._write_rank, rank, mine, src)
+        futures = [self._writers.submit(self._write_rank, rank, mine, src, state_slot)
                    for rank, mine in jobs.items()]
         failures = [exc for exc in (f.exception() for f in futures) if exc is not None]
         if failures:
             raise next((e for e in failures if isinstance(e, EngineCallError)), failures[0])
 
-    def _write_rank(self, rank: int, jobs: list[tuple[_Conn, Destination, int, int]],
-                    src: list[int]) -> None:
+    def _write_rank(self, rank: int, jobs: list[_Job], src: list[int],
+                    state_slot: int | None) -> None:
         """Prefill rank ``rank``'s writes of ``src`` into decode ranks (each with the index of
         its send there): their destination pages from the cursor on, or the pages of its
-        landing slot (whole pages of its heads, a plain copy)."""
+        landing slot (whole pages of its heads, a plain copy); a job with a state copy also
+        writes slot ``state_slot``'s states, one without a send index only them."""
         sender = self._ranks[rank]
-        for conn, dest, cursor, slot in jobs:
-            reg = conn.reg
-            heads = conn.sends[slot][1]
-            if conn.lands:
-                land = landing_slot(reg, slot)
+        for job in jobs:
+            reg, dest, cursor = job.conn.reg, job.dest, job.cursor
+            states: dict[str, Any] = {}
+            if job.states is not None:
+                states = {"src_state_slot": state_slot, "dst_state_ptrs": reg.state_ptrs,
+                          "dst_state_slot": dest.state_slot,
+                          "dst_state_layer_ids": reg.state_layer_ids,
+                          "dst_state_bytes_per_slot": reg.state_bytes_per_slot,
+                          "dst_state_copy": job.states}
+            pages = src if job.send is not None else []
+            heads = job.conn.sends[job.send][1] if job.send is not None else None
+            if job.conn.lands and job.send is not None:
+                land = landing_slot(reg, job.send)
                 sender.send_kvcache(
-                    reg.session_id, src, land.landing_ptrs,
-                    dest.landing_pages[cursor : cursor + len(src)],
+                    reg.session_id, pages, land.landing_ptrs,
+                    dest.landing_pages[cursor : cursor + len(pages)],
                     dst_layer_ids=reg.kv_layer_ids or None,
-                    dst_bytes_per_page=land.landing_bytes_per_page,
+                    dst_bytes_per_page=land.landing_bytes_per_page, **states,
                 )
             else:
                 sender.send_kvcache(
-                    reg.session_id, src, reg.kv_ptrs, dest.pages[cursor : cursor + len(src)],
+                    reg.session_id, pages, reg.kv_ptrs, dest.pages[cursor : cursor + len(pages)],
                     dst_layer_ids=reg.kv_layer_ids or None,
-                    dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=heads,
+                    dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=heads, **states,
                 )
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
@@ -404,6 +446,7 @@ class PrefillBootstrapServer:
                 raise MessageError(f"expected Registration, got {type(reg).__name__}")
             check_token(self.config.secret, reg)
             plan = plan_sends(self.identity, self._ranks, reg)
+            state_plan = plan_state_sends(self.identity, self._ranks, reg)
             mine = self.identity.heads
             fs.send(RegisterReply(True, "", [x for pair in mine.ranges for x in pair]
                                   if mine is not None else [],
@@ -418,7 +461,7 @@ class PrefillBootstrapServer:
                 pass
             fs.close()
             return
-        conn = _Conn(fs, reg, time.monotonic(), plan)
+        conn = _Conn(fs, reg, time.monotonic(), plan, state_plan)
         with self._lock:
             self._conns.append(conn)
         try:
@@ -548,17 +591,31 @@ def _destination_problem(conn: _Conn, d: Destination) -> str:
         return (f"destination out of range (pages {bad[:4]}, aux slot {d.aux_slot}, cached "
                 f"pages {d.cached_pages}, {len(d.landing_pages)} landing pages for "
                 f"{len(d.pages)})")
+    if conn.state_sends and not 0 <= d.state_slot < reg.num_state_slots:
+        return (f"destination state slot {d.state_slot} is outside the decode's "
+                f"{reg.num_state_slots} slots")
+    return ""
+
+
+def _state_problem(targets: list[_Target], state_slot: int | None, ends: bool) -> str:
+    """Why a chunk cannot go with ``state_slot`` ("" when it can): states only on the last
+    chunk, and there they go wherever this prefill has state sends."""
+    wants = any(t.conn.state_sends for t in targets)
+    if state_slot is not None and not ends:
+        return "states go with the last chunk only"
+    if ends and wants and state_slot is None:
+        return "the decode expects linear-attention states and none were sent"
     return ""
 
 
 def _mismatch(first: _Target, t: _Target) -> str:
     """Why ``t``'s destination cannot belong with ``first``'s in one room of one decode ("" when
-    it can): the decode's ranks send the same pages and cached count, one of them the aux
-    slot, and describe the same TP layout."""
+    it can): the decode's ranks send the same pages, cached count and state slot, one of them
+    the aux slot, and describe the same TP layout."""
     a, b = _dest(first), _dest(t)
     if first.conn.reg.kv_head_ranges != t.conn.reg.kv_head_ranges:
         return "destinations of one room came from decodes of different TP layouts"
-    if a.pages != b.pages or a.cached_pages != b.cached_pages:
+    if a.pages != b.pages or a.cached_pages != b.cached_pages or a.state_slot != b.state_slot:
         return (f"decode ranks {first.conn.reg.tp_rank} and {t.conn.reg.tp_rank} sent "
                 "different pages for one room")
     if NO_AUX_SLOT not in (a.aux_slot, b.aux_slot):

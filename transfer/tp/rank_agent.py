@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from transfer import errors
 from transfer.aux import AuxBuffer
@@ -29,6 +30,7 @@ from transfer.base import KVManager, SendResult
 from transfer.bootstrap.messages import RankBuffers, SendOrder, SendReply, decode
 from transfer.errors import EngineCallError, MessageError, TransferError
 from transfer.plan.heads import HeadCopy
+from transfer.plan.states import StateCopy
 from transfer.tp.local_agent import AgentLink, AgentServer
 
 _ERRORS: dict[str, type[errors.TransferError]] = {
@@ -47,7 +49,8 @@ class RankAgent:
         """What rank 0 needs of this rank (its registration and this agent's port)."""
         m = self.manager
         return RankBuffers(m.session_id, list(m.kv_ptrs), list(m.kv_bytes_per_page),
-                           list(m.kv_layer_ids or []), m.num_pages, m.has_staging, self.port)
+                           list(m.kv_layer_ids or []), m.num_pages, m.has_staging, self.port,
+                           list(m.state_layer_ids), list(m.state_bytes_per_slot))
 
     def _run(self, data: bytes) -> SendReply:
         try:
@@ -59,15 +62,27 @@ class RankAgent:
                              f"expected a SendOrder, got {type(order).__name__}", 0, 0, 0)
         try:
             heads = HeadCopy(*order.heads) if order.heads else None
+            states = order.src_state_slot >= 0
             r = self.manager.send_kvcache(
                 order.session_id, order.src_pages, order.dst_ptrs, order.dst_pages,
                 dst_layer_ids=order.dst_layer_ids or None,
-                dst_bytes_per_page=order.dst_bytes_per_page or None, dst_heads=heads)
+                dst_bytes_per_page=order.dst_bytes_per_page or None, dst_heads=heads,
+                **(_state_keywords(order) if states else {}))
         except TransferError as exc:
             return SendReply(False, type(exc).__name__, str(exc), 0, 0, 0)
         except (TypeError, ValueError) as exc:  # a malformed order: nothing moved
             return SendReply(False, "TransferError", f"{type(exc).__name__}: {exc}", 0, 0, 0)
         return SendReply(True, "", "", r.blocks, r.batches, r.nbytes)
+
+
+def _state_keywords(order: SendOrder) -> dict[str, Any]:
+    """``send_kvcache``'s state keywords as a :class:`SendOrder` carries them."""
+    return {"src_state_slot": order.src_state_slot, "dst_state_ptrs": order.dst_state_ptrs,
+            "dst_state_slot": order.dst_state_slot,
+            "dst_state_layer_ids": order.dst_state_layer_ids,
+            "dst_state_bytes_per_slot": order.dst_state_bytes_per_slot,
+            "dst_state_copy": StateCopy.from_list(order.state_copy) if order.state_copy
+            else None}
 
 
 class RemoteRank:
@@ -86,20 +101,30 @@ class RemoteRank:
         self.kv_layer_ids: list[int] | None = list(buffers.kv_layer_ids) or None
         self.num_pages = buffers.num_pages
         self.has_staging = buffers.has_staging
+        self.state_layer_ids = list(buffers.state_layer_ids)
+        self.state_bytes_per_slot = list(buffers.state_bytes_per_slot)
         self._link = AgentLink(buffers.agent_port, authkey, f"prefill rank {rank}")
 
     def send_kvcache(
         self, session: str, src_pages: Sequence[int], dst_ptrs: Sequence[int],
         dst_pages: Sequence[int], *, dst_layer_ids: Sequence[int] | None = None,
         dst_bytes_per_page: Sequence[int] | None = None, dst_heads: HeadCopy | None = None,
+        src_state_slot: int | None = None, dst_state_ptrs: Sequence[int] | None = None,
+        dst_state_slot: int | None = None, dst_state_layer_ids: Sequence[int] | None = None,
+        dst_state_bytes_per_slot: Sequence[int] | None = None,
+        dst_state_copy: StateCopy | None = None,
     ) -> SendResult:
         """The rank's :meth:`KVManager.send_kvcache` with these arguments, run in its process."""
         heads = [] if dst_heads is None else [
             dst_heads.dst_rank, dst_heads.src_head, dst_heads.dst_head, dst_heads.count,
             dst_heads.src_heads, dst_heads.dst_heads, dst_heads.page_size]
-        order = SendOrder(session, [int(p) for p in src_pages], list(dst_ptrs),
-                          [int(p) for p in dst_pages], list(dst_layer_ids or []),
-                          list(dst_bytes_per_page or []), heads)
+        order = SendOrder(
+            session, [int(p) for p in src_pages], list(dst_ptrs), [int(p) for p in dst_pages],
+            list(dst_layer_ids or []), list(dst_bytes_per_page or []), heads,
+            -1 if src_state_slot is None else src_state_slot, list(dst_state_ptrs or []),
+            -1 if dst_state_slot is None else dst_state_slot, list(dst_state_layer_ids or []),
+            list(dst_state_bytes_per_slot or []),
+            dst_state_copy.to_list() if dst_state_copy is not None else [])
         start = time.perf_counter()
         try:
             reply = self._link.call(order, gone=EngineCallError)
