@@ -11,6 +11,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.core.scheduler import SchedulerOutput
+from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.models.qwen2_vl.vision import Grid
@@ -76,6 +77,12 @@ class FirstStageRunner:
 def first_stage_runner(engine: LLMEngine, aux_ids: Sequence[int] = ()) -> FirstStageRunner:
     """The first stage's runner over an engine built with ``EngineConfig.layers`` (its share of
     the weights and a KV pool of those layers only)."""
-    if engine.config.layers is None:
+    layers = engine.config.layers
+    if layers is None:
         raise ValueError("the first pipeline stage needs an engine built with EngineConfig.layers")
-    return FirstStageRunner(engine, engine.config.layers, aux_ids)
+    stack = len(engine.model_config.vision.deepstack_visual_indexes)
+    if stack > len(layers):  # the features are added to decoder layers 0..stack-1, here only
+        raise ConfigError(
+            f"Qwen3-VL adds DeepStack features to decoder layers 0..{stack - 1}, but the first "
+            f"pipeline stage holds layers {layers.start}..{layers.stop - 1}: use fewer stages")
+    return FirstStageRunner(engine, layers, aux_ids)

@@ -216,3 +216,16 @@ def test_stages_require_and_send_the_internal_token(tiny_dir: Path, tmp_path: Pa
                             metadata=meta)
     finally:
         stop_all([d, last])
+
+
+def test_a_first_stage_without_the_deepstack_layers_is_refused(hf3_dir: Path) -> None:
+    """Qwen3-VL adds DeepStack features to decoder layers 0 and 1; a first stage holding layer
+    0 only would drop them for layer 1 (they never reach a later stage), so it is refused."""
+    from engine.errors import ConfigError
+    from prefill_node.pipeline.first_runner import first_stage_runner
+
+    engine = LLMEngine(hf3_dir, EngineConfig(num_pages=16, page_size=8, layers=range(0, 1)))
+    with pytest.raises(ConfigError, match=r"DeepStack features to decoder layers 0..1"):
+        first_stage_runner(engine)
+    first_stage_runner(LLMEngine(hf3_dir, EngineConfig(num_pages=16, page_size=8,
+                                                       layers=range(0, 2))))
