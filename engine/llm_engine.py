@@ -32,16 +32,12 @@ from engine.models.eagle.eagle3 import Draft
 from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.image_processor import (
-    PREPROCESSOR_FILE,
-    ImageProcessorConfig,
-    expand_image_placeholders,
-    expand_video_placeholders,
     process_image,
     validate_patches,
 )
 from engine.multimodal.inputs import ImageInput, RequestState, VideoInput, build_state
-from engine.multimodal.mrope import num_image_tokens
-from engine.multimodal.video_timestamps import default_timestamps, expand_video_frames
+from engine.multimodal.prompt_layout import expand_prompt, processor_configs
+from engine.multimodal.video_timestamps import default_timestamps
 from engine.multimodal.visual_digest import visual_keys
 from engine.parallel.driver import TPDriver
 from engine.parallel.group import SINGLE
@@ -163,7 +159,7 @@ class LLMEngine:
             dtype,
         )
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        self.image_config = _image_config(model_dir, model_config)
+        self.image_config = processor_configs(model_dir, model_config)[0]
         self.draft_dir = draft
         self.model_config, self.model = self._load(model_dir, config, num_pages, rank_attach)
         # one page more than the allocator hands out: a scratch page that padded rows of a
@@ -417,34 +413,10 @@ class LLMEngine:
         (video) placeholders, the images (videos) are put before the text, images first."""
         assert self.tokenizer is not None
         cfg = self.model_config
-        ids = self.tokenizer.encode(text)
-        head: list[int] = []
-        for items, pad in ((images, cfg.image_token_id), (videos, cfg.video_token_id)):
-            if items and pad not in ids:
-                head += [cfg.vision_start_token_id, pad, cfg.vision_end_token_id] * len(items)
-        ids = head + ids
-        merge = cfg.vision.spatial_merge_size
-        counts = [num_image_tokens(im.grid_thw, merge) for im in images]
-        ids = expand_image_placeholders(ids, cfg.image_token_id, counts)
-        if cfg.is_qwen3:  # each temporal patch after its timestamp (video_timestamps.py)
-            return expand_video_frames(
-                ids, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
-                [num_image_tokens((1, *v.grid_thw[1:]), merge) for v in videos],
-                [_timestamps(i, v, cfg.vision.temporal_patch_size) for i, v in enumerate(videos)],
-                self.tokenizer.encode)
-        counts = [num_image_tokens(v.grid_thw, merge) for v in videos]
-        return expand_video_placeholders(ids, cfg.video_token_id, counts)
-
-
-def _image_config(model_dir: str | Path, cfg: ModelConfig) -> ImageProcessorConfig:
-    """The checkpoint's image processor settings; without a ``preprocessor_config.json`` the
-    patch geometry is the vision tower's (a checkpoint transformers' model wrote alone)."""
-    if (Path(model_dir) / PREPROCESSOR_FILE).is_file():
-        return ImageProcessorConfig.from_dir(model_dir)
-    v = cfg.vision
-    return ImageProcessorConfig.from_dir(model_dir, patch_size=v.patch_size,
-                                         temporal_patch_size=v.temporal_patch_size,
-                                         merge_size=v.spatial_merge_size)
+        stamps = [_timestamps(i, v, cfg.vision.temporal_patch_size) if cfg.is_qwen3 else []
+                  for i, v in enumerate(videos)]
+        return expand_prompt(self.tokenizer.encode(text), cfg, [im.grid_thw for im in images],
+                             [v.grid_thw for v in videos], stamps, self.tokenizer.encode)
 
 
 def _timestamps(i: int, video: VideoInput, temporal_patch_size: int) -> list[float]:

@@ -19,17 +19,22 @@ from engine.errors import InvalidRequestError
 from engine.multimodal.image_processor import (
     ImageProcessorConfig,
     expand_image_placeholders,
-    expand_video_placeholders,
     num_image_tokens,
     process_image,
     validate_patches,
 )
-from engine.multimodal.mrope import rope_index
+from engine.multimodal.prompt_layout import (
+    expand_prompt,
+    expand_videos,
+    processor_configs,
+    prompt_rope_index,
+)
 from engine.multimodal.video_processor import (
     VideoProcessorConfig,
     process_video,
     validate_video_patches,
 )
+from engine.multimodal.video_timestamps import default_timestamps
 from engine.sampling.generation_config import GenerationDefaults
 from engine.text.chat_template import ChatTemplate
 from engine.text.tokenizer import Tokenizer
@@ -70,13 +75,13 @@ class ModelAssets:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelAssets:
         """Load ``config.json``, ``tokenizer.json`` (optional), the image and video processor
-        settings and the chat template; raises ``engine.errors.ConfigError`` on an unusable
-        directory."""
-        return cls(ModelConfig.from_dir(model_dir), Tokenizer.from_dir(model_dir),
-                   ImageProcessorConfig.from_dir(model_dir),
+        settings (as the engine reads them: ``engine.multimodal.prompt_layout``) and the chat
+        template; raises ``engine.errors.ConfigError`` on an unusable directory."""
+        config = ModelConfig.from_dir(model_dir)
+        image, video = processor_configs(model_dir, config)
+        return cls(config, Tokenizer.from_dir(model_dir), image,
                    chat_template=ChatTemplate.from_dir(model_dir),
-                   generation=GenerationDefaults.from_dir(model_dir),
-                   video_config=VideoProcessorConfig.from_dir(model_dir))
+                   generation=GenerationDefaults.from_dir(model_dir), video_config=video)
 
     @property
     def max_model_len(self) -> int:
@@ -113,21 +118,19 @@ class Preprocessor:
         if len(req.videos) > self.max_videos:
             raise InvalidRequestError(
                 f"{len(req.videos)} videos is more than the limit of {self.max_videos}")
-        videos = [self._video(i, v) for i, v in enumerate(req.videos)]
+        prepared = [self._video(i, v) for i, v in enumerate(req.videos)]
+        videos = [v for v, _ in prepared]
+        stamps = [t for _, t in prepared]
         video_grids = [_grid(v.patches) for v in videos]
-        video_counts = [num_image_tokens(g, merge) for g in video_grids]
         kind = req.WhichOneof("input")
         if kind == "text":
-            ids = self._encode_text(req.text, counts, video_counts)
+            ids = self._encode_text(req.text, grids, video_grids, stamps)
         elif kind == "token_ids":
-            ids = self._check_ids(list(req.token_ids.ids), counts, video_counts)
+            ids = self._check_ids(list(req.token_ids.ids), counts, video_grids, stamps)
         else:
             raise InvalidRequestError("the request has no input: give text or token_ids")
-        cfg = self.assets.config
-        rope_index(ids, grids, cfg.image_token_id, merge, video_grids=video_grids,
-                   video_token_id=cfg.video_token_id,
-                   video_seconds=[v.second_per_grid for v in videos],
-                   tokens_per_second=cfg.vision.tokens_per_second)  # one run per image / video
+        prompt_rope_index(ids, self.assets.config, grids, video_grids,  # one run per visual
+                          [v.second_per_grid for v in videos])
         total = len(ids) + sampling.max_new_tokens
         if total > self.assets.max_model_len:
             raise InvalidRequestError(
@@ -179,9 +182,10 @@ class Preprocessor:
         except (InvalidRequestError, ConversionError) as exc:
             raise InvalidRequestError(f"image {index}: {exc}") from exc
 
-    def _video(self, index: int, video: gpb.Video) -> gpb.Video:
+    def _video(self, index: int, video: gpb.Video) -> tuple[gpb.Video, tuple[float, ...]]:
         """The worker form of one video: patches with ``second_per_grid`` resolved (the
-        request's, else ``temporal_patch_size / fps`` for frames, 1.0 for patches)."""
+        request's, else ``temporal_patch_size / fps`` for frames, 1.0 for patches); and, for
+        the Qwen3 family, its seconds per temporal patch (the prompt shows them)."""
         cfg = self.video_config
         try:
             seconds = float(video.second_per_grid)
@@ -189,10 +193,12 @@ class Preprocessor:
                 raise InvalidRequestError(
                     f"second_per_grid must be positive and finite (0: derived), got {seconds}")
             source = video.WhichOneof("source")
+            stamps: tuple[float, ...] = ()
             if source == "frames":
                 processed = process_video(list(video.frames.frames), cfg, video.frames.fps)
                 array, grid = processed.patches, processed.grid_thw
                 seconds = seconds or processed.second_per_grid
+                stamps = processed.timestamps
             elif source == "patches":
                 array, grid = patches_array(video.patches)
                 seconds = seconds or 1.0
@@ -203,34 +209,37 @@ class Preprocessor:
                 raise InvalidRequestError(
                     f"patch width {array.shape[1]} does not match the model's "
                     f"{self.assets.config.vision.patch_dim}")
-            return video_message(array, grid, seconds)
+            if self.assets.config.is_qwen3 and not stamps:
+                stamps = tuple(default_timestamps(grid[0], seconds,
+                                                  cfg.frame.temporal_patch_size))
+            return video_message(array, grid, seconds), stamps
         except (InvalidRequestError, ConversionError) as exc:
             raise InvalidRequestError(f"video {index}: {exc}") from exc
 
-    def _encode_text(self, text: str, counts: list[int], video_counts: list[int]) -> list[int]:
-        """Same rule as the engine: without ``<|image_pad|>`` in the text, one
-        ``<|vision_start|><|image_pad|><|vision_end|>`` block per image goes first; likewise
-        ``<|video_pad|>`` blocks for videos, after the images'."""
+    def _encode_text(self, text: str, grids: list[tuple[int, int, int]],
+                     video_grids: list[tuple[int, int, int]],
+                     stamps: list[tuple[float, ...]]) -> list[int]:
+        """The engine's rule (``engine.multimodal.prompt_layout.expand_prompt``): without
+        ``<|image_pad|>`` in the text, one ``<|vision_start|><|image_pad|><|vision_end|>``
+        block per image goes first; likewise ``<|video_pad|>`` blocks for videos, after the
+        images'; a Qwen3 video becomes a block per temporal patch after its timestamp."""
         tok = self.assets.tokenizer
         if tok is None:
             raise InvalidRequestError("this model has no tokenizer.json: send token_ids instead")
         if not text:
             raise InvalidRequestError("the prompt text is empty")
-        cfg = self.assets.config
-        ids = tok.encode(text)
-        head: list[int] = []
-        for items, pad in ((counts, cfg.image_token_id), (video_counts, cfg.video_token_id)):
-            if items and pad not in ids:
-                head += [cfg.vision_start_token_id, pad, cfg.vision_end_token_id] * len(items)
-        ids = expand_image_placeholders(head + ids, cfg.image_token_id, counts)
-        ids = expand_video_placeholders(ids, cfg.video_token_id, video_counts)
+        ids = expand_prompt(tok.encode(text), self.assets.config, grids, video_grids, stamps,
+                            tok.encode)
         if not ids:
             raise InvalidRequestError("the prompt text encodes to no tokens")
         return ids
 
-    def _check_ids(self, ids: list[int], counts: list[int], video_counts: list[int]) -> list[int]:
+    def _check_ids(self, ids: list[int], counts: list[int],
+                   video_grids: list[tuple[int, int, int]],
+                   stamps: list[tuple[float, ...]]) -> list[int]:
         """Token-id prompts: ids must be in the vocabulary; image (video) placeholders are either
-        already expanded (one run of ``count`` pads per image) or one pad per image."""
+        already expanded (one run of ``count`` pads per image; a Qwen3 video's frame blocks with
+        their timestamps) or one pad per image (video)."""
         if not ids:
             raise InvalidRequestError("the prompt token_ids are empty")
         vocab = self.assets.vocab_size
@@ -239,7 +248,22 @@ class Preprocessor:
             raise InvalidRequestError(f"token id {bad} is outside the vocabulary (size {vocab})")
         cfg = self.assets.config
         ids = _expand_ids(ids, cfg.image_token_id, counts, "image")
-        return _expand_ids(ids, cfg.video_token_id, video_counts, "video")
+        merge = cfg.vision.spatial_merge_size
+        expanded = sum(num_image_tokens(g, merge) for g in video_grids)
+        pads = sum(1 for t in ids if t == cfg.video_token_id)
+        if pads == expanded:
+            return ids
+        if pads != len(video_grids):
+            raise InvalidRequestError(
+                f"prompt has {pads} video placeholder tokens but {len(video_grids)} videos need "
+                f"{len(video_grids)} (one each) or {expanded} (expanded)")
+        tok = self.assets.tokenizer
+        if cfg.is_qwen3 and tok is None:
+            raise InvalidRequestError("a Qwen3 video placeholder becomes timestamped frames, "
+                                      "which needs the model's tokenizer.json: send the "
+                                      "expanded prompt instead")
+        return expand_videos(ids, cfg, video_grids, stamps,
+                             tok.encode if tok is not None else None)
 
 
 # optional message fields a checkpoint default fills when the request leaves them unset
@@ -253,8 +277,7 @@ def _expand_ids(ids: list[int], pad: int, counts: list[int], kind: str) -> list[
     if pads == sum(counts):
         return ids
     if pads == len(counts):
-        expand = expand_image_placeholders if kind == "image" else expand_video_placeholders
-        return expand(ids, pad, counts)
+        return expand_image_placeholders(ids, pad, counts)
     raise InvalidRequestError(
         f"prompt has {pads} {kind} placeholder tokens but {len(counts)} {kind}s need "
         f"{len(counts)} (one each) or {sum(counts)} (expanded)")

@@ -22,13 +22,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.errors import InvalidRequestError
-from engine.multimodal.mrope import (
-    Grid,
-    VisionBlock,
-    num_image_tokens,
-    rope_index,
-    vision_blocks,
-)
+from engine.multimodal.mrope import Grid, VisionBlock, num_image_tokens, vision_blocks
+from engine.multimodal.prompt_layout import frame_blocks, prompt_rope_index
 
 
 @dataclass(frozen=True)
@@ -139,17 +134,10 @@ def _prompt_state(ids: np.ndarray, images: Sequence[ImageInput], cfg: ModelConfi
     if not images and not videos and not vision.any():
         return RequestState(images=[], mrope_table=None, delta=0, image_prefix=None)
     image_grids = [im.grid_thw for im in images]
-    video_grids = [v.grid_thw for v in videos]
-    frame_of: list[int] = []  # Qwen3: the video of each frame block
-    if cfg.is_qwen3:  # each frame of a video is a block of its own, between timestamps
-        frame_of = [i for i, g in enumerate(video_grids) for _ in range(g[0])]
-        video_grids = [(1, video_grids[i][1], video_grids[i][2]) for i in frame_of]
-    table, delta = rope_index(
-        ids.tolist(), image_grids, cfg.image_token_id, merge,
-        video_grids=video_grids, video_token_id=cfg.video_token_id,
-        video_seconds=[] if cfg.is_qwen3 else [v.second_per_grid for v in videos],
-        tokens_per_second=None if cfg.is_qwen3 else cfg.vision.tokens_per_second,
-    )
+    whole = [v.grid_thw for v in videos]
+    table, delta = prompt_rope_index(ids.tolist(), cfg, image_grids, whole,
+                                     [v.second_per_grid for v in videos])
+    video_grids, frame_of = frame_blocks(cfg, whole)  # Qwen3: the video of each frame block
     blocks = vision_blocks(ids.tolist(), image_grids, cfg.image_token_id, merge,
                            video_grids=video_grids, video_token_id=cfg.video_token_id)
     if frame_of:

@@ -32,7 +32,7 @@ from tests.cluster.harness import Node
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all
 from tests.cluster.test_qwen2_5_cluster import request
-from tests.engine.models.test_qwen3_generation import NEW_TOKENS, cases, reference
+from tests.engine.models.test_qwen3_generation import IMG, NEW_TOKENS, cases, reference
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +41,18 @@ NODE = ["--port", "0", "--page-size", "8", "--num-pages", "128", "--max-num-batc
 MODES = ["1p1d", "2p1d", "colocated", "tp1_to_tp2", "tp2_to_tp1", "pipeline", "pipeline_tp2"]
 
 
-def prompt(name: str) -> Prompt:
+def qwen3_request(name: str) -> gpb.GenerateRequest:
+    """The wire request of case ``name``: each image's run of pads collapsed to one placeholder
+    (the router expands it), each video as expanded as the case gives it (its frame blocks
+    between their timestamps' tokens: the router keeps an expanded prompt as it is)."""
     ids, visuals = cases()[name]
-    return Prompt(token_ids=ids, images=[v for v in visuals if isinstance(v, ImageInput)],
-                  videos=[v for v in visuals if isinstance(v, VideoInput)])
+    msg = request(Prompt(token_ids=ids, images=[v for v in visuals if isinstance(v, ImageInput)],
+                         videos=[v for v in visuals if isinstance(v, VideoInput)]), NEW_TOKENS)
+    images = [t for i, t in enumerate(ids) if t == IMG and (i == 0 or ids[i - 1] != IMG)]
+    msg.token_ids.ids[:] = [t for i, t in enumerate(ids)
+                            if t != IMG or i == 0 or ids[i - 1] != IMG]
+    assert len(images) == len(msg.images)
+    return msg
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +98,7 @@ def stream_all(router: Node, names: list[str]) -> list[list[gpb.GenerateResponse
         stub = generate_pb2_grpc.GenerationStub(ch)
         with ThreadPoolExecutor(len(names)) as pool:
             return list(pool.map(
-                lambda n: list(stub.Generate(request(prompt(n), NEW_TOKENS), timeout=180)),
+                lambda n: list(stub.Generate(qwen3_request(n), timeout=180)),
                 names))
 
 
