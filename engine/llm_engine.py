@@ -29,7 +29,7 @@ from engine.errors import ConfigError, InvalidRequestError
 from engine.kv.pool import KVPool, pages_for_budget
 from engine.kv.state_pool import StatePool
 from engine.models.eagle.eagle3 import Draft
-from engine.models.eagle.loader import load_draft
+from engine.models.eagle.loader import check_draft_target, load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.image_processor import (
     process_image,
@@ -160,6 +160,8 @@ class LLMEngine:
         )
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.image_config = processor_configs(model_dir, model_config)[0]
+        if draft is not None:
+            check_draft_target(text)  # before any rank process starts
         self.draft_dir = draft
         self.model_config, self.model = self._load(model_dir, config, num_pages, rank_attach)
         # one page more than the allocator hands out: a scratch page that padded rows of a

@@ -8,12 +8,24 @@ from pathlib import Path
 import torch
 
 from engine.config import TextConfig
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, ConfigError
 from engine.models.eagle.draft import EagleDraft
 from engine.models.eagle.eagle3 import Eagle3Draft, build_draft
 from engine.models.eagle.layouts import read_draft
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TextShard
+
+HYBRID_DRAFT_REASON = (
+    "speculative decoding of a hybrid model (linear-attention layers) is not supported yet: "
+    "verification would leave the rejected draft tokens in the linear-attention state; run "
+    "without --draft")
+
+
+def check_draft_target(target: TextConfig) -> None:
+    """Raise ``ConfigError`` when a draft cannot run against ``target`` at all (a hybrid
+    model: :data:`HYBRID_DRAFT_REASON`)."""
+    if target.is_hybrid:
+        raise ConfigError(HYBRID_DRAFT_REASON)
 
 
 def load_draft(
@@ -24,6 +36,7 @@ def load_draft(
     refused unless it fits the target's text config; its weights go straight onto ``device`` (the
     target's) in ``dtype``. With ``tp`` of several ranks, its layer holds this rank's slices
     (``ConfigError`` when the layer does not split over them)."""
+    check_draft_target(target)
     cfg, state = read_draft(Path(path), target, device)
     if tp.size > 1:
         state = draft_shard(state, TextShard.of(cfg.text, tp.rank, tp.size))
