@@ -6,6 +6,8 @@ Library: :mod:`bench.loadgen` (workloads, arrivals, traces, the report), :mod:`b
 
 Scripts, run from the repository root as ``python -m bench.NAME``: ``engine`` (engine vs
 transformers), ``transfer`` (``send_kvcache`` vs the raw engine vs memcpy), ``serving``
-(disaggregated vs colocated), ``spec`` (EAGLE on vs off), ``hf_generate`` (the baseline alone).
+(disaggregated vs colocated), ``spec`` (EAGLE on vs off), ``hf_generate`` (the baseline alone),
+``qwen3_5_generate`` (Qwen3.5 vs transformers), ``hybrid_transfer`` (one request's bytes and
+transfer time, a hybrid model vs a full-attention model of the same shape).
 Each prints ratios against a baseline measured in the same run.
 """
