@@ -10,7 +10,8 @@ pages, paired by global layer id, into the decode's reserved state slot: 1P1D, 2
 TP 2 -> TP 1 (both prefill ranks write halves of one slot) and a two-stage pipeline prefill
 (each stage holds one linear-attention and one full-attention layer and writes its own, by
 global id, into the one slot and the same pages), also with two TP ranks per stage into a TP 2
-decode; the colocated path computes the prompt on the decode. The prefills run 16-token
+decode; the colocated path computes the prompt on the decode. A TP 2 prefill of a model with
+one (replicated) KV head has rank 1 write states and no KV. The prefills run 16-token
 chunks, so states cross chunk borders. Every node ends idle, state slots included (the leak
 check).
 """
@@ -114,3 +115,32 @@ def test_streams_equal_transformers(mode: str, nodes: dict[str, Node],
     decode = get_stats(nodes["decode"].address)
     assert decode.state_slots_total > 0
     assert_all_idle([n.address for n in nodes.values()])
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(hf35_one_kv_head_dir: Path) -> Iterator[Node]:
+    """A TP 2 prefill of a Qwen3.5 whose one KV head both ranks replicate, behind a router to a
+    TP 1 decode: rank 0 alone writes the KV (the lowest replica), each rank its half of the
+    linear-attention heads, so rank 1 sends states only."""
+    model = ["--model", str(hf35_one_kv_head_dir)]
+    started: list[Node] = []
+    try:
+        started += start_all([["prefill", *model, *NODE, "--tp-size", "2"],
+                              ["decode", *model, *NODE]])
+        p, d = started
+        started += start_all([["router", *model, "--port", "0", "--prefill", p.address,
+                               "--decode", d.address]])
+        yield started[-1]
+        assert_all_idle([n.address for n in started])
+    finally:
+        stop_all(started)
+
+
+def test_states_from_a_rank_that_writes_no_kv(one_kv_head: Node, hf35_one_kv_head_model) -> None:  # noqa: ANN001
+    names = ["text", "one_image"]
+    streams = stream_all(one_kv_head, names)
+    for name, msgs in zip(names, streams, strict=True):
+        want = reference(hf35_one_kv_head_model, *cases()[name])
+        assert [t for m in msgs for t in m.token_ids] == want, name
+    stats = get_stats(one_kv_head.address)
+    assert stats.kv_retries == stats.kv_recomputes == 0
