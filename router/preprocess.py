@@ -209,9 +209,9 @@ class Preprocessor:
                 raise InvalidRequestError(
                     f"patch width {array.shape[1]} does not match the model's "
                     f"{self.assets.config.vision.patch_dim}")
-            if self.assets.config.is_qwen3 and not stamps:
-                stamps = tuple(default_timestamps(grid[0], seconds,
-                                                  cfg.frame.temporal_patch_size))
+            if self.assets.config.is_qwen3 and not stamps:  # as LLMEngine derives them
+                stamps = tuple(default_timestamps(
+                    grid[0], seconds, self.assets.config.vision.temporal_patch_size))
             return video_message(array, grid, seconds), stamps
         except (InvalidRequestError, ConversionError) as exc:
             raise InvalidRequestError(f"video {index}: {exc}") from exc
