@@ -92,8 +92,8 @@ class RemoteQueues:
         self.transfer: dict[int, RemoteRoom] = {}
         self._to_free: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
         self._shares: dict[tuple[int, ...], int] = {}  # pages of a failed pipeline room: holders
-        self._owed: set[tuple[int, ...]] = set()  # pages of given-up rooms not yet back
-        self._owed_slots: dict[tuple[int, ...], int] = {}  # their state slots, freed with them
+        # pages of given-up rooms not yet back, with the state slot that comes back with them
+        self._owed: dict[tuple[int, ...], int] = {}
         self.cached_pages_hit = 0  # prompt pages rooms found in the prefix cache (not sent)
 
     def free_later(self, pages: list[int]) -> None:
@@ -144,10 +144,9 @@ class RemoteQueues:
                 self._shares[key] = left
                 continue
             self._shares.pop(key, None)
-            self._owed.discard(key)
+            slot = self._owed.pop(key, -1)
             sched.free_pages(pages)
-            slot = self._owed_slots.pop(key, None)
-            if slot is not None:
+            if slot >= 0:
                 sched.free_state_slot(slot)
         self._admit()
         return self._poll()
@@ -278,9 +277,7 @@ class RemoteQueues:
                 sched.free_pages(r.pages)
                 self._free_slot(r)
                 return
-            self._owed.add(tuple(r.pages))
-            if r.state_slot >= 0:  # the prefill may still write it: back with the pages
-                self._owed_slots[tuple(r.pages)] = r.state_slot
-                r.state_slot = -1
+            # the prefill may still write the slot too: it comes back with the pages
+            self._owed[tuple(r.pages)], r.state_slot = r.state_slot, -1
             if released > 1:
                 self._shares[tuple(r.pages)] = released

@@ -24,6 +24,7 @@ them.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -87,6 +88,18 @@ class StateStep:
     q_starts: tuple[int, ...]
     slots: tuple[int, ...]
     fresh: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, rows: Iterable[tuple[int, int, int]]) -> StateStep:
+        """The step of a forward over sequences given as ``(num_tokens, slot, start)`` in
+        row order: a sequence starting at token 0 has its slot zeroed first."""
+        starts, slots, fresh = [0], [], []
+        for num_tokens, slot, start in rows:
+            starts.append(starts[-1] + num_tokens)
+            slots.append(slot)
+            if start == 0:
+                fresh.append(slot)
+        return cls(tuple(starts), tuple(slots), tuple(fresh))
 
     def apply(self, states: LinearStates) -> LinearStates:
         """Zero the fresh slots of ``states``' pool and prepare ``states`` for this forward."""

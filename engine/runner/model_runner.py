@@ -203,13 +203,7 @@ class ModelRunner:
 def _state_step(items: list[ScheduledItem]) -> StateStep:
     """The state pool's use by this forward: every item's rows and slot, the slots of items
     starting at token 0 to be zeroed first."""
-    starts, slots, fresh = [0], [], []
-    for item in items:
-        starts.append(starts[-1] + item.num_tokens)
-        slots.append(item.request.state_slot)
-        if item.start == 0:
-            fresh.append(item.request.state_slot)
-    return StateStep(tuple(starts), tuple(slots), tuple(fresh))
+    return StateStep.of((it.num_tokens, it.request.state_slot, it.start) for it in items)
 
 
 def _state(item: ScheduledItem) -> RequestState:

@@ -236,14 +236,8 @@ class LaterStage:
         the slots of items starting at token 0 zeroed first), applied here; none without."""
         if self.share.states is None:
             return None, NO_EXTRAS
-        starts, slots, fresh = [0], [], []
-        for it in items:
-            slot = self._rooms[it.room].state_slot
-            starts.append(starts[-1] + it.num_tokens)
-            slots.append(slot)
-            if it.start == 0:
-                fresh.append(slot)
-        step = StateStep(tuple(starts), tuple(slots), tuple(fresh))
+        step = StateStep.of((it.num_tokens, self._rooms[it.room].state_slot, it.start)
+                            for it in items)
         return step, replace(NO_EXTRAS, states=step.apply(self.share.states))
 
     def _sample(
