@@ -62,8 +62,10 @@ def expand_video_frames(
 
     Video i has ``len(timestamps[i])`` temporal patches of ``frame_tokens[i]`` tokens each; patch
     ``g`` becomes ``encode(timestamp_text(timestamps[i][g])) + [vision_start_id] +
-    [video_token_id] * frame_tokens[i] + [vision_end_id]``. Tokens around the placeholder
-    (a template's outer vision start/end) stay. ``encode`` must add no special tokens; its
+    [video_token_id] * frame_tokens[i] + [vision_end_id]``. A placeholder a chat template
+    wrapped (``vision_start, video, vision_end``) is replaced with its wrapper, since every
+    block carries its own: the layout Qwen3-VL was trained on (and transformers >= 5.25,
+    vLLM). A bare placeholder is replaced alone. ``encode`` must add no special tokens; its
     results are reused for equal texts.
 
     Raises InvalidRequestError when the prompt's placeholder count differs from the video count.
@@ -79,7 +81,9 @@ def expand_video_frames(
     out: list[int] = []
     prev = 0
     for pos, count, seconds in zip(positions, frame_tokens, timestamps, strict=True):
-        out.extend(ids[prev:pos])
+        wrapped = (prev < pos and ids[pos - 1] == vision_start_id
+                   and pos + 1 < len(ids) and ids[pos + 1] == vision_end_id)
+        out.extend(ids[prev:pos - 1] if wrapped else ids[prev:pos])
         for t in seconds:
             text = timestamp_text(t)
             if text not in encoded:
@@ -88,6 +92,6 @@ def expand_video_frames(
             out.append(vision_start_id)
             out.extend([video_token_id] * count)
             out.append(vision_end_id)
-        prev = pos + 1
+        prev = pos + 2 if wrapped else pos + 1
     out.extend(ids[prev:])
     return out
