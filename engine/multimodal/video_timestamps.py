@@ -6,10 +6,11 @@ Qwen3-VL (and Qwen3.5) give the LLM a video as one block per temporal patch (``T
     <{t:.1f} seconds><|vision_start|><|video_pad|> * frame_tokens<|vision_end|>
 
 where ``t`` is the mean time of the patch's first and last frame and ``frame_tokens`` is
-``h * w / merge_size**2``. As in transformers' ``Qwen3VLProcessor`` (transformers 5), these
-blocks replace the prompt's ``<|video_pad|>`` token only: a chat template's
-``<|vision_start|><|video_pad|><|vision_end|>`` keeps its outer pair around them, so the prompt
-reads ``<|vision_start|><0.3 seconds><|vision_start|>...<|vision_end|>...<|vision_end|>``.
+``h * w / merge_size**2``. Every block carries its own vision start and end, so a chat
+template's ``<|vision_start|><|video_pad|><|vision_end|>`` is replaced whole and the prompt
+reads ``<0.3 seconds><|vision_start|>...<|vision_end|><1.3 seconds><|vision_start|>...``, the
+layout Qwen3-VL was trained on (transformers' ``Qwen3VLProcessor`` from 5.25, vLLM). A bare
+``<|video_pad|>`` is replaced alone.
 """
 
 from __future__ import annotations
