@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 from dataclasses import replace
-from pathlib import Path
 
 from cli.engine_args import (
     add_draft_args,
@@ -16,6 +15,7 @@ from cli.engine_args import (
     add_worker_args,
     advertise_host,
     bootstrap_config,
+    draft_dir,
     engine_config,
     worker_security,
 )
@@ -44,10 +44,11 @@ def run_decode(args: argparse.Namespace) -> int:
     shape = TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # checks flags
     if args.draft:
         config = replace(config, lookahead_tokens=shape.lookahead)
+    model_dir = ensure_model(args.model)
     asyncio.run(serve_decode(
-        ensure_model(args.model), config, args.host, args.port,
+        model_dir, config, args.host, args.port,
         transfer_backend=args.transfer_backend, advertise_host=advertise_host(args),
-        draft=Path(args.draft) if args.draft else None, num_draft_tokens=args.num_draft_tokens,
+        draft=draft_dir(args, model_dir), num_draft_tokens=args.num_draft_tokens,
         draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         max_waiting=args.max_waiting, security=worker_security(args),
         bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cli.arg_types import host, non_negative_float, port, positive, positive_float
@@ -202,12 +203,21 @@ def add_draft_args(p: argparse.ArgumentParser, *, decode: bool) -> None:
     p.add_argument("--draft", default=None, metavar="DIR",
                    help="EAGLE draft directory, in pdserve's layout (e.g. MODEL/draft from "
                         "make-tiny-model --with-draft), the original EAGLE-1/EAGLE-2 one or "
-                        "SpecForge's EAGLE-3 one (told apart by its config.json); prefill and "
-                        f"decode nodes of a cluster must agree{where}")
+                        "SpecForge's EAGLE-3 one (told apart by its config.json), or 'mtp': "
+                        "the Qwen3.5 checkpoint's own MTP module (its mtp.* weights); prefill "
+                        f"and decode nodes of a cluster must agree{where}")
     if decode:
         p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K",
                        help="draft tokens per speculative round (with --draft)")
         add_tree_args(p)
+
+
+def draft_dir(args: argparse.Namespace, model_dir: Path) -> Path | None:
+    """The draft directory ``--draft`` names (``mtp``: the model's own checkpoint, whose MTP
+    module is the draft), or None without one."""
+    from engine.models.eagle.loader import draft_source
+
+    return draft_source(args.draft, model_dir) if args.draft else None
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:

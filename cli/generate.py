@@ -9,7 +9,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.engine_args import add_draft_args, add_engine_args, add_tp_args, engine_config
+from cli.engine_args import (
+    add_draft_args,
+    add_engine_args,
+    add_tp_args,
+    draft_dir,
+    engine_config,
+)
 from cli.models import ensure_model
 from engine.errors import InvalidRequestError
 
@@ -170,16 +176,21 @@ def _runner(model_dir: Path, args: argparse.Namespace) -> tuple[LLMEngine, Eagle
     as far as a round writes)."""
     from dataclasses import replace
 
-    from decode_node.spec.eagle_engine import EagleEngine
+    from decode_node.spec.eagle_engine import EagleEngine, spec_refusal
     from decode_node.spec.tree import TreeShape
+    from engine.config import ModelConfig
+    from engine.errors import ConfigError
     from engine.llm_engine import LLMEngine
 
     config = engine_config(args)
     if args.draft is None:
         return LLMEngine(model_dir, config), None
     shape = TreeShape(args.num_draft_tokens, args.draft_topk, args.draft_steps)  # checks flags
+    refusal = spec_refusal(ModelConfig.from_dir(model_dir).text, shape)
+    if refusal is not None:  # before anything loads
+        raise ConfigError(refusal)
     engine = LLMEngine(model_dir, replace(config, lookahead_tokens=shape.lookahead),
-                       draft=Path(args.draft))
+                       draft=draft_dir(args, model_dir))
     try:
         return engine, EagleEngine(engine, engine.load_draft(), args.num_draft_tokens,
                                    args.draft_topk, args.draft_steps)

@@ -69,7 +69,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="engine flags passed to every worker, e.g. '--num-pages 512'")
     add_device_args(p)  # passed to every worker as given: each resolves auto on its own node
     p.add_argument("--draft", default=None, metavar="DIR",
-                   help="EAGLE draft for every worker ('auto': MODEL/draft, if present)")
+                   help="EAGLE draft for every worker ('auto': MODEL/draft, if present; "
+                        "'mtp': the Qwen3.5 checkpoint's own MTP module)")
     p.add_argument("--num-draft-tokens", type=int, default=3, metavar="K")
     add_tree_args(p)
     p.add_argument("--detach", action="store_true",

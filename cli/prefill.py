@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
 
 from cli.arg_types import port
 from cli.engine_args import (
@@ -18,6 +17,7 @@ from cli.engine_args import (
     add_worker_args,
     advertise_host,
     bootstrap_config,
+    draft_dir,
     engine_config,
     worker_security,
 )
@@ -67,11 +67,12 @@ def run_prefill(args: argparse.Namespace) -> int:
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    model_dir = ensure_model(args.model)
     asyncio.run(serve_prefill(
-        ensure_model(args.model), engine_config(args), args.host, args.port,
+        model_dir, engine_config(args), args.host, args.port,
         bootstrap_port=args.bootstrap_port, transfer_backend=args.transfer_backend,
         advertise_host=advertise_host(args), pp_size=args.pp_size, pp_rank=args.pp_rank,
-        pp_next=args.pp_next, draft=Path(args.draft) if args.draft else None,
+        pp_next=args.pp_next, draft=draft_dir(args, model_dir),
         max_waiting=args.max_waiting, security=worker_security(args),
         bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
     ))

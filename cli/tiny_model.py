@@ -28,12 +28,15 @@ def add_tiny_model_args(p: argparse.ArgumentParser) -> None:
     kind.add_argument("--with-eagle3-draft", action="store_true",
                       help="also write an EAGLE-3 draft (random, half the vocabulary) to "
                            "DIR/draft")
+    kind.add_argument("--with-mtp", action="store_true",
+                      help="(--arch qwen3_5) write a random MTP module into the checkpoint "
+                           "(mtp.* tensors, for --draft mtp)")
 
 
 def run_tiny_model(args: argparse.Namespace) -> int:
     """Write the ``--arch`` checkpoint (and with ``--with-draft`` or ``--with-eagle3-draft`` its
     draft, seeded ``--seed`` + 1; refused, before anything is written, for an arch other than
-    qwen2_vl)."""
+    qwen2_vl; ``--with-mtp``, a Qwen3.5 checkpoint's MTP module, for qwen3_5 only)."""
     from engine.builtin.tiny_model import (
         write_tiny_draft,
         write_tiny_eagle3_draft,
@@ -44,13 +47,17 @@ def run_tiny_model(args: argparse.Namespace) -> int:
     if args.arch != "qwen2_vl" and (args.with_draft or args.with_eagle3_draft):
         flag = "--with-draft" if args.with_draft else "--with-eagle3-draft"
         raise ValueError(f"{flag} writes a draft for --arch qwen2_vl only, not {args.arch}")
+    if args.with_mtp and args.arch != "qwen3_5":
+        raise ValueError(f"--with-mtp writes Qwen3.5's MTP module, for --arch qwen3_5 only, "
+                         f"not {args.arch}")
     target = checked_dir(args.dir)
     remove_stale(target, args.arch)
     if args.arch == "qwen2_vl":
         path = write_tiny_model(target, seed=args.seed)
     else:
-        path = write_tiny_qwen3_model(target, args.arch, seed=args.seed)
-    print(f"wrote tiny {ARCHS[args.arch]} checkpoint to {path}")
+        path = write_tiny_qwen3_model(target, args.arch, seed=args.seed, mtp=args.with_mtp)
+    print(f"wrote tiny {ARCHS[args.arch]} checkpoint to {path}"
+          + (" (with its MTP module: --draft mtp)" if args.with_mtp else ""))
     if args.with_draft:
         draft = write_tiny_draft(path / "draft", seed=args.seed + 1)
         print(f"wrote its EAGLE draft to {draft}")

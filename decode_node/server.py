@@ -10,10 +10,12 @@ from decode_node.clients import BootstrapClients
 from decode_node.landing import Landings
 from decode_node.loop import DecodeLoop
 from decode_node.service import DecodeService
-from decode_node.spec.eagle_engine import EagleEngine
+from decode_node.spec.eagle_engine import EagleEngine, spec_refusal
+from decode_node.spec.tree import TreeShape
 from decode_node.tp_ranks import RankTransfer, landing_agents, rank_registrations
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
+from engine.errors import ConfigError
 from engine.llm_engine import LLMEngine
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
@@ -50,6 +52,10 @@ async def serve_decode(
     prefill ranks hold slices of its heads (:mod:`decode_node.landing`).
     """
     text = ModelConfig.from_dir(model_dir).text
+    if draft is not None:  # a hybrid model's refusals, before anything loads
+        refusal = spec_refusal(text, TreeShape(num_draft_tokens, draft_topk, draft_steps))
+        if refusal is not None:
+            raise ConfigError(refusal)
     authkey = secrets.token_bytes(32)  # the other TP ranks' landing agents take orders from us
     engine = LLMEngine(model_dir, config, rank_attach=RankTransfer(
         transfer_backend, advertise_host, text.hidden_size, authkey), draft=draft)

@@ -5,7 +5,8 @@ Accepts one ``model.safetensors``, a sharded set listed in ``model.safetensors.i
 both naming schemes (``model.layers.*`` / ``visual.*`` as published for Qwen2-VL, and
 ``model.language_model.*`` / ``model.visual.*`` as Qwen3-VL and Qwen3.5 are published and newer
 transformers name modules in memory). A Qwen3.5 checkpoint's ``mtp.*`` module (its
-multi-token-prediction draft) is not the target model's and is not read here.
+multi-token-prediction draft) is not the target model's and is not read with it
+(:func:`read_module` reads it alone).
 """
 
 from __future__ import annotations
@@ -108,6 +109,24 @@ def read_state_dict(
                             f.get_slice(name), part)
         except CheckpointError:
             raise
+        except Exception as exc:  # safetensors raises several unrelated types on bad files
+            raise CheckpointError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
+    return state
+
+
+def read_module(model_dir: Path, prefix: str, device: str | torch.device = "cpu"
+                ) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint whose canonical names start with ``prefix`` (a module the
+    target model does not read, such as Qwen3.5's ``mtp.``), named without it and read straight
+    onto ``device``; empty when the checkpoint has none."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    canonical = canonical_name(name)
+                    if canonical.startswith(prefix):
+                        state[canonical[len(prefix) :]] = f.get_tensor(name)
         except Exception as exc:  # safetensors raises several unrelated types on bad files
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
     return state

@@ -70,6 +70,8 @@ class TextConfig:
     # per layer FULL_ATTENTION or LINEAR_ATTENTION; empty: every layer is full attention
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionConfig | None = None  # the linear layers' shape (hybrid models)
+    # decoder layers of the checkpoint's MTP (NEXTN) draft module, ``mtp.*`` (Qwen3.5); 0: none
+    mtp_num_hidden_layers: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -253,6 +255,7 @@ def text_config_from_dict(t: dict[str, Any], model_type: str = "qwen2_vl") -> Te
     factor = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
     return replace(base, **common, partial_rotary_factor=float(factor), attn_output_gate=True,
                    zero_centered_norm=True, layer_types=_layer_types(t, base.num_hidden_layers),
+                   mtp_num_hidden_layers=int(t.get("mtp_num_hidden_layers", 0)),
                    linear=LinearAttentionConfig(
                        num_k_heads=int(t.get("linear_num_key_heads", 16)),
                        num_v_heads=int(t.get("linear_num_value_heads", 32)),

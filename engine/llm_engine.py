@@ -29,7 +29,7 @@ from engine.errors import ConfigError, InvalidRequestError
 from engine.kv.pool import KVPool, pages_for_budget
 from engine.kv.state_pool import StatePool
 from engine.models.eagle.eagle3 import Draft
-from engine.models.eagle.loader import check_draft_target, load_draft
+from engine.models.eagle.loader import draft_source, load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.image_processor import (
     process_image,
@@ -137,7 +137,8 @@ class LLMEngine:
     :attr:`rank_payloads`. With ``config.layers`` too (a pipeline stage), every rank holds
     those layers only; the stage's forward runs through :attr:`runner`'s ``peers``.
 
-    ``draft``: an EAGLE draft directory this engine's draft loop runs (:meth:`load_draft`);
+    ``draft``: an EAGLE draft directory this engine's draft loop runs (:meth:`load_draft`), or
+    ``"mtp"`` for the checkpoint's own MTP module (:func:`engine.models.eagle.loader.draft_source`);
     with several ranks, each holds its share of the draft's layer and a draft pool of its
     key/value heads, and its attach hook gets both pools.
     """
@@ -160,9 +161,7 @@ class LLMEngine:
         )
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.image_config = processor_configs(model_dir, model_config)[0]
-        if draft is not None:
-            check_draft_target(text)  # before any rank process starts
-        self.draft_dir = draft
+        self.draft_dir = draft_source(draft, model_dir) if draft is not None else None
         self.model_config, self.model = self._load(model_dir, config, num_pages, rank_attach)
         # one page more than the allocator hands out: a scratch page that padded rows of a
         # static-shape forward may write into (see decode_node/spec/graph_runner.py)

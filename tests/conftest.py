@@ -259,3 +259,13 @@ def hf35_one_kv_head_model(hf35_one_kv_head_dir: Path):  # noqa: ANN201 - transf
     from transformers import Qwen3_5ForConditionalGeneration
 
     return Qwen3_5ForConditionalGeneration.from_pretrained(hf35_one_kv_head_dir).eval()
+
+
+@pytest.fixture(scope="session")
+def qwen35_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5 checkpoint (``make-tiny-model --arch qwen3_5``) with a random MTP module:
+    ``mtp.*`` tensors and ``mtp_num_hidden_layers: 1``, which transformers ignores."""
+    from engine.builtin.tiny_qwen3 import write_tiny_qwen3_model
+
+    return write_tiny_qwen3_model(tmp_path_factory.mktemp("qwen35_mtp") / "ckpt", "qwen3_5",
+                                  mtp=True)

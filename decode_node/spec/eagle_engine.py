@@ -31,6 +31,16 @@ chain (``topk == 1``, ``steps == K``) runs exactly the path above. A tree's draf
 draft's top-``k`` tokens whatever the request's sampling; a sampled request's tree is verified
 losslessly with the drafts as point masses (:func:`~decode_node.spec.accept.accept_tree_sampled`).
 
+A hybrid target (linear-attention layers, Qwen3.5): the verify reads each request's state slot
+without writing it and keeps the state after every window row; once ``A`` is known the slot takes
+the state after rows ``0..A-1`` (``b, d_1..d_{A-1}``: exactly the tokens whose KV the round
+commits; :meth:`SpecGraphRunner.keep_states`), so rejected drafts leave no trace and the next
+round starts from the state plain decoding would hold. Drafts have no linear layers (an EAGLE
+draft's or an MTP module's layer is full attention): their KV past ``S + A`` is overwritten as
+always. Under tensor parallelism every rank keeps its own heads' states of the same rows
+(:attr:`engine.parallel.messages.Command.KEEP_STATES`). Trees are refused with a hybrid target
+(:func:`spec_refusal`).
+
 A round's page tables, slots and deltas come from the engine runner's persistent batch
 (:meth:`SpecGraphRunner.round_inputs`, once per round); each draft decode step only adds its
 row positions and their slots (array operations, one copy to the device).
@@ -49,8 +59,10 @@ from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import TreeShape
 from decode_node.spec.tree_round import TreeRounds
 from engine.attention.backend import AttentionBatch
+from engine.config import TextConfig
 from engine.core.request import Request, SamplingParams
 from engine.core.scheduler import SchedulerOutput
+from engine.errors import ConfigError
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle.eagle3 import Draft
 from engine.multimodal.inputs import RequestState
@@ -62,6 +74,17 @@ from engine.sampling.sampler import sampling_probs
 
 # (phase, request ids per row, 1-D positions [T], mrope positions [3, T]) of every forward
 PositionLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]
+HYBRID_TREE_REASON = ("a draft tree (--draft-topk above 1, or --draft-steps other than "
+                      "--num-draft-tokens) with a hybrid model is not supported: its verify "
+                      "would have to keep the linear-attention state of every tree path; "
+                      "draft a chain")
+
+
+def spec_refusal(text: TextConfig, shape: TreeShape) -> str | None:
+    """Why the EAGLE loop cannot decode a model of ``text`` in rounds of ``shape``, or None
+    when it can: a hybrid model keeps its accepted tokens' linear-attention states for a chain
+    only (:data:`HYBRID_TREE_REASON`)."""
+    return HYBRID_TREE_REASON if text.is_hybrid and not shape.is_chain else None
 
 
 @dataclass
@@ -93,6 +116,9 @@ class EagleEngine:
     def __init__(self, engine: LLMEngine, draft: Draft, k: int, topk: int = 1,
                  steps: int | None = None) -> None:
         self.shape = TreeShape(k, topk, steps)
+        refusal = spec_refusal(engine.model_config.text, self.shape)
+        if refusal is not None:
+            raise ConfigError(refusal)
         if engine.scheduler.config.lookahead_tokens < self.shape.lookahead:
             raise ValueError(f"the engine's lookahead_tokens must be at least "
                              f"{self.shape.lookahead} (num_draft_tokens, or a tree's "
@@ -178,6 +204,7 @@ class EagleEngine:
         logits = self.engine.model.logits(hidden).view(len(reqs), n, -1)
         committed = [self._accept(r, d, q, lg) for r, d, q, lg in zip(reqs, drafts, qs, logits,
                                                                        strict=True)]
+        self.graph.keep_states([len(c) for c in committed])  # a hybrid model's accepted states
         # draft extend over the verified window, at the same positions; select_index rows
         ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed],
                            device=device).flatten()

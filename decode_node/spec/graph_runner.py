@@ -36,6 +36,8 @@ from engine.attention.backend import AttentionBatch
 from engine.attention.select import backend_name
 from engine.core.request import Request
 from engine.llm_engine import LLMEngine
+from engine.models.step_extras import NO_EXTRAS, StepExtras
+from engine.parallel.messages import StateStep
 from engine.runner.cuda_graph import DEFAULT_CAPTURE_SIZES, GraphCache, capture_sizes_for
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
@@ -73,9 +75,10 @@ class SpecGraphRunner:
         self.pad_slot = engine.scratch_page * page_size
         self.bs = 0  # padded size of the last fill
         device = engine.pool.device
-        # a TP forward announces itself to the other ranks on a pipe: it cannot be captured
+        # a TP forward announces itself to the other ranks on a pipe, and a hybrid model's
+        # verify keeps its window's states with host-side work: neither can be captured
         enabled = (engine.config.graphs and backend_name(engine.pool) == "triton"
-                   and engine.tp is None)
+                   and engine.tp is None and engine.states is None)
         self.graphs = GraphCache(device, self.capture_sizes, enabled)
         sched = engine.scheduler.config
         self.max_pages = -(-(sched.max_model_len + sched.lookahead_tokens) // page_size)
@@ -119,13 +122,14 @@ class SpecGraphRunner:
             self.tree_mask[:raw_bs].copy_(tree_mask)
             self.tree_mask[raw_bs : self.bs].copy_(self.causal)
         b, rows, batch = self.bufs, self.bs * self.n, self._batch(rnd, tree_mask is not None)
+        extras, step = self._window_states(rnd, tree_mask is not None)
 
         eagle3 = bool(self.drafter.aux_layers)
 
         def forward() -> torch.Tensor:
             embeds = self.engine.model.embed(b.input_ids[:rows])
             hidden, aux = self.engine.runner.forward_embeds_aux(
-                embeds, b.mrope_positions[:, :rows], batch)
+                embeds, b.mrope_positions[:, :rows], batch, extras, step)
             if not eagle3:
                 return hidden
             return torch.cat((hidden, self.drafter.target_feature(hidden, aux)), dim=-1)
@@ -134,6 +138,18 @@ class SpecGraphRunner:
         if not eagle3:
             return out, out
         return out[:, : b.hidden_size], out[:, b.hidden_size :]
+
+    def keep_states(self, accepted: list[int]) -> None:
+        """After a chain verify of a hybrid model: each request's state slot takes its state
+        after its ``accepted`` window rows (the bonus and its accepted drafts), so its rejected
+        drafts leave no trace (:meth:`LinearStates.keep`), on every tensor-parallel rank.
+        Nothing to do without linear attention."""
+        runner = self.engine.runner
+        if runner.states is not None:
+            (kept,) = to_device([np.array(accepted, dtype=np.int64)], self.bufs.device)
+            if runner.peers is not None:
+                runner.peers.keep_states(kept)
+            runner.states.keep(kept)
 
     def draft_extend(self, rnd: RoundInputs, ids: torch.Tensor, hidden: torch.Tensor,
                      accepted: list[int]) -> torch.Tensor:
@@ -177,6 +193,20 @@ class SpecGraphRunner:
             raw_bs=raw_bs, bs=self.bs, num_tokens_per_bs=n, num_front_tokens=0,
             seq_len_fill_value=n, pad_slot=self.pad_slot,
         )
+
+    def _window_states(self, rnd: RoundInputs, tree: bool) -> tuple[StepExtras, StateStep | None]:
+        """A hybrid model's verify reads each request's state slot and keeps the state after
+        every window row until :meth:`keep_states` (padded rows read the first request's slot;
+        :class:`LinearStates` writes nothing meanwhile): the prepared states and the step the
+        other tensor-parallel ranks apply. Nothing without linear attention."""
+        states = self.engine.runner.states
+        if states is None:
+            return NO_EXTRAS, None
+        if tree:
+            raise ValueError("a draft tree's verify of a hybrid model is not supported")
+        slots = [r.state_slot for r in rnd.reqs]
+        step = StateStep.verify(slots + [slots[0]] * (rnd.bs - len(slots)), self.n)
+        return StepExtras(states=step.apply(states)), step
 
     def _batch(self, rnd: RoundInputs, tree: bool = False) -> AttentionBatch:
         """Attention over the filled buffers, from this runner's static inputs: real rows see

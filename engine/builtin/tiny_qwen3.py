@@ -8,7 +8,9 @@ config names, ``generation_config.json``, and Qwen3-VL's processor settings (pat
 std 0.5) in ``preprocessor_config.json`` and ``video_preprocessor_config.json``. They load with
 our engine and with transformers alike. The weights come from our own model classes
 (:class:`Qwen3VLModel`, :class:`Qwen35Model`), drawn from a seeded generator: the same seed
-writes the same bytes on every machine.
+writes the same bytes on every machine. A Qwen3.5 checkpoint may also carry a random MTP module
+(``mtp.*`` tensors of :class:`~engine.models.eagle.mtp.MtpDraft`, ``mtp_num_hidden_layers: 1``),
+as published ones do; transformers ignores it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from safetensors.torch import save_file
 from engine.builtin.tiny_model import TINY_VOCAB
 from engine.builtin.tiny_tokenizer import build_tiny_tokenizer, special_token_ids
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from engine.models.eagle.mtp import MTP_PREFIX, MtpConfig, MtpDraft
 from engine.models.layers import OffsetRMSNorm
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.models.qwen3_5.model import Qwen35Model
@@ -162,15 +165,26 @@ def published_name(name: str) -> str:
 
 
 def write_tiny_qwen3_model(model_dir: str | Path, arch: str, seed: int = 0,
-                           vocab_size: int = TINY_VOCAB) -> Path:
+                           vocab_size: int = TINY_VOCAB, *, mtp: bool = False) -> Path:
     """Write the tiny ``arch`` checkpoint (one of :data:`QWEN3_ARCHS`) to ``model_dir``
-    (created if needed) and return its path."""
+    (created if needed) and return its path; ``mtp``: with a random MTP module (Qwen3.5 only,
+    drawn from ``seed + 1``)."""
+    if mtp and arch != "qwen3_5":
+        raise ValueError(f"an MTP module is Qwen3.5's, not {arch}'s")
     raw = tiny_qwen3_config_dict(arch, vocab_size)
+    if mtp:
+        raw["text_config"]["mtp_num_hidden_layers"] = 1
     path = Path(model_dir)
     path.mkdir(parents=True, exist_ok=True)
-    model = _MODELS[arch](ModelConfig.from_dict(raw))
+    cfg = ModelConfig.from_dict(raw)
+    model = _MODELS[arch](cfg)
     init_qwen3_weights(model, seed)
     state = {published_name(k): v.detach().contiguous() for k, v in model.state_dict().items()}
+    if mtp:
+        module = MtpDraft(MtpConfig.of(cfg.text))
+        init_qwen3_weights(module, seed + 1)
+        state.update({MTP_PREFIX + k: v.detach().contiguous()
+                      for k, v in module.state_dict().items()})
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     text = raw["text_config"]
     generation = {"eos_token_id": text["eos_token_id"], "bos_token_id": text["bos_token_id"]}

@@ -34,6 +34,7 @@ from engine.parallel.messages import (
     RankReport,
     StateStep,
     StepHeader,
+    keep_header,
     move_header,
     pack_step,
     step_header,
@@ -123,6 +124,14 @@ class TPDriver:
         with self._guard():
             self._announce(step_message(move_header(int(src.shape[0]))))
             self.group.broadcast(torch.cat((src, dst)).to(torch.int64))
+
+    def keep_states(self, accepted: torch.Tensor) -> None:
+        """Have every other rank keep, in its state pool, the state after the ``accepted``
+        ``[R]`` (int64) rows of the first ``R`` sequences of the verify window it ran
+        (:meth:`engine.attention.linear.states.LinearStates.keep`)."""
+        with self._guard():
+            self._announce(step_message(keep_header(int(accepted.shape[0]))))
+            self.group.broadcast(accepted.to(torch.int64).contiguous())
 
     @contextmanager
     def _guard(self) -> Iterator[None]:

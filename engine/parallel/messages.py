@@ -41,6 +41,9 @@ class Command(IntEnum):
     STOP = 2  # leave the group and exit
     DRAFT = 3  # run the EAGLE draft's layer over the broadcast inputs, into the draft pool
     MOVE_KV = 4  # copy the target pool's K/V of slots src to slots dst (num_tokens moves)
+    # a hybrid model's speculative verify is over: the first num_tokens sequences of its window
+    # keep the state after their accepted rows (LinearStates.keep)
+    KEEP_STATES = 5
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class StepHeader:
         t, b = self.num_tokens, self.num_seqs
         if self.command == Command.MOVE_KV:
             return 2 * t
+        if self.command == Command.KEEP_STATES:
+            return t
         return 4 * t + 3 * b + 1 + b * self.table_width + b * self.max_q * self.mask_width
 
 
@@ -83,11 +88,21 @@ class StateStep:
     """A hybrid forward's use of the state pool, in host integers: sequence ``b`` owns rows
     ``q_starts[b]:q_starts[b + 1]`` and state slot ``slots[b]``; the slots ``fresh`` (requests
     computing from token 0) are zeroed first. Every rank applies the same step to its own pool
-    (its heads' states), so the slots hold the same requests on every rank."""
+    (its heads' states), so the slots hold the same requests on every rank. ``window`` above 0:
+    a speculative verify of ``window`` rows per sequence, which writes no slot until
+    :attr:`Command.KEEP_STATES` (:meth:`LinearStates.prepare_window`)."""
 
     q_starts: tuple[int, ...]
     slots: tuple[int, ...]
     fresh: tuple[int, ...] = ()
+    window: int = 0
+
+    @classmethod
+    def verify(cls, slots: Iterable[int], window: int) -> StateStep:
+        """The step of a verify forward: sequence ``b`` owns rows ``b * window`` on and reads
+        slot ``slots[b]``."""
+        slots = tuple(slots)
+        return cls(tuple(range(0, (len(slots) + 1) * window, window)), slots, (), window)
 
     @classmethod
     def of(cls, rows: Iterable[tuple[int, int, int]]) -> StateStep:
@@ -106,22 +121,26 @@ class StateStep:
         if self.fresh:
             states.pool.reset(self.fresh)
         slots = torch.tensor(self.slots, dtype=torch.int64).to(states.pool.device)
-        states.prepare(list(self.q_starts), slots)
+        if self.window:
+            states.prepare_window(slots, self.window)
+        else:
+            states.prepare(list(self.q_starts), slots)
         return states
 
     def encode(self) -> bytes:
-        values = (len(self.slots), len(self.fresh), *self.q_starts, *self.slots, *self.fresh)
+        values = (len(self.slots), len(self.fresh), self.window, *self.q_starts, *self.slots,
+                  *self.fresh)
         return struct.pack(f"<{len(values)}q", *values)
 
     @classmethod
     def decode(cls, data: bytes) -> StateStep:
-        b, f = struct.unpack("<2q", data[:16])
-        size = 8 * (3 + 2 * b + f)
+        b, f, window = struct.unpack("<3q", data[:24])
+        size = 8 * (4 + 2 * b + f)
         if len(data) != size:
             raise ValueError(f"a state step of {b} sequences and {f} fresh slots is {size} "
                              f"bytes, got {len(data)}")
-        values = struct.unpack(f"<{2 * b + 1 + f}q", data[16:])
-        return cls(values[: b + 1], values[b + 1 : 2 * b + 1], values[2 * b + 1 :])
+        values = struct.unpack(f"<{2 * b + 1 + f}q", data[24:])
+        return cls(values[: b + 1], values[b + 1 : 2 * b + 1], values[2 * b + 1 :], window)
 
 
 def step_message(header: StepHeader, states: StateStep | None = None) -> bytes:
@@ -196,3 +215,9 @@ def unpack_step(header: StepHeader, packed: torch.Tensor) -> tuple[torch.Tensor,
 def move_header(num_moves: int) -> StepHeader:
     """The header of a KV move of ``num_moves`` slots (its tensor: ``src [M] | dst [M]``)."""
     return StepHeader(Command.MOVE_KV, num_moves)
+
+
+def keep_header(num_seqs: int) -> StepHeader:
+    """The header of a :attr:`Command.KEEP_STATES` for the window's first ``num_seqs``
+    sequences (the accepted counts follow as one int64 tensor ``[num_seqs]``)."""
+    return StepHeader(Command.KEEP_STATES, num_seqs)

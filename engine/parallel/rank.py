@@ -12,7 +12,8 @@ forward runs :meth:`Qwen2VLModel.forward_layers` over that range, as rank 0's st
 With an EAGLE draft (``RankSpec.draft``) the rank also holds its share of the draft's layer and
 a draft pool of its key/value heads (the draft band, pages mirroring its target pool's) and runs
 the draft's layer on :attr:`Command.DRAFT`; :attr:`Command.MOVE_KV` copies target K/V between
-slots (a draft tree's accepted path).
+slots (a draft tree's accepted path); :attr:`Command.KEEP_STATES` ends a hybrid model's verify
+(each slot keeps the state after its accepted rows).
 
 Life: load the model's share and build the pool, report ready (or the load's error) on the
 pipe, join the group, then serve headers until STOP, or until rank 0's end of the pipe closes.
@@ -188,6 +189,12 @@ def _serve(conn: Connection, shares: _Shares, device: torch.device) -> None:
         if header.command == Command.MOVE_KV:
             src, dst = packed.split(header.num_tokens)
             move_kv(shares.attn.pool, src, dst)
+            continue
+        if header.command == Command.KEEP_STATES:
+            if shares.states is None:
+                raise RuntimeError("rank 0 kept verified states, but this rank holds no state "
+                                   "pool")
+            shares.states.keep(packed)
             continue
         rows = torch.empty(header.num_tokens, header.hidden, dtype=model.dtype, device=device)
         mrope, batch = unpack_step(header, packed)

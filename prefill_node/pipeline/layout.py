@@ -32,7 +32,7 @@ from engine.device import resolve_device, resolve_dtype
 from engine.errors import ConfigError
 from engine.kv.pool import KVPool, pages_for_budget
 from engine.llm_engine import hybrid_states
-from engine.models.eagle.loader import check_draft_target, load_draft
+from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.parallel.driver import TPDriver
 from engine.parallel.group import SINGLE
@@ -119,8 +119,6 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
     layer too) meanwhile; ``attach`` runs in each once its pools exist
     (:data:`engine.parallel.rank.RankAttach`)."""
     text = ModelConfig.from_dir(model_dir).text
-    if draft is not None:
-        check_draft_target(text)  # before any rank process starts
     layers = layout.layers(text.num_hidden_layers)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)

@@ -118,24 +118,3 @@ def test_sampling_with_penalties_is_reproducible(model_dir: str,
                           [SamplingParams(max_new_tokens=5), params])
     assert outs[1].token_ids == a.token_ids
     batch.scheduler.check_no_leaks()
-
-
-def test_qwen3_5_refuses_a_draft_with_its_reason(hf35_dir: Path, tmp_path: Path) -> None:
-    """EAGLE verification would leave rejected draft tokens in the linear-attention state, so a
-    hybrid model with a draft is refused before anything loads (in the engine and on a
-    pipeline's last stage), naming why."""
-    import json
-
-    from engine.builtin.tiny_model import write_random_draft
-    from engine.errors import ConfigError
-    from engine.models.eagle.loader import HYBRID_DRAFT_REASON
-    from prefill_node.pipeline.layout import StageLayout, load_later_stage
-
-    text = json.loads((hf35_dir / "config.json").read_text())["text_config"]
-    draft = write_random_draft(tmp_path / "draft", text)
-    with pytest.raises(ConfigError, match="would leave the rejected draft tokens"):
-        LLMEngine(hf35_dir, EngineConfig(num_pages=16, page_size=8), draft=draft)
-    with pytest.raises(ConfigError) as info:
-        load_later_stage(hf35_dir, EngineConfig(num_pages=16, page_size=8), StageLayout(2, 1),
-                         draft)
-    assert str(info.value) == HYBRID_DRAFT_REASON

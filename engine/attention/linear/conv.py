@@ -64,3 +64,29 @@ def _conv(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     weight's dtype, activated."""
     y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])
     return F.silu(y) if activation == "silu" else y
+
+
+def causal_conv1d_window(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv of ``B`` sequences of ``n`` rows each (a speculative verify window), leaving
+    the pool untouched: ``x`` ``[B * n, C]`` (sequence ``b`` rows ``b * n .. b * n + n - 1``),
+    its state read from slot ``slots[b]`` of ``conv_state`` ``[num_slots, C, K - 1]``.
+
+    Returns the outputs ``[B * n, C]`` in ``x``'s dtype and each sequence's input window
+    ``[B, C, K - 1 + n]`` in the state's dtype (its old state, then its rows): the conv state
+    after the sequence's first ``a`` rows is ``window[:, :, a : a + K - 1]``."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
+    b, c = slots.shape[0], x.shape[1]
+    state = conv_state.index_select(0, slots)  # [B, C, K - 1]
+    rows = x.view(b, n, c).transpose(1, 2).to(state.dtype)  # [B, C, n]
+    window = torch.cat([state, rows], dim=-1)  # [B, C, K - 1 + n]
+    y = _conv(window, weight, bias, activation)  # [B, C, n]
+    return y.transpose(1, 2).reshape(b * n, c).to(x.dtype), window

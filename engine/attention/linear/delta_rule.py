@@ -164,3 +164,40 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
         now = now * chunk_decay.index_select(0, ids) + k_to_end.index_select(0, ids) @ u
         s = torch.cat([now, s[running:]])
     return out, s
+
+
+def gated_delta_rule_window(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    n: int,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over ``B`` sequences of ``n`` rows each (a speculative verify window), leaving
+    the pool untouched: the inputs as :func:`gated_delta_rule`'s (sequence ``b`` owns rows
+    ``b * n .. b * n + n - 1``), its state read from slot ``slots[b]`` of ``state``.
+
+    Every row takes the one-token recurrent step (the arithmetic of a decode row, so a verified
+    row's output is the one plain decoding computes). Returns the outputs ``[B * n, Hv, Dv]`` in
+    ``v``'s dtype and the state after each row ``[B, n, Hv, Dk, Dv]`` float32 (index ``a - 1``:
+    the state after the sequence's first ``a`` rows)."""
+    num_v_heads = v.shape[1]
+    if num_v_heads % k.shape[1]:
+        raise ValueError(f"{num_v_heads} value heads do not split over {k.shape[1]} key heads")
+    b = slots.shape[0]
+    qf, kf = _normalised(q, k, num_v_heads)
+
+    def seqs(t: torch.Tensor) -> torch.Tensor:  # [B * n, ...] -> [B, n, ...] float32
+        return t.float().view(b, n, *t.shape[1:])
+
+    qs, ks, vs, gs, bs = (seqs(t) for t in (qf, kf, v, g, beta))
+    s = state.index_select(0, slots)  # [B, Hv, Dk, Dv]
+    out = torch.empty(b, n, num_v_heads, v.shape[-1], dtype=torch.float32, device=v.device)
+    after = torch.empty(b, n, *s.shape[1:], dtype=torch.float32, device=v.device)
+    for j in range(n):
+        out[:, j], s = _step(qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j], s)
+        after[:, j] = s
+    return out.view(b * n, num_v_heads, -1).to(v.dtype), after

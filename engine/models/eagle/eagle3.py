@@ -32,6 +32,7 @@ from engine.attention.backend import AttentionBackend
 from engine.config import TextConfig
 from engine.errors import CheckpointError
 from engine.models.eagle.draft import DraftConfig, EagleDraft
+from engine.models.eagle.mtp import MtpDraft
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables
 from engine.models.qwen2_vl.model import Attention, Mlp, Qwen2VLModel
 from engine.parallel.group import SINGLE, TPGroup
@@ -165,4 +166,4 @@ def build_draft(cfg: DraftConfig, tp: TPGroup = SINGLE) -> EagleDraft | Eagle3Dr
     return EagleDraft(cfg, tp) if cfg.eagle3 is None else Eagle3Draft(cfg, tp)
 
 
-Draft = EagleDraft | Eagle3Draft  # what every draft loop runs
+Draft = EagleDraft | Eagle3Draft | MtpDraft  # what every draft loop runs
