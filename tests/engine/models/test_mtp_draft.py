@@ -18,8 +18,8 @@ from engine.errors import CheckpointError
 from engine.kv.pool import KVPool
 from engine.models.eagle.loader import MTP_DRAFT, draft_source, load_draft
 from engine.models.eagle.mtp import MtpDraft
-from engine.parallel.group import TPGroup
 from engine.parallel.shard import TextShard
+from tests.engine.parallel.test_tp_shard import ThreadGroup
 
 ROWS = 11
 
@@ -156,22 +156,6 @@ def test_transformers_loads_the_mtp_checkpoint_and_ignores_the_module(
     got = engine.generate([Prompt(token_ids=ids[0].tolist())],
                           SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert got[0].token_ids == want
-
-
-class ThreadGroup(TPGroup):
-    """Ranks as threads of one process: all_reduce sums every rank's tensor, in rank order."""
-
-    def __init__(self, rank: int, size: int, parts: list[torch.Tensor],
-                 barrier: threading.Barrier) -> None:
-        super().__init__(rank, size)
-        self.parts, self.barrier = parts, barrier
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self.parts[self.rank] = x.clone()
-        self.barrier.wait()
-        total = torch.stack(self.parts).sum(0)
-        self.barrier.wait()
-        return x.copy_(total)
 
 
 def layer_over(draft: MtpDraft, kv_heads: int, head_dim: int, x: torch.Tensor,
