@@ -30,6 +30,7 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
 
 port = int_in(0, MAX_PORT)  # 0 picks a free port
 positive = int_in(1)
+non_negative = int_in(0)
 
 
 def positive_float(text: str) -> float:

@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.arg_types import host, non_negative_float, port, positive, positive_float
+from cli.arg_types import host, non_negative, non_negative_float, port, positive, positive_float
 from serving.admission import DEFAULT_MAX_WAITING
 
 if TYPE_CHECKING:
@@ -48,6 +48,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a hybrid model's linear-attention state slots, one per request that "
                         "runs or (on a decode node) is in transfer (default: --max-num-seqs; "
                         "twice that on a decode node); ignored for other models")
+    p.add_argument("--state-checkpoints", type=non_negative, default=16, metavar="N",
+                   help="a hybrid model's prefix cache: keep up to N linear-attention state "
+                        "checkpoints (each one state slot's bytes, state_checkpoint_bytes in "
+                        "the stats), evicted least recently used; a KV hit reaches only as far "
+                        "as the last checkpoint of its prefix (0: no hybrid hits on this "
+                        "node's own prefills)")
+    p.add_argument("--state-checkpoint-interval", type=positive, default=512, metavar="TOKENS",
+                   help="a hybrid model's prompts keep a state checkpoint every TOKENS tokens "
+                        "(a multiple of --page-size; prefill chunks end there)")
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full instead of reusing the KV of full pages "
@@ -79,7 +88,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, dtype=dtype_name(dtype), device=str(device),
         graphs=not args.no_graphs, enable_prefix_cache=not args.no_prefix_cache,
         tp_size=getattr(args, "tp_size", 1),  # only commands with add_tp_args have the flag
-        state_slots=args.state_slots,
+        state_slots=args.state_slots, state_checkpoints=args.state_checkpoints,
+        state_checkpoint_interval=args.state_checkpoint_interval,
     )
 
 

@@ -157,7 +157,7 @@ class RemoteQueues:
         cache = sched.prefix_cache
         for room, r in list(self.prealloc.items()):
             need = -(-r.request.num_prompt_tokens // page_size)
-            hit = cache.match(r.request) if cache is not None else []
+            hit = cache.match(r.request, kv_only=True) if cache is not None else []
             pinned = cache.num_pinned_by(hit) if cache is not None else 0
             available = sched.num_available_pages - pinned - sched.num_owed_pages
             if available < sched.worst_case_pages(r.request) - len(hit):

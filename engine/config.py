@@ -485,11 +485,22 @@ class EngineConfig:
     # a hybrid model's linear-attention state slots (engine/kv/state_pool.py): None for one per
     # running request (max_num_seqs); a decode node wants more, for the rooms in transfer
     state_slots: int | None = None
+    # a hybrid model's prefix cache keeps the linear-attention state every
+    # state_checkpoint_interval prompt tokens (a multiple of page_size), in state_checkpoints
+    # slots of the state pool beside the requests' (each one slot's bytes, evicted LRU); a KV
+    # hit is cut back to the last boundary with a checkpoint (engine/core/state_checkpoints.py)
+    state_checkpoints: int = 16
+    state_checkpoint_interval: int = 512
 
     @property
     def num_state_slots(self) -> int:
-        """The state pool's slot count (``state_slots``, else ``max_num_seqs``)."""
+        """The requests' state slot count (``state_slots``, else ``max_num_seqs``)."""
         return self.state_slots if self.state_slots is not None else self.max_num_seqs
+
+    @property
+    def state_pool_slots(self) -> int:
+        """The state pool's slot count: the requests', then the prefix cache's checkpoints."""
+        return self.num_state_slots + (self.state_checkpoints if self.enable_prefix_cache else 0)
 
     def __post_init__(self) -> None:
         """Refuse settings no engine can run (a page size of 0 divided by zero at start-up; a
@@ -504,6 +515,15 @@ class EngineConfig:
                 continue  # unset: from the budget, from the model
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if (isinstance(self.state_checkpoints, bool) or not isinstance(self.state_checkpoints, int)
+                or self.state_checkpoints < 0):
+            raise ConfigError(f"EngineConfig.state_checkpoints must be an int of at least 0, got "
+                              f"{self.state_checkpoints!r}")
+        interval = self.state_checkpoint_interval
+        if (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1
+                or interval % self.page_size):
+            raise ConfigError(f"EngineConfig.state_checkpoint_interval must be a positive "
+                              f"multiple of page_size {self.page_size}, got {interval!r}")
         if self.lookahead_tokens < 0:
             raise ConfigError(f"EngineConfig.lookahead_tokens must be at least 0, got "
                               f"{self.lookahead_tokens}")

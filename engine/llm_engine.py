@@ -7,7 +7,6 @@ pieces; this class is what ``pdserve generate`` and the benchmarks use.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import FinishReason, Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.state_checkpoints import StateCheckpoints
 from engine.core.state_slots import StateSlotAllocator
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidRequestError
@@ -48,8 +48,6 @@ from engine.runner.model_runner import ModelRunner, StepForward
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.sampler import Sampler, make_generator
 from engine.text.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,10 +88,6 @@ class GenerationResult:
     logprobs: list[float]
     text: str | None  # None when the model has no tokenizer
     finish_reason: FinishReason
-
-
-HYBRID_CACHE_REASON = ("a hybrid model's linear-attention state is valid only at the boundary "
-                       "it was taken at, and pdserve keeps no state checkpoints yet")
 
 
 def hybrid_states(text: TextConfig, layers: range, num_slots: int, dtype: torch.dtype,
@@ -169,14 +163,16 @@ class LLMEngine:
         self.pool = KVPool(num_pages + 1, config.page_size, kv_heads, text.head_dim,
                            kv_layers, dtype, self.device)
         allocator = PageAllocator(num_pages)
-        self.states = hybrid_states(text, layers, config.num_state_slots, dtype, self.device,
+        self.states = hybrid_states(text, layers, config.state_pool_slots, dtype, self.device,
                                     shard)
         slots = StateSlotAllocator(config.num_state_slots) if self.states is not None else None
         cache = None
-        if config.enable_prefix_cache and self.states is not None:
-            log.warning("prefix cache off: %s", HYBRID_CACHE_REASON)
-        elif config.enable_prefix_cache:
-            cache = PrefixCache(config.page_size, allocator)
+        if config.enable_prefix_cache:
+            checkpoints = None
+            if self.states is not None:  # the pool's slots after the requests' hold them
+                checkpoints = StateCheckpoints(config.state_checkpoints, config.num_state_slots,
+                                               config.state_checkpoint_interval, config.page_size)
+            cache = PrefixCache(config.page_size, allocator, checkpoints)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=num_pages,
@@ -323,6 +319,15 @@ class LLMEngine:
             out.update(state_slots_total=sched.state_slots.num_slots,
                        state_slots_used=sched.state_slots.num_used,
                        state_bytes_per_slot=self.states.pool.bytes_per_slot)
+        checkpoints = cache.checkpoints if cache is not None else None
+        if checkpoints is not None and self.states is not None:
+            ck = checkpoints.stats
+            out.update(state_checkpoints_total=checkpoints.num_slots,
+                       state_checkpoints_cached=checkpoints.num_cached,
+                       state_checkpoint_bytes=self.states.pool.bytes_per_slot,
+                       state_checkpoints_saved=ck.saved,
+                       state_checkpoints_restored=ck.restored,
+                       state_checkpoints_evicted=ck.evicted)
         if cache is not None:
             st = cache.stats
             out.update(prefix_cache_pages=cache.num_cached_pages,

@@ -30,6 +30,12 @@ and cached-only (evictable); the scheduler counts ``free + evictable`` as availa
 Invariants (checked by :meth:`PrefixCache.check`): ``_blocks`` and ``_page_key`` are inverse
 maps; every cached page has a refcount >= 1; a cached page is in ``_lru`` iff its refcount is 1.
 
+Hybrid models (:attr:`PrefixCache.checkpoints` set, ``engine/core/state_checkpoints.py``): a
+request's linear-attention state exists only where a checkpoint kept it, so :meth:`match` cuts a
+KV hit back to the longest prefix whose boundary has a state checkpoint (never a hit without its
+state), and :meth:`restore_slot` names the checkpoint the request's slot starts from. A decode
+node adopting a transfer takes KV only (``kv_only``): the prefill sends the final state.
+
 Listener (optional, :attr:`PrefixCache.listener`): told of every block stored and removed and of
 :meth:`PrefixCache.clear`, on the thread that changes the cache (a node's engine thread, under its
 loop lock), so it must be cheap. A block's *id* there is its key as bytes: the chain hash, with
@@ -48,6 +54,7 @@ from typing import Protocol
 
 from engine.core.page_allocator import PageAllocator
 from engine.core.request import Request
+from engine.core.state_checkpoints import StateCheckpoints
 
 BlockKey = tuple[bytes, int]  # (chain hash, next token or -1)
 NO_NEXT = -1
@@ -93,11 +100,16 @@ class PrefixCursor:
 class PrefixCache:
     """Full KV pages keyed by chained block hashes (see the module docstring)."""
 
-    def __init__(self, page_size: int, allocator: PageAllocator) -> None:
+    def __init__(self, page_size: int, allocator: PageAllocator,
+                 checkpoints: StateCheckpoints | None = None) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
+        if checkpoints is not None and checkpoints.interval % page_size:
+            raise ValueError(f"state checkpoints every {checkpoints.interval} tokens do not sit "
+                             f"on {page_size}-token page boundaries")
         self.page_size = page_size
         self.allocator = allocator
+        self.checkpoints = checkpoints
         self.draft_mode = False
         self.stats = PrefixCacheStats()
         self.listener: CacheListener | None = None
@@ -126,24 +138,45 @@ class PrefixCache:
 
     # ---- admission -----------------------------------------------------------------------------
 
-    def match(self, req: Request) -> list[int]:
+    def match(self, req: Request, *, kv_only: bool = False) -> list[int]:
         """Pages of the longest cached prefix of ``req``'s prompt, block by block, leaving at
         least the prompt's last token to compute (its logits give the first output token).
-        Takes no reference: :meth:`take` does, once the scheduler admits the request."""
-        cursor = _cursor(req)
+        With state checkpoints, only up to the last boundary holding one, unless ``kv_only``
+        (a decode whose state arrives with the transfer). Takes no reference: :meth:`take`
+        does, once the scheduler admits the request."""
         prompt = req.prompt_token_ids
         pages: list[int] = []
         size = self.page_size
         k = 0
         while (k + 1) * size < len(prompt):
-            key = (self._chain(req, cursor, k), prompt[(k + 1) * size] if self.draft_mode
-                   else NO_NEXT)
-            page = self._blocks.get(key)
+            page = self._blocks.get(self.boundary_key(req, k + 1))
             if page is None:
                 break
             pages.append(page)
             k += 1
-        return pages
+        ck = self.checkpoints
+        if ck is None or kv_only:
+            return pages
+        while k and not (ck.is_boundary(k * size) and self.boundary_key(req, k) in ck):
+            k -= 1
+        return pages[:k]
+
+    def boundary_key(self, req: Request, blocks: int) -> BlockKey:
+        """The key of block ``blocks - 1`` of ``req`` (``blocks >= 1``, whose boundary lies
+        inside the prompt in draft mode): a page's key, and the key of the state checkpoint
+        after the first ``blocks`` blocks."""
+        end = blocks * self.page_size
+        nxt = _token_at(req, end) if self.draft_mode else NO_NEXT
+        return self._chain(req, _cursor(req), blocks - 1), nxt
+
+    def restore_slot(self, req: Request, blocks: int) -> int:
+        """The checkpoint slot holding ``req``'s state after its first ``blocks`` blocks (a
+        :meth:`match` result's length, with checkpoints); counts a restore."""
+        assert self.checkpoints is not None
+        slot = self.checkpoints.get(self.boundary_key(req, blocks))
+        assert slot is not None, "a hybrid prefix hit without its state checkpoint"
+        self.checkpoints.stats.restored += 1
+        return slot
 
     def num_pinned_by(self, pages: list[int]) -> int:
         """How many of ``pages`` (a :meth:`match` result) are evictable now, i.e. would stop
@@ -185,8 +218,7 @@ class PrefixCache:
             end = min(end, req.num_tokens - 1)
         k = cursor.handled
         while (k + 1) * size <= end and k < len(req.page_ids):
-            nxt = _token_at(req, (k + 1) * size) if self.draft_mode else NO_NEXT
-            key = (self._chain(req, cursor, k), nxt)
+            key = self.boundary_key(req, k + 1)
             if key not in self._blocks:
                 page = req.page_ids[k]
                 self.allocator.share([page])
@@ -233,6 +265,8 @@ class PrefixCache:
         self._page_key.clear()
         self._lru.clear()
         self.allocator.free(pages)
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         if self.listener is not None:
             self.listener.cleared()
 
@@ -247,6 +281,8 @@ class PrefixCache:
             assert rc >= 1, f"cached page {page} is free"
             assert (rc == 1) == (page in self._lru), (page, rc)
         assert all(p in self._page_key for p in self._lru)
+        if self.checkpoints is not None:
+            self.checkpoints.check()
 
     # ---- helpers -------------------------------------------------------------------------------
 

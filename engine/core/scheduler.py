@@ -41,6 +41,14 @@ the caller) and either frees it (:meth:`Scheduler.free_state_slot`) or hands it 
 adopts (``Request.state_slot`` set before :meth:`Scheduler.add`, which admission keeps). So the
 slots held are exactly the scheduled requests' slots and the lent ones.
 
+State checkpoints (hybrid models with a prefix cache, ``engine/core/state_checkpoints.py``): a
+prompt's prefill chunks end at every checkpoint boundary inside the prompt (each ``interval``
+tokens), and a chunk ending at one whose state is not kept yet reserves a checkpoint slot
+(``ScheduledItem.save_to``), which :meth:`Scheduler.update` commits under the boundary's block
+key. A request admitted with a prefix hit starts from the checkpoint at the hit's end
+(``ScheduledItem.restore_from`` of its first chunk). The model runner copies both: restores
+before the forward, saves after it.
+
 No torch here.
 """
 
@@ -82,13 +90,18 @@ class ScheduledItem:
     """Compute tokens ``[start, start + num_tokens)`` of ``request`` this step.
 
     ``start == request.num_computed_tokens`` at schedule time; ``needs_sample`` is True iff the
-    chunk ends at ``request.num_tokens`` (the logits of its last token are needed).
+    chunk ends at ``request.num_tokens`` (the logits of its last token are needed). Hybrid
+    models with state checkpoints: ``restore_from`` is the checkpoint slot the request's state
+    slot takes before the forward (its first chunk after a prefix hit), ``save_to`` the one
+    its state slot is copied into after it (the chunk ends at a checkpoint boundary); -1 none.
     """
 
     request: Request
     start: int
     num_tokens: int
     needs_sample: bool
+    restore_from: int = -1
+    save_to: int = -1
 
 
 @dataclass(slots=True)
@@ -137,6 +150,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.state_slots = state_slots
         self._lent_slots = 0  # state slots taken by take_state_slot, not yet freed or adopted
+        self._restores: dict[str, int] = {}  # admitted this step: the checkpoint slot to start from
         self._waiting: dict[str, Request] = {}  # FIFO by insertion order
         self._running: dict[str, Request] = {}  # admission order
         self._worst: dict[str, int] = {}  # request_id -> pages reserved at admission
@@ -310,6 +324,7 @@ class Scheduler:
         page_size = self.config.page_size
         items: list[ScheduledItem] = []
         add = items.append
+        checkpoints = self.prefix_cache.checkpoints if self.prefix_cache is not None else None
         for req in self._running.values():  # the hot loop: _schedule_chunk inlined
             if budget == 0:
                 break
@@ -320,6 +335,9 @@ class Scheduler:
             gap = prompt_len + len(req.output_token_ids) - start
             if gap > 0:
                 n = gap if gap < budget else budget
+                if checkpoints is not None and start < prompt_len:
+                    budget -= self._schedule_chunk(req, start, n, gap, items)
+                    continue
                 if start + n > len(req.page_ids) * page_size:
                     self._allocate_pages(req, start + n)
                 add(ScheduledItem(req, start, n, n == gap))
@@ -351,6 +369,8 @@ class Scheduler:
             return False
         if cache is not None and not req.page_ids and req.num_computed_tokens == 0:
             cache.take(req, hit)
+            if hit and cache.checkpoints is not None:
+                self._restores[req.request_id] = cache.restore_slot(req, len(hit))
         del self._waiting[req.request_id]
         self._running[req.request_id] = req
         self._worst[req.request_id] = worst
@@ -364,10 +384,23 @@ class Scheduler:
     def _schedule_chunk(
         self, req: Request, start: int, n: int, gap: int, items: list[ScheduledItem]
     ) -> int:
-        """Schedule ``n`` of the ``gap`` tokens from ``start`` on; returns ``n``."""
+        """Schedule ``n`` of the ``gap`` tokens from ``start`` on, or fewer, up to the next state
+        checkpoint boundary inside the prompt; returns how many."""
+        restore, save = self._restores.pop(req.request_id, -1), -1
+        cache = self.prefix_cache
+        checkpoints = cache.checkpoints if cache is not None else None
+        prompt_len = len(req.prompt_token_ids)
+        if checkpoints is not None and start < prompt_len:
+            assert cache is not None
+            boundary = checkpoints.next_boundary(start)
+            if boundary < prompt_len and start + n >= boundary and checkpoints.num_slots:
+                n = boundary - start
+                if cache.boundary_key(req, boundary // self.config.page_size) not in checkpoints:
+                    reserved = checkpoints.reserve()
+                    save = -1 if reserved is None else reserved
         if (start + n) > len(req.page_ids) * self.config.page_size:
             self._allocate_pages(req, start + n)
-        items.append(ScheduledItem(req, start, n, n == gap))
+        items.append(ScheduledItem(req, start, n, n == gap, restore, save))
         return n
 
     def _allocate_pages(self, req: Request, end: int) -> None:
@@ -412,9 +445,23 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is not None:  # full blocks completed this step become shareable
             for item in output.items:
+                if item.save_to >= 0:
+                    self._commit_checkpoint(cache, item)
                 if item.request.finish_reason is None:
                     cache.insert(item.request)
         return finished
+
+    def _commit_checkpoint(self, cache: PrefixCache, item: ScheduledItem) -> None:
+        """The forward copied ``item``'s state into its reserved checkpoint slot: keep it under
+        the boundary's key (an aborted request's slot is only released)."""
+        checkpoints = cache.checkpoints
+        assert checkpoints is not None
+        if item.request.finish_reason is not None:
+            checkpoints.release(item.save_to)
+            return
+        end = item.start + item.num_tokens
+        checkpoints.commit(cache.boundary_key(item.request, end // self.config.page_size),
+                           item.save_to)
 
     def decoding(self) -> list[Request]:
         """Running requests past their prompt (a speculative decoder's batch)."""
@@ -520,3 +567,6 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.check()
             assert self.prefix_cache.num_evictable == self.prefix_cache.num_cached_pages
+            checkpoints = self.prefix_cache.checkpoints
+            assert checkpoints is None or checkpoints.num_reserved == 0, \
+                "state checkpoint slots left reserved"

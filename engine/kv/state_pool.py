@@ -110,6 +110,21 @@ class StatePool:
         for tensor in (*self._conv, *self._recurrent):
             tensor.index_fill_(0, index, 0)
 
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy both states of slots ``src`` into slots ``dst`` (pairwise, distinct ``dst``
+        not among ``src``) in every layer. Raises ``ValueError`` (changing nothing) on a slot
+        outside ``[0, num_slots)``."""
+        bad = [s for s in (*src, *dst) if not 0 <= s < self.num_slots]
+        if bad or len(src) != len(dst):
+            raise ValueError(f"cannot copy state slots {list(src)} to {list(dst)} in a pool of "
+                             f"{self.num_slots}")
+        if not src:
+            return
+        index = torch.tensor([*src, *dst], dtype=torch.int64, device=self.device)
+        source, target = index[: len(src)], index[len(src):]
+        for tensor in (*self._conv, *self._recurrent):
+            tensor.index_copy_(0, target, tensor.index_select(0, source))
+
     def buffer_infos(self) -> list[BufferInfo]:
         """Base address, byte length, bytes per slot (``bytes_per_page``), layer id and
         device of every state entry, in transfer order (see the module docstring)."""

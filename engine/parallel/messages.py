@@ -90,12 +90,18 @@ class StateStep:
     computing from token 0) are zeroed first. Every rank applies the same step to its own pool
     (its heads' states), so the slots hold the same requests on every rank. ``window`` above 0:
     a speculative verify of ``window`` rows per sequence, which writes no slot until
-    :attr:`Command.KEEP_STATES` (:meth:`LinearStates.prepare_window`)."""
+    :attr:`Command.KEEP_STATES` (:meth:`LinearStates.prepare_window`).
+
+    State checkpoints (``engine/core/state_checkpoints.py``): ``restore`` holds ``(source,
+    slot)`` pairs, flat, copied before the forward (a prefix hit's checkpoint into its
+    request's slot); ``save`` ``(slot, checkpoint)`` pairs copied after it (:meth:`saved`)."""
 
     q_starts: tuple[int, ...]
     slots: tuple[int, ...]
     fresh: tuple[int, ...] = ()
     window: int = 0
+    restore: tuple[int, ...] = ()
+    save: tuple[int, ...] = ()
 
     @classmethod
     def verify(cls, slots: Iterable[int], window: int) -> StateStep:
@@ -105,21 +111,29 @@ class StateStep:
         return cls(tuple(range(0, (len(slots) + 1) * window, window)), slots, (), window)
 
     @classmethod
-    def of(cls, rows: Iterable[tuple[int, int, int]]) -> StateStep:
+    def of(cls, rows: Iterable[tuple[int, int, int]], restore: Iterable[tuple[int, int]] = (),
+           save: Iterable[tuple[int, int]] = ()) -> StateStep:
         """The step of a forward over sequences given as ``(num_tokens, slot, start)`` in
-        row order: a sequence starting at token 0 has its slot zeroed first."""
+        row order: a sequence starting at token 0 has its slot zeroed first. ``restore``:
+        ``(checkpoint, slot)`` copies before the forward; ``save``: ``(slot, checkpoint)``
+        copies after it."""
         starts, slots, fresh = [0], [], []
         for num_tokens, slot, start in rows:
             starts.append(starts[-1] + num_tokens)
             slots.append(slot)
             if start == 0:
                 fresh.append(slot)
-        return cls(tuple(starts), tuple(slots), tuple(fresh))
+        return cls(tuple(starts), tuple(slots), tuple(fresh), 0,
+                   tuple(i for pair in restore for i in pair),
+                   tuple(i for pair in save for i in pair))
 
     def apply(self, states: LinearStates) -> LinearStates:
-        """Zero the fresh slots of ``states``' pool and prepare ``states`` for this forward."""
+        """Zero the fresh slots of ``states``' pool, copy the restored checkpoints in, and
+        prepare ``states`` for this forward."""
         if self.fresh:
             states.pool.reset(self.fresh)
+        if self.restore:
+            states.pool.copy_slots(self.restore[0::2], self.restore[1::2])
         slots = torch.tensor(self.slots, dtype=torch.int64).to(states.pool.device)
         if self.window:
             states.prepare_window(slots, self.window)
@@ -127,20 +141,28 @@ class StateStep:
             states.prepare(list(self.q_starts), slots)
         return states
 
+    def saved(self, states: LinearStates) -> None:
+        """After the forward: copy the slots to save into their checkpoint slots."""
+        if self.save:
+            states.pool.copy_slots(self.save[0::2], self.save[1::2])
+
     def encode(self) -> bytes:
-        values = (len(self.slots), len(self.fresh), self.window, *self.q_starts, *self.slots,
-                  *self.fresh)
+        values = (len(self.slots), len(self.fresh), self.window, len(self.restore),
+                  len(self.save), *self.q_starts, *self.slots, *self.fresh, *self.restore,
+                  *self.save)
         return struct.pack(f"<{len(values)}q", *values)
 
     @classmethod
     def decode(cls, data: bytes) -> StateStep:
-        b, f, window = struct.unpack("<3q", data[:24])
-        size = 8 * (4 + 2 * b + f)
-        if len(data) != size:
-            raise ValueError(f"a state step of {b} sequences and {f} fresh slots is {size} "
-                             f"bytes, got {len(data)}")
-        values = struct.unpack(f"<{2 * b + 1 + f}q", data[24:])
-        return cls(values[: b + 1], values[b + 1 : 2 * b + 1], values[2 * b + 1 :], window)
+        b, f, window, r, s = struct.unpack("<5q", data[:40])
+        size = 8 * (6 + 2 * b + f + r + s)
+        if len(data) != size or r % 2 or s % 2:
+            raise ValueError(f"a state step of {b} sequences, {f} fresh slots, {r // 2} restores "
+                             f"and {s // 2} saves is {size} bytes, got {len(data)}")
+        values = struct.unpack(f"<{2 * b + 1 + f + r + s}q", data[40:])
+        fresh_end = 2 * b + 1 + f
+        return cls(values[: b + 1], values[b + 1 : 2 * b + 1], values[2 * b + 1 : fresh_end],
+                   window, values[fresh_end : fresh_end + r], values[fresh_end + r :])
 
 
 def step_message(header: StepHeader, states: StateStep | None = None) -> bytes:

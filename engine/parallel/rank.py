@@ -119,8 +119,9 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
            ) -> tuple[Qwen2VLModel, KVPool, LinearStates | None]:
     """This rank's model share (of ``config.layers`` when set), its KV pool (rank 0's page
     count, this rank's key/value heads, the full-attention layers among those) and a hybrid
-    model's state pool (rank 0's slot count, this rank's linear-attention heads, the linear
-    layers among those; None without any: as the engine's ``hybrid_states`` for rank 0)."""
+    model's state pool (rank 0's slot count, its state checkpoints included, this rank's
+    linear-attention heads, the linear layers among those; None without any: as the engine's
+    ``hybrid_states`` for rank 0)."""
     config = spec.config
     if device.type != "cpu":  # NCCL and HCCL take the rank's device from the current one
         getattr(torch, device.type).set_device(device)
@@ -133,7 +134,7 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
     lin, linear_ids = shard.linear_here, text.linear_layers(layers)
     if lin is None or not linear_ids:
         return model, pool, None
-    states = StatePool(config.num_state_slots, linear_ids, lin.conv_channels, lin.conv_kernel,
+    states = StatePool(config.state_pool_slots, linear_ids, lin.conv_channels, lin.conv_kernel,
                        lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, dtype, device)
     return model, pool, LinearStates(states)
 
@@ -210,6 +211,8 @@ def _serve(conn: Connection, shares: _Shares, device: torch.device) -> None:
         # rank 0's own layers' output (before its final norm, a per-rank op); rank 0 samples
         model.forward_layers_aux(rows, mrope, shares.attn, shares.layers, final_norm=False,
                                  extras=extras)
+        if states is not None and extras.states is not None:
+            states.saved(extras.states)
 
 
 def _step_extras(header: StepHeader, states: StateStep | None, shares: _Shares, tp: TPGroup,

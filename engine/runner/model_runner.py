@@ -11,7 +11,9 @@ a Qwen3-VL chunk also takes the DeepStack features of its visual tokens (:class:
 
 Hybrid models (``states`` set): each forward names its sequences' state slots, and the slot of a
 request whose computation starts at token 0 (a fresh prompt, or one resumed from scratch) is
-zeroed first, so a request never sees an earlier holder's state.
+zeroed first, so a request never sees an earlier holder's state; a request resuming from a
+prefix hit takes its state checkpoint instead, and a chunk ending at a checkpoint boundary has
+its slot copied into the checkpoint after the forward (``engine/core/state_checkpoints.py``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,8 @@ class ModelRunner:
                 states = _state_step(out.items)
                 extras = replace(extras, states=states.apply(self.states))
             hidden, aux = self.forward_embeds_aux(embeds, mrope, batch, extras, states)
+            if states is not None and self.states is not None:
+                states.saved(self.states)
         return StepForward(step.input_ids, hidden, mrope, batch.slot_mapping, step.sample_rows,
                            batch, aux)
 
@@ -202,8 +206,11 @@ class ModelRunner:
 
 def _state_step(items: list[ScheduledItem]) -> StateStep:
     """The state pool's use by this forward: every item's rows and slot, the slots of items
-    starting at token 0 to be zeroed first."""
-    return StateStep.of((it.num_tokens, it.request.state_slot, it.start) for it in items)
+    starting at token 0 to be zeroed first, the state checkpoints to restore and to save."""
+    return StateStep.of(((it.num_tokens, it.request.state_slot, it.start) for it in items),
+                        [(it.restore_from, it.request.state_slot) for it in items
+                         if it.restore_from >= 0],
+                        [(it.request.state_slot, it.save_to) for it in items if it.save_to >= 0])
 
 
 def _state(item: ScheduledItem) -> RequestState:

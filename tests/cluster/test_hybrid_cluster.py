@@ -14,6 +14,11 @@ decode; the colocated path computes the prompt on the decode. A TP 2 prefill of 
 one (replicated) KV head has rank 1 write states and no KV. The prefills run 16-token
 chunks, so states cross chunk borders. Every node ends idle, state slots included (the leak
 check).
+
+The prefix cache is on everywhere (state checkpoints every 16 tokens), and the modes send the
+same prompts to the same nodes: a prefill's repeated prompt resumes from its KV and its state
+checkpoint, and a decode's cached pages are not sent again (delta transfer: the missing KV and
+the final state), the streams still equal transformers'.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from tests.engine.models.test_qwen3_generation import IMG, NEW_TOKENS, cases, re
 pytestmark = pytest.mark.slow
 
 NAMES = ["text", "one_image", "two_images", "video", "image_and_video"]
-NODE = ["--port", "0", "--page-size", "8", "--num-pages", "128", "--max-num-batched-tokens", "16"]
+NODE = ["--port", "0", "--page-size", "8", "--num-pages", "128", "--max-num-batched-tokens", "16",
+        "--state-checkpoint-interval", "16"]
 MODES = ["1p1d", "2p1d", "colocated", "tp1_to_tp2", "tp2_to_tp1", "pipeline", "pipeline_tp2"]
 
 
@@ -114,6 +120,20 @@ def test_streams_equal_transformers(mode: str, nodes: dict[str, Node],
     assert router.kv_retries == router.kv_recomputes == 0, mode  # the transfer carried them
     decode = get_stats(nodes["decode"].address)
     assert decode.state_slots_total > 0
+    assert_all_idle([n.address for n in nodes.values()])
+
+
+def test_prefix_hits_on_both_sides_keep_the_streams(nodes: dict[str, Node],
+                                                    expected: dict[str, list[int]]) -> None:
+    """Each prompt twice through 1P1D: the second time the prefill resumes at a state
+    checkpoint and the decode asks for fewer pages, and the streams stay transformers'."""
+    before_p, before_d = get_stats(nodes["p1"].address), get_stats(nodes["decode"].address)
+    for _ in range(2):
+        for name, msgs in zip(NAMES, stream_all(nodes["1p1d"], NAMES), strict=True):
+            assert [t for m in msgs for t in m.token_ids] == expected[name], name
+    after_p, after_d = get_stats(nodes["p1"].address), get_stats(nodes["decode"].address)
+    assert after_p.prefix_cache_hit_tokens > before_p.prefix_cache_hit_tokens
+    assert after_d.kv_pages_not_sent > before_d.kv_pages_not_sent
     assert_all_idle([n.address for n in nodes.values()])
 
 

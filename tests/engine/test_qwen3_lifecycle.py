@@ -1,11 +1,11 @@
-"""Qwen3-VL and Qwen3.5 through the engine's lifecycle: the prefix cache (on for Qwen3-VL,
-refused for the hybrid Qwen3.5 with its reason), cancel storms over a state pool smaller than
+"""Qwen3-VL and Qwen3.5 through the engine's lifecycle: the prefix cache (Qwen3-VL's,
+the hybrid Qwen3.5's with its state checkpoints), cancel storms over a state pool smaller than
 the queue, sampling with penalties; every run ends with no page and no state slot held."""
 
 from __future__ import annotations
 
-import logging
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
-from engine.llm_engine import HYBRID_CACHE_REASON, LLMEngine, Prompt
+from engine.llm_engine import LLMEngine, Prompt
 from engine.multimodal.inputs import ImageInput
 from tests.conftest import HF_SPECIAL
 
@@ -61,17 +61,36 @@ def test_qwen3_vl_prefix_cache_on_equals_off(hf3_dir: Path) -> None:
     assert cached.stats()["prefix_cache_hit_tokens"] == 2 * 40
 
 
-def test_qwen3_5_refuses_the_prefix_cache_with_its_reason(
-        hf35_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine.llm_engine"):
-        engine = LLMEngine(hf35_dir, EngineConfig(num_pages=64, page_size=8))
-    assert engine.scheduler.prefix_cache is None
-    assert HYBRID_CACHE_REASON in caplog.text
-    assert not any(k.startswith("prefix_cache") for k in engine.stats())
-    prompts = [(text(30, 1), []), (text(30, 1)[:24] + text(6, 2), [])]
+def test_qwen3_5_prefix_cache_serves_kv_with_its_state_checkpoint(hf35_dir: Path) -> None:
+    """A hybrid model's prefix hit ends at the last state checkpoint of the shared prefix (never
+    a hit without its state) and its output equals the cache off: the shared 30 tokens fill 3
+    pages of 8, but checkpoints sit every 16 tokens, so the later prompts hit 16 tokens."""
+    prompts = [(text(30, 1) + text(5, 2), []), (text(30, 1) + text(6, 3), []),
+               (text(30, 1) + text(4, 4), [])]
     greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    off = LLMEngine(hf35_dir, EngineConfig(num_pages=64, page_size=8, enable_prefix_cache=False))
+    config = EngineConfig(num_pages=64, page_size=8, state_checkpoint_interval=16)
+    engine = LLMEngine(hf35_dir, config)
+    off = LLMEngine(hf35_dir, replace(config, enable_prefix_cache=False))
     assert generate(engine, prompts, greedy) == generate(off, prompts, greedy)
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == 2 * 16
+    # boundaries 16 (shared) and 32 (each prompt's own) inside the prompts: 1 + 3 states
+    assert stats["state_checkpoints_saved"] == 4
+    assert stats["state_checkpoints_restored"] == 2
+    assert stats["state_checkpoint_bytes"] == engine.states.pool.bytes_per_slot > 0
+
+
+def test_qwen3_5_prefix_cache_without_checkpoint_slots_never_hits(hf35_dir: Path) -> None:
+    """No checkpoint slot: the KV pages are cached, yet no request takes a hit (no state)."""
+    prompts = [(text(30, 1) + text(5, 2), []), (text(30, 1) + text(6, 3), [])]
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    config = EngineConfig(num_pages=64, page_size=8, state_checkpoints=0,
+                          state_checkpoint_interval=8)
+    engine = LLMEngine(hf35_dir, config)
+    off = LLMEngine(hf35_dir, replace(config, enable_prefix_cache=False))
+    assert generate(engine, prompts, greedy) == generate(off, prompts, greedy)
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+    assert engine.stats()["prefix_cache_pages"] > 0
 
 
 def test_qwen3_5_cancel_storm_leaves_nothing_held(hf35_dir: Path) -> None:

@@ -183,6 +183,25 @@ def test_mtp_greedy_equals_plain_decoding(oracle_dir: Path, case: str, k: int) -
     assert_all_free(spec)
 
 
+def test_mtp_with_prefix_hits_resumed_at_state_checkpoints_equals_plain(oracle_dir: Path
+                                                                       ) -> None:
+    """The prefix cache in draft mode: prompts sharing a 40-token prefix (with an image) one
+    after the other resume at the state checkpoint at 32 (checkpoints every 16 tokens, keyed
+    with the token after the boundary) and decode what plain decoding without a cache does."""
+    shared = image_prompt(list(range(1, 10)), (1, 4, 4), list(range(20, 47)), 5)
+    prompts = [replace(shared, token_ids=[*(shared.token_ids or []), *tail])
+               for tail in ([60, 61], [70, 71, 72], [60, 61])]
+    want = [plain(oracle_dir, [p])[0] for p in prompts]
+    config = replace(engine_config(), state_checkpoint_interval=16)
+    engine = LLMEngine(oracle_dir, config, draft="mtp")
+    spec = EagleEngine(engine, engine.load_draft(), K)
+    got = [spec.generate([p], GREEDY)[0] for p in prompts]
+    assert_same_output(got, want)
+    assert engine.stats()["state_checkpoints_restored"] == 2
+    assert engine.stats()["prefix_cache_hit_tokens"] == 2 * 32
+    assert_all_free(spec)
+
+
 def test_keeping_every_verified_rows_state_would_diverge(oracle_dir: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The exactness above rests on the accepted rows' states: a loop that kept the state after

@@ -205,9 +205,11 @@ def test_greedy_output_matches_transformers(family: str, layout: str, closing: l
                                             request: pytest.FixtureRequest) -> None:
     """Text and one image one at a time, then every case at once with a step budget of 16
     tokens: prompts in many chunks, the chunks of one step mixing with other requests'
-    decode rows."""
+    decode rows. The batch's text and image prompts hit the prefix cache; a hybrid model's
+    resume at their state checkpoint (every 16 tokens), restored and saved on both ranks."""
     path, hf_model = family_fixtures(family, layout, request)
-    config = EngineConfig(num_pages=96, page_size=8, tp_size=2, max_num_batched_tokens=16)
+    config = EngineConfig(num_pages=96, page_size=8, tp_size=2, max_num_batched_tokens=16,
+                          state_checkpoint_interval=16)
     closing.append(engine := LLMEngine(path, config))
     assert engine.pool.num_kv_heads == 1  # its one of two KV heads, or the one replicated
     every = cases()
@@ -215,4 +217,7 @@ def test_greedy_output_matches_transformers(family: str, layout: str, closing: l
         assert generate(engine, [every[name]]) == [reference(hf_model, *every[name])], name
     prompts = list(every.values())
     assert generate(engine, prompts) == [reference(hf_model, ids, vis) for ids, vis in prompts]
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0
+    if engine.states is not None:
+        assert engine.stats()["state_checkpoints_restored"] > 0
     check_nothing_held(engine)
