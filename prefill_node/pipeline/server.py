@@ -109,7 +109,9 @@ async def serve_first_stage(args: StageArgs) -> None:
         text.num_key_value_heads, text.head_dim,
         resolve_dtype(config.dtype, resolve_device(config.device)))
     authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
-    engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages),
+    # no prefix cache on a pipeline (FirstStageLoop), so no state checkpoint slots either
+    engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages,
+                                               enable_prefix_cache=False),
                        rank_attach=_rank_attach(args, text, authkey))
     ends = await _open_endpoints(args, layers, [engine.pool], text,
                                  remote_ranks(engine.rank_payloads, authkey),
