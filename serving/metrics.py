@@ -38,7 +38,10 @@ COUNTERS = {"requests_total": "requests", "requests_rejected": "requests_rejecte
             "prefix_cache_queried_tokens": "prefix_cache_queried_tokens",
             "prefix_cache_hit_tokens": "prefix_cache_hit_tokens",
             "prefix_cache_evicted_blocks": "prefix_cache_evicted_blocks",
-            "kv_pages_not_sent": "kv_pages_not_sent", "kv_bytes_not_sent": "kv_bytes_not_sent"}
+            "kv_pages_not_sent": "kv_pages_not_sent", "kv_bytes_not_sent": "kv_bytes_not_sent",
+            "state_checkpoints_saved": "state_checkpoints_saved",
+            "state_checkpoints_restored": "state_checkpoints_restored",
+            "state_checkpoints_evicted": "state_checkpoints_evicted"}
 
 
 class StatsCollector(Collector):

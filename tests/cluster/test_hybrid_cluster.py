@@ -133,6 +133,8 @@ def test_prefix_hits_on_both_sides_keep_the_streams(nodes: dict[str, Node],
             assert [t for m in msgs for t in m.token_ids] == expected[name], name
     after_p, after_d = get_stats(nodes["p1"].address), get_stats(nodes["decode"].address)
     assert after_p.prefix_cache_hit_tokens > before_p.prefix_cache_hit_tokens
+    assert after_p.state_checkpoints_restored > before_p.state_checkpoints_restored
+    assert after_p.state_checkpoint_bytes > 0 and after_p.state_checkpoints_cached > 0
     assert after_d.kv_pages_not_sent > before_d.kv_pages_not_sent
     assert_all_idle([n.address for n in nodes.values()])
 

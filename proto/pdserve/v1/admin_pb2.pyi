@@ -9,7 +9,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("role", "kv_pages_used", "kv_pages_total", "aux_slots_used", "aux_slots_total", "rooms_active", "requests_running", "requests_waiting", "waiting_tokens", "requests_total", "requests_rejected", "transfers_failed", "drafted_tokens", "accepted_tokens", "spec_rounds", "acceptance_length", "faults_injected", "kv_retries", "kv_recomputes", "decode_failovers", "kv_pages_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_evicted_blocks", "kv_pages_not_sent", "kv_bytes_not_sent", "state_slots_used", "state_slots_total")
+    __slots__ = ("role", "kv_pages_used", "kv_pages_total", "aux_slots_used", "aux_slots_total", "rooms_active", "requests_running", "requests_waiting", "waiting_tokens", "requests_total", "requests_rejected", "transfers_failed", "drafted_tokens", "accepted_tokens", "spec_rounds", "acceptance_length", "faults_injected", "kv_retries", "kv_recomputes", "decode_failovers", "kv_pages_cached", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_evicted_blocks", "kv_pages_not_sent", "kv_bytes_not_sent", "state_slots_used", "state_slots_total", "state_checkpoints_total", "state_checkpoints_cached", "state_checkpoint_bytes", "state_checkpoints_saved", "state_checkpoints_restored", "state_checkpoints_evicted")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,12 @@ class Stats(_message.Message):
     KV_BYTES_NOT_SENT_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_SAVED_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    STATE_CHECKPOINTS_EVICTED_FIELD_NUMBER: _ClassVar[int]
     role: str
     kv_pages_used: int
     kv_pages_total: int
@@ -68,4 +74,10 @@ class Stats(_message.Message):
     kv_bytes_not_sent: int
     state_slots_used: int
     state_slots_total: int
-    def __init__(self, role: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., aux_slots_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., spec_rounds: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., faults_injected: _Optional[int] = ..., kv_retries: _Optional[int] = ..., kv_recomputes: _Optional[int] = ..., decode_failovers: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_evicted_blocks: _Optional[int] = ..., kv_pages_not_sent: _Optional[int] = ..., kv_bytes_not_sent: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ...) -> None: ...
+    state_checkpoints_total: int
+    state_checkpoints_cached: int
+    state_checkpoint_bytes: int
+    state_checkpoints_saved: int
+    state_checkpoints_restored: int
+    state_checkpoints_evicted: int
+    def __init__(self, role: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., aux_slots_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., requests_total: _Optional[int] = ..., requests_rejected: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., spec_rounds: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., faults_injected: _Optional[int] = ..., kv_retries: _Optional[int] = ..., kv_recomputes: _Optional[int] = ..., decode_failovers: _Optional[int] = ..., kv_pages_cached: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_evicted_blocks: _Optional[int] = ..., kv_pages_not_sent: _Optional[int] = ..., kv_bytes_not_sent: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., state_checkpoints_total: _Optional[int] = ..., state_checkpoints_cached: _Optional[int] = ..., state_checkpoint_bytes: _Optional[int] = ..., state_checkpoints_saved: _Optional[int] = ..., state_checkpoints_restored: _Optional[int] = ..., state_checkpoints_evicted: _Optional[int] = ...) -> None: ...
