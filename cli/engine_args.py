@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cli.arg_types import host, non_negative, non_negative_float, port, positive, positive_float
+from engine.config import KEEP_ROWS, VERIFY_STATES
 from serving.admission import DEFAULT_MAX_WAITING
 
 if TYPE_CHECKING:
@@ -57,6 +58,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-checkpoint-interval", type=positive, default=512, metavar="TOKENS",
                    help="a hybrid model's prompts keep a state checkpoint every TOKENS tokens "
                         "(a multiple of --page-size; prefill chunks end there)")
+    p.add_argument("--verify-states", choices=VERIFY_STATES, default=KEEP_ROWS,
+                   help="a hybrid model's speculative verify (with --draft): keep each "
+                        "linear-attention layer's recurrent state after every window row "
+                        "('rows', default: the faster on a CPU) or only the rows' inputs, "
+                        "stepping the accepted rows again once their count is known ('replay': "
+                        "about 1/60 of the memory, some 1.2-1.6x the time); the kept states are "
+                        "the same bits; ignored for other models")
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full instead of reusing the KV of full pages "
@@ -90,6 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tp_size=getattr(args, "tp_size", 1),  # only commands with add_tp_args have the flag
         state_slots=args.state_slots, state_checkpoints=args.state_checkpoints,
         state_checkpoint_interval=args.state_checkpoint_interval,
+        verify_states=args.verify_states,
     )
 
 

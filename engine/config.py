@@ -16,13 +16,20 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from engine.errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 QWEN3_FAMILY = ("qwen3_vl", "qwen3_5")  # the patch-16 vision tower, q/k norms, interleaved mrope
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+# what a speculative verify keeps of a hybrid model's linear-attention states until the accepted
+# count is known (engine/attention/linear/states.py): the state after every window row, or the
+# rows' inputs, from which the accepted rows' state is replayed
+VerifyStates = Literal["rows", "replay"]
+KEEP_ROWS: VerifyStates = "rows"
+REPLAY: VerifyStates = "replay"
+VERIFY_STATES: tuple[VerifyStates, ...] = (KEEP_ROWS, REPLAY)
 
 
 @dataclass(frozen=True)
@@ -491,6 +498,9 @@ class EngineConfig:
     # hit is cut back to the last boundary with a checkpoint (engine/core/state_checkpoints.py)
     state_checkpoints: int = 16
     state_checkpoint_interval: int = 512
+    # a hybrid model's speculative verify: what it keeps of the linear-attention states until
+    # the accepted counts are known, one of VERIFY_STATES (the same bits in the pool either way)
+    verify_states: VerifyStates = KEEP_ROWS
 
     @property
     def num_state_slots(self) -> int:
@@ -527,3 +537,6 @@ class EngineConfig:
         if self.lookahead_tokens < 0:
             raise ConfigError(f"EngineConfig.lookahead_tokens must be at least 0, got "
                               f"{self.lookahead_tokens}")
+        if self.verify_states not in VERIFY_STATES:
+            raise ConfigError(f"EngineConfig.verify_states must be one of "
+                              f"{', '.join(VERIFY_STATES)}, got {self.verify_states!r}")

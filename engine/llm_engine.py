@@ -17,7 +17,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.linear.states import LinearStates
 from engine.attention.select import backend_name, make_attention
 from engine.checkpoint import load_model
-from engine.config import EngineConfig, ModelConfig, TextConfig
+from engine.config import EngineConfig, ModelConfig, TextConfig, VerifyStates
 from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import FinishReason, Request, SamplingParams
@@ -91,16 +91,18 @@ class GenerationResult:
 
 
 def hybrid_states(text: TextConfig, layers: range, num_slots: int, dtype: torch.dtype,
-                  device: torch.device, shard: TextShard) -> LinearStates | None:
+                  device: torch.device, shard: TextShard, *, verify_states: VerifyStates
+                  ) -> LinearStates | None:
     """The state pool of a hybrid model's linear layers among ``layers`` (``num_slots`` slots,
     one per request that may run) over ``shard``'s linear-attention heads (a tensor-parallel
-    rank's), or None for a model without linear attention."""
+    rank's), keeping a verify window's states as ``verify_states`` says
+    (``EngineConfig.verify_states``), or None for a model without linear attention."""
     lin, ids = shard.linear_here, text.linear_layers(layers)
     if lin is None or not ids:
         return None
     pool = StatePool(num_slots, ids, lin.conv_channels, lin.conv_kernel, lin.num_v_heads,
                      lin.head_k_dim, lin.head_v_dim, dtype, device)
-    return LinearStates(pool)
+    return LinearStates(pool, verify_states=verify_states)
 
 
 def decode_graphs_for(engine: LLMEngine, attn: AttentionBackend, *, enabled: bool
@@ -164,7 +166,7 @@ class LLMEngine:
                            kv_layers, dtype, self.device)
         allocator = PageAllocator(num_pages)
         self.states = hybrid_states(text, layers, config.state_pool_slots, dtype, self.device,
-                                    shard)
+                                    shard, verify_states=config.verify_states)
         slots = StateSlotAllocator(config.num_state_slots) if self.states is not None else None
         cache = None
         if config.enable_prefix_cache:

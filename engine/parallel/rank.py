@@ -136,7 +136,7 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
         return model, pool, None
     states = StatePool(config.state_pool_slots, linear_ids, lin.conv_channels, lin.conv_kernel,
                        lin.num_v_heads, lin.head_k_dim, lin.head_v_dim, dtype, device)
-    return model, pool, LinearStates(states)
+    return model, pool, LinearStates(states, verify_states=config.verify_states)
 
 
 @dataclass

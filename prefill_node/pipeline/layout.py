@@ -145,7 +145,8 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
         raise
     pool = KVPool(pages, config.page_size, shard.num_kv_heads, text.head_dim, kv_layers, dtype,
                   device)
-    states = hybrid_states(text, layers, config.num_state_slots, dtype, device, shard)
+    states = hybrid_states(text, layers, config.num_state_slots, dtype, device, shard,
+                           verify_states=config.verify_states)
     head = None
     if draft is not None:
         loaded = load_draft(draft, model_config.text, dtype, device=device,

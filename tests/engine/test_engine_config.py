@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from cli.engine_args import engine_config
+from cli.main import build_parser
+from engine.config import REPLAY, VERIFY_STATES, EngineConfig
 from engine.errors import ConfigError
 
 
@@ -33,3 +35,25 @@ def test_lookahead_may_be_zero_not_negative() -> None:
 def test_unset_optional_sizes_are_fine() -> None:
     config = EngineConfig(num_pages=None, max_model_len=None)
     assert config.num_pages is None and config.max_model_len is None
+
+
+def test_verify_states_are_one_of_the_modes() -> None:
+    assert all(EngineConfig(verify_states=mode).verify_states == mode for mode in VERIFY_STATES)
+    with pytest.raises(ConfigError, match=r"^EngineConfig\.verify_states must be one of rows, "
+                                          r"replay, got 'all'$"):
+        EngineConfig(verify_states="all")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["prefill"], ["decode"]])
+def test_the_verify_states_flag_reaches_the_config(command: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """``--verify-states`` on every command that builds an engine: the default is the
+    config's, a mode reaches it, any other value is refused by the parser."""
+    parser = build_parser()
+    default = parser.parse_args([*command, "--device", "cpu"])
+    assert engine_config(default).verify_states == EngineConfig().verify_states
+    chosen = parser.parse_args([*command, "--device", "cpu", "--verify-states", REPLAY])
+    assert engine_config(chosen).verify_states == REPLAY
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--verify-states", "all"])
+    assert "argument --verify-states: invalid choice: 'all'" in capsys.readouterr().err

@@ -20,12 +20,21 @@ inside the chunk: the corrected values ``u`` solve the unit lower-triangular sys
 ``u_t + sum_{s<t} beta_t exp(G_t - G_s) (k_t . k_s) u_s = beta_t (v_t - exp(G_t) S0^T k_t)``;
 then ``o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) u_s`` and the chunk ends
 in ``exp(G_C) S0 + sum_s exp(G_C - G_s) k_s u_s^T``.
+
+A speculative verify window (``B`` sequences of ``n`` rows) takes the one-token step on every
+row, over one running state per sequence, and writes no slot. It keeps either the state after
+every row (:func:`gated_delta_rule_window`, ``[B, n, Hv, Dk, Dv]``) or only the rows' inputs to
+the state update (:func:`gated_delta_rule_window_inputs`, :class:`WindowInputs`: ``Dk + Dv + 2``
+floats per row and value head against ``Dk * Dv``); from those, :func:`replay_window` steps
+each slot's untouched state through its accepted rows again, with the same arithmetic, so both
+leave the same bits in the pool.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -96,10 +105,16 @@ def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, be
     """One token of ``N`` sequences: ``q``, ``k`` ``[N, H, Dk]``, ``v`` ``[N, H, Dv]``, ``g``,
     ``beta`` ``[N, H]``, state ``s`` ``[N, H, Dk, Dv]``; returns the output ``[N, H, Dv]`` and
     the new state."""
+    s = _advance(k, v, g, beta, s)
+    return torch.einsum("nhkv,nhk->nhv", s, q), s
+
+
+def _advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             s: torch.Tensor) -> torch.Tensor:
+    """The state update of :func:`_step` alone (its arithmetic, op for op): the new state."""
     s = s * g.exp()[..., None, None]
     predicted = torch.einsum("nhkv,nhk->nhv", s, k)
-    s = s + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
-    return torch.einsum("nhkv,nhk->nhv", s, q), s
+    return s + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
 
 
 class _ChunkLayout:
@@ -166,6 +181,25 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     return out, s
 
 
+@dataclass(frozen=True)
+class WindowInputs:
+    """What the state updates of a verify window of ``B`` sequences of ``n`` rows read, as its
+    steps read them (float32): ``k`` ``[B, n, Hv, Dk]`` (l2-normalised, each key head repeated
+    for its value heads), ``v`` ``[B, n, Hv, Dv]``, ``g`` and ``beta`` ``[B, n, Hv]``. With the
+    state a sequence started from, they give its state after any number of its rows
+    (:func:`replay_window`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the four tensors hold."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.g, self.beta))
+
+
 def gated_delta_rule_window(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -184,20 +218,79 @@ def gated_delta_rule_window(
     row's output is the one plain decoding computes). Returns the outputs ``[B * n, Hv, Dv]`` in
     ``v``'s dtype and the state after each row ``[B, n, Hv, Dk, Dv]`` float32 (index ``a - 1``:
     the state after the sequence's first ``a`` rows)."""
+    qs, inputs = _window_inputs(q, k, v, g, beta, n)
+    s = state.index_select(0, slots)  # [B, Hv, Dk, Dv]
+    after = torch.empty(slots.shape[0], n, *s.shape[1:], dtype=torch.float32, device=v.device)
+    return _window_outputs(qs, inputs, s, after).to(v.dtype), after
+
+
+def gated_delta_rule_window_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    n: int,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, WindowInputs]:
+    """:func:`gated_delta_rule_window` keeping each row's inputs instead of its state: the same
+    outputs (the same steps, over one running state), and the window's :class:`WindowInputs`
+    for :func:`replay_window`. The pool stays untouched."""
+    qs, inputs = _window_inputs(q, k, v, g, beta, n)
+    return _window_outputs(qs, inputs, state.index_select(0, slots)).to(v.dtype), inputs
+
+
+def replay_window(inputs: WindowInputs, state: torch.Tensor, slots: torch.Tensor,
+                  accepted: torch.Tensor) -> None:
+    """After :func:`gated_delta_rule_window_inputs` over slots ``slots`` ``[B]`` of ``state``
+    (untouched since): slot ``slots[b]`` of each of the first ``R`` sequences takes its state
+    after its first ``accepted[b]`` rows (``accepted`` ``[R]`` int64, each in ``1..n``; those
+    ``R`` slots distinct). No other slot changes.
+
+    The state is replayed from the slot's with the window's own steps, every sequence of the
+    window stepping together (the rows past a sequence's count, and the sequences past ``R``,
+    keep their state as it is), so each step has the window's shapes and arithmetic: the state
+    written is bit for bit the one :func:`gated_delta_rule_window` returns at
+    ``accepted[b] - 1``."""
+    r = accepted.shape[0]
+    counts = accepted.new_zeros(slots.shape[0])
+    counts[:r] = accepted
+    s = state.index_select(0, slots)
+    for j in range(int(accepted.max()) if r else 0):  # the longest accepted prefix
+        stepped = _advance(inputs.k[:, j], inputs.v[:, j], inputs.g[:, j], inputs.beta[:, j], s)
+        s = torch.where((counts > j)[:, None, None, None], stepped, s)
+    state.index_copy_(0, slots[:r], s[:r])
+
+
+def _window_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, n: int) -> tuple[torch.Tensor, WindowInputs]:
+    """A window's queries ``[B, n, Hv, Dk]`` and its :class:`WindowInputs` (float32, each
+    tensor its own storage: none keeps a larger activation alive)."""
     num_v_heads = v.shape[1]
     if num_v_heads % k.shape[1]:
         raise ValueError(f"{num_v_heads} value heads do not split over {k.shape[1]} key heads")
-    b = slots.shape[0]
+    b = v.shape[0] // n
     qf, kf = _normalised(q, k, num_v_heads)
 
     def seqs(t: torch.Tensor) -> torch.Tensor:  # [B * n, ...] -> [B, n, ...] float32
-        return t.float().view(b, n, *t.shape[1:])
+        return t.float().contiguous().view(b, n, *t.shape[1:])
 
     qs, ks, vs, gs, bs = (seqs(t) for t in (qf, kf, v, g, beta))
-    s = state.index_select(0, slots)  # [B, Hv, Dk, Dv]
-    out = torch.empty(b, n, num_v_heads, v.shape[-1], dtype=torch.float32, device=v.device)
-    after = torch.empty(b, n, *s.shape[1:], dtype=torch.float32, device=v.device)
+    return qs, WindowInputs(ks, vs, gs, bs)
+
+
+def _window_outputs(qs: torch.Tensor, inputs: WindowInputs, s: torch.Tensor,
+                    after: torch.Tensor | None = None) -> torch.Tensor:
+    """Every row of the window from states ``s`` ``[B, Hv, Dk, Dv]``: the one-token step, row
+    after row, over one running state; its outputs ``[B * n, Hv, Dv]`` float32. With ``after``
+    ``[B, n, Hv, Dk, Dv]``, ``after[:, j]`` takes the state after row ``j``."""
+    b, n, num_v_heads = qs.shape[:3]
+    out = torch.empty(b, n, num_v_heads, inputs.v.shape[-1], dtype=torch.float32,
+                      device=qs.device)
     for j in range(n):
-        out[:, j], s = _step(qs[:, j], ks[:, j], vs[:, j], gs[:, j], bs[:, j], s)
-        after[:, j] = s
-    return out.view(b * n, num_v_heads, -1).to(v.dtype), after
+        out[:, j], s = _step(qs[:, j], inputs.k[:, j], inputs.v[:, j], inputs.g[:, j],
+                             inputs.beta[:, j], s)
+        if after is not None:
+            after[:, j] = s
+    return out.view(b * n, num_v_heads, -1)

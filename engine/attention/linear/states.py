@@ -8,11 +8,20 @@ place, so after the forward every slot holds the state after its request's last 
 
 A speculative verify forward (:meth:`LinearStates.prepare_window`) instead runs ``n`` rows per
 request (the bonus token and the drafts) and writes no slot: each layer keeps, beside the pool,
-the state after every row of the window (the conv's input window, the recurrent state per row;
-the torch kernels of :func:`~engine.attention.linear.conv.causal_conv1d_window` and
-:func:`~engine.attention.linear.delta_rule.gated_delta_rule_window`, on every device). Once the
-accepted count ``a`` of each request is known, :meth:`LinearStates.keep` writes the state after
-its first ``a`` rows into its slot, so a rejected draft leaves no trace in the pool.
+what it needs to rebuild the state after any prefix of the window (the torch kernels of
+:func:`~engine.attention.linear.conv.causal_conv1d_window` and
+:mod:`engine.attention.linear.delta_rule`, on every device). The conv keeps its input window;
+the recurrent state is kept as ``verify_states`` says (:data:`engine.config.VERIFY_STATES`):
+
+- ``"rows"`` (:data:`~engine.config.KEEP_ROWS`): the state after every row,
+  ``[B, n, Hv, Dk, Dv]`` float32 per layer;
+- ``"replay"`` (:data:`~engine.config.REPLAY`): the rows' inputs to the state update only
+  (:class:`~engine.attention.linear.delta_rule.WindowInputs`, about ``(Dk + Dv) / (Dk * Dv)``
+  of that), from which the kept state is stepped again.
+
+Once the accepted count ``a`` of each request is known, :meth:`LinearStates.keep` writes the
+state after its first ``a`` rows into its slot (in both modes the same bits), so a rejected
+draft leaves no trace in the pool.
 """
 
 from __future__ import annotations
@@ -20,24 +29,39 @@ from __future__ import annotations
 import torch
 
 from engine.attention.linear.conv import causal_conv1d_window
-from engine.attention.linear.delta_rule import gated_delta_rule_window
+from engine.attention.linear.delta_rule import (
+    WindowInputs,
+    gated_delta_rule_window,
+    gated_delta_rule_window_inputs,
+    replay_window,
+)
 from engine.attention.linear.select import LinearAttentionKernels, linear_kernels
+from engine.config import KEEP_ROWS, REPLAY, VERIFY_STATES, VerifyStates
 from engine.kv.state_pool import StatePool
 
 
 class LinearStates:
-    """The state pool of one engine (or one tensor-parallel rank) and this forward's rows."""
+    """The state pool of one engine (or one tensor-parallel rank) and this forward's rows;
+    ``verify_states`` (one of :data:`engine.config.VERIFY_STATES`): what a verify window keeps
+    of the recurrent states until :meth:`keep` (module docstring)."""
 
-    def __init__(self, pool: StatePool, kernels: LinearAttentionKernels | None = None) -> None:
+    def __init__(self, pool: StatePool, kernels: LinearAttentionKernels | None = None,
+                 verify_states: VerifyStates = KEEP_ROWS) -> None:
+        if verify_states not in VERIFY_STATES:
+            raise ValueError(f"verify_states must be one of {', '.join(VERIFY_STATES)}, got "
+                             f"{verify_states!r}")
         self.pool = pool
         self.kernels = kernels or linear_kernels(pool.device)
+        self.verify_states = verify_states
         self.q_starts: list[int] = [0]
         self.slots = torch.zeros(0, dtype=torch.int64, device=pool.device)
         self.window = 0  # rows per sequence of a verify window; 0: an ordinary forward
-        # per pool layer, the window's states: conv inputs [B, C, K - 1 + n] and the recurrent
-        # state after each row [B, n, Hv, Dk, Dv] (filled by a window forward, used by keep())
+        # per pool layer, the window's states (filled by a window forward, used by keep()): conv
+        # inputs [B, C, K - 1 + n], and the recurrent state after each row [B, n, Hv, Dk, Dv]
+        # ("rows") or the rows' inputs to it ("replay")
         self._conv_windows: dict[int, torch.Tensor] = {}
         self._recurrent_rows: dict[int, torch.Tensor] = {}
+        self._recurrent_inputs: dict[int, WindowInputs] = {}
 
     def prepare(self, q_starts: list[int], slots: torch.Tensor) -> None:
         """This forward's sequences: sequence ``b`` owns rows ``q_starts[b]:q_starts[b + 1]``
@@ -71,6 +95,8 @@ class LinearStates:
             self.pool.conv(index).index_copy_(0, slots, kept)
         for index, rows in self._recurrent_rows.items():
             self.pool.recurrent(index).index_copy_(0, slots, rows[seqs, accepted - 1])
+        for index, inputs in self._recurrent_inputs.items():
+            replay_window(inputs, self.pool.recurrent(index), self.slots, accepted)
         self._set_window(0)
 
     def conv(self, index: int, x: torch.Tensor, weight: torch.Tensor,
@@ -88,6 +114,11 @@ class LinearStates:
                    g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """The gated delta rule of pool layer ``index`` (see
         :func:`engine.attention.linear.delta_rule.gated_delta_rule`)."""
+        if self.window and self.verify_states == REPLAY:
+            out, inputs = gated_delta_rule_window_inputs(q, k, v, g, beta, self.window,
+                                                         self.pool.recurrent(index), self.slots)
+            self._recurrent_inputs[index] = inputs
+            return out
         if self.window:
             out, rows = gated_delta_rule_window(q, k, v, g, beta, self.window,
                                                 self.pool.recurrent(index), self.slots)
@@ -100,3 +131,4 @@ class LinearStates:
         self.window = n
         self._conv_windows.clear()
         self._recurrent_rows.clear()
+        self._recurrent_inputs.clear()

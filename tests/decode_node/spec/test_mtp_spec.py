@@ -31,7 +31,7 @@ from decode_node.spec.tree import TreeShape
 from engine.attention.linear.states import LinearStates
 from engine.builtin.tiny_model import write_random_draft
 from engine.builtin.tiny_qwen3 import tiny_qwen3_config_dict, write_tiny_qwen3_model
-from engine.config import EngineConfig, ModelConfig
+from engine.config import KEEP_ROWS, REPLAY, EngineConfig, ModelConfig, VerifyStates
 from engine.core.request import SamplingParams
 from engine.errors import ConfigError
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
@@ -122,9 +122,9 @@ def oracle_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_mtp_oracle(tmp_path_factory.mktemp("mtp_oracle") / "ckpt")
 
 
-def engine_config(k: int = K) -> EngineConfig:
+def engine_config(k: int = K, verify_states: VerifyStates = KEEP_ROWS) -> EngineConfig:
     return EngineConfig(num_pages=256, page_size=8, lookahead_tokens=k,
-                        max_num_batched_tokens=24)
+                        max_num_batched_tokens=24, verify_states=verify_states)
 
 
 def plain(model_dir: Path, prompts: list[Prompt]) -> list[GenerationResult]:
@@ -132,8 +132,9 @@ def plain(model_dir: Path, prompts: list[Prompt]) -> list[GenerationResult]:
                                                                                   GREEDY)
 
 
-def mtp_engine(model_dir: Path, k: int = K) -> EagleEngine:
-    engine = LLMEngine(model_dir, engine_config(k), draft="mtp")
+def mtp_engine(model_dir: Path, k: int = K, verify_states: VerifyStates = KEEP_ROWS
+               ) -> EagleEngine:
+    engine = LLMEngine(model_dir, engine_config(k, verify_states), draft="mtp")
     draft = engine.load_draft()
     assert isinstance(draft, MtpDraft)
     return EagleEngine(engine, draft, k)
@@ -199,6 +200,22 @@ def test_mtp_with_prefix_hits_resumed_at_state_checkpoints_equals_plain(oracle_d
     assert_same_output(got, want)
     assert engine.stats()["state_checkpoints_restored"] == 2
     assert engine.stats()["prefix_cache_hit_tokens"] == 2 * 32
+    assert_all_free(spec)
+
+
+def test_replayed_verify_states_decode_as_kept_rows_do(oracle_dir: Path) -> None:
+    """``verify_states="replay"`` (the verify keeps the rows' inputs and replays the accepted
+    ones): plain decoding's output, with the drafted and accepted counts of the kept rows."""
+    prompts = PROMPTS["text"]
+    want = plain(oracle_dir, prompts)
+    rows = mtp_engine(oracle_dir)
+    rows.generate(prompts, GREEDY)
+    spec = mtp_engine(oracle_dir, verify_states=REPLAY)
+    assert spec.engine.states is not None and spec.engine.states.verify_states == REPLAY
+    got = spec.generate(prompts, GREEDY)
+    assert_same_output(got, want)
+    assert (spec.stats.drafted, spec.stats.accepted) == (rows.stats.drafted, rows.stats.accepted)
+    assert 0 < spec.stats.accepted < spec.stats.drafted
     assert_all_free(spec)
 
 

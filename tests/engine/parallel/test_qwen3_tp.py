@@ -23,7 +23,7 @@ from test_tp_shard import ThreadGroup
 
 from engine.attention.backend import AttentionBatch, TorchPagedAttention
 from engine.checkpoint import load_model
-from engine.config import EngineConfig, ModelConfig
+from engine.config import KEEP_ROWS, EngineConfig, ModelConfig
 from engine.core.request import SamplingParams
 from engine.errors import ConfigError
 from engine.kv.pool import KVPool
@@ -122,7 +122,8 @@ def two_chunks(model: Qwen2VLModel, embeds: torch.Tensor, stack: StepExtras) -> 
     layers = range(text.num_hidden_layers)
     pool = KVPool(4, 8, shard.num_kv_heads, text.head_dim, text.attention_layers(layers))
     attn = TorchPagedAttention(pool)
-    states = hybrid_states(text, layers, 2, torch.float32, torch.device("cpu"), shard)
+    states = hybrid_states(text, layers, 2, torch.float32, torch.device("cpu"), shard,
+                           verify_states=KEEP_ROWS)
     t, out = embeds.shape[0], []
     for start, stop, extras in ((0, 12, stack), (12, t, StepExtras())):
         n = stop - start
