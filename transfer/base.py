@@ -274,13 +274,21 @@ class KVManager(ABC):
         if dst_heads is not None and not dst_heads.whole:
             if dst_kv_item_len is not None:
                 dst_bytes_per_page = [dst_kv_item_len] * len(dst_ptrs)
-            sent = self._send_heads(session, src, dst, dst_ptrs, pairs, dst_heads,
-                                    dst_bytes_per_page)
             if not state[0]:
-                return sent
-            more = self._write_blocks(session, *state)
-            return SendResult(sent.blocks + more.blocks, sent.batches + more.batches,
-                              sent.nbytes + more.nbytes)
+                return self._send_heads(session, src, dst, dst_ptrs, pairs, dst_heads,
+                                        dst_bytes_per_page)
+            start = time.perf_counter()  # the pages and the states: one send, one report
+            try:
+                sent = self._send_heads(session, src, dst, dst_ptrs, pairs, dst_heads,
+                                        dst_bytes_per_page, report=False)
+                more = self._write_blocks(session, *state, report=False)
+            except EngineCallError:
+                self._report(0, start, False)
+                raise
+            result = SendResult(sent.blocks + more.blocks, sent.batches + more.batches,
+                                sent.nbytes + more.nbytes)
+            self._report(result.nbytes, start, True)
+            return result
         if dst_bytes_per_page is not None:
             if len(dst_bytes_per_page) != len(dst_ptrs):
                 raise LayerPairingError(
@@ -328,8 +336,11 @@ class KVManager(ABC):
     def _send_heads(
         self, session: str, src: list[int], dst: list[int], dst_ptrs: Sequence[int],
         pairs: list[tuple[int, int]], copy: HeadCopy, dst_bpp: Sequence[int] | None,
+        *, report: bool = True,
     ) -> SendResult:
-        """A head-sliced send (``copy`` is not whole); every check runs before a byte moves."""
+        """A head-sliced send (``copy`` is not whole); every check runs before a byte moves.
+        ``report``: tell ``on_send`` once for the send (the caller reports a send it is part
+        of itself)."""
         if dst_bpp is not None and len(dst_bpp) != len(dst_ptrs):
             raise LayerPairingError(
                 f"{len(dst_bpp)} bytes-per-page values for {len(dst_ptrs)} destination entries"
@@ -341,7 +352,7 @@ class KVManager(ABC):
             srcs, dsts, lens = strided_blocks(pairs, self.kv_ptrs, dst_ptrs,
                                               self.kv_bytes_per_page, dst_page, src, dst, copy,
                                               head_bytes)
-            return self._write_blocks(session, srcs, dsts, lens)
+            return self._write_blocks(session, srcs, dsts, lens, report=report)
         if self.staging is None:
             raise TransferError(
                 f"a send of {copy.count} of {copy.src_heads} heads into a rank holding "
@@ -357,15 +368,20 @@ class KVManager(ABC):
                     self.staging, self._writer, pairs, len(self.kv_ptrs), dst_ptrs, src, dst,
                     copy, dst_page)
             except EngineCallError:
-                if self.on_send is not None:
-                    self.on_send(0, time.perf_counter() - start, False)
+                if report:
+                    self._report(0, start, False)
                 raise
         result = SendResult(blocks=sum(p.blocks for p in parts),
                             batches=sum(p.batches for p in parts),
                             nbytes=sum(p.nbytes for p in parts))
-        if self.on_send is not None:  # one report per send, as for the plain copy
-            self.on_send(result.nbytes, time.perf_counter() - start, True)
+        if report:  # one report per send, as for the plain copy
+            self._report(result.nbytes, start, True)
         return result
+
+    def _report(self, nbytes: int, start: float, ok: bool) -> None:
+        """Tell ``on_send`` of one send that began at ``start`` (``time.perf_counter()``)."""
+        if self.on_send is not None:
+            self.on_send(nbytes, time.perf_counter() - start, ok)
 
     def send_aux(self, session: str, src_slot: int, dst_aux_ptr: int, dst_row_bytes: int,
                  dst_slot: int) -> SendResult:
@@ -384,7 +400,6 @@ class KVManager(ABC):
     ) -> SendResult:
         """Write the blocks in batches; ``report``: tell ``on_send`` (the caller reports a send
         made of several of these itself)."""
-        on_send = self.on_send if report else None
         calls, start, nbytes = 0, time.perf_counter(), sum(lens)
         for part in batches(len(srcs), self.batch_limit):
             if self.faults is None:
@@ -393,14 +408,14 @@ class KVManager(ABC):
                 ret = self.faults.write(self._write, session, srcs[part], dsts[part], lens[part])
             calls += 1
             if ret != 0:
-                if on_send is not None:
-                    on_send(0, time.perf_counter() - start, False)
+                if report:
+                    self._report(0, start, False)
                 raise EngineCallError(
                     f"engine write to {session} failed with code {ret} "
                     f"(batch {calls}, {part.stop - part.start} blocks)"
                 )
-        if on_send is not None:
-            on_send(nbytes, time.perf_counter() - start, True)
+        if report:
+            self._report(nbytes, start, True)
         return SendResult(blocks=len(srcs), batches=calls, nbytes=nbytes)
 
     def _require_aux(self) -> AuxBuffer:

@@ -18,6 +18,7 @@ import torch
 
 from tests.transfer.xfer_peer import Node, Peer, Spec, StateSpec
 from transfer.errors import LayerPairingError, PageListError
+from transfer.plan.heads import HeadLayout, plan_head_copies
 from transfer.plan.states import plan_state_copy
 
 pytestmark = pytest.mark.slow
@@ -124,6 +125,47 @@ def test_tp2_to_tp1_two_ranks_fill_one_slot(hybrid_peer: Peer) -> None:
             assert torch.equal(_share(theirs[0], whole, rank, conv=conv),
                                node.state_entries()[k][1]), (rank, k)
         assert not theirs[1:].any()
+
+
+def _heads(tp: int) -> HeadLayout:
+    """The KV heads of ``Spec()``'s two heads over ``tp`` ranks."""
+    spec = Spec()
+    return HeadLayout.tensor_parallel(spec.heads, tp, head_dim=spec.head_dim,
+                                      dtype="torch.float32", page_size=spec.page_size)
+
+
+@pytest.mark.parametrize("src_tp", [2, 1])
+def test_a_head_sliced_send_with_states_is_one_send(hybrid_peer: Peer, src_tp: int) -> None:
+    """KV head slices and a state slot in one ``send_kvcache``: ``on_send`` hears of it once,
+    with all its bytes, whether the slices go one block per token (TP 2 -> TP 1) or through
+    the staging buffer (TP 1 -> TP 2)."""
+    dst_tp = 3 - src_tp
+    dst_states = [StateSpec(STATE_LAYERS, tp=dst_tp, rank=r) for r in range(dst_tp)]
+    dst_specs = [Spec(layer_ids=KV_LAYERS, heads=2 // dst_tp, extra={"states": st})
+                 for st in dst_states]
+    peer = hybrid_peer if dst_tp == 1 else Peer("ranks", dst_specs[0], dst_specs)
+    try:
+        regs = [peer.ready] if dst_tp == 1 else peer.ready
+        src_states = StateSpec(STATE_LAYERS, tp=src_tp, rank=0)
+        node = Node(Spec(layer_ids=KV_LAYERS, heads=2 // src_tp,
+                         extra={"states": src_states, "staging_bytes": 1 << 16}), fill_seed=8)
+        calls: list[tuple[int, bool]] = []
+        node.manager.on_send = lambda nbytes, seconds, ok: calls.append((nbytes, ok))
+        sent = []
+        for copy in plan_head_copies(_heads(src_tp), _heads(dst_tp), 0):
+            reg = regs[copy.dst_rank]
+            state = plan_state_copy(src_states.layout, dst_states[copy.dst_rank].layout, 0,
+                                    copy.dst_rank)
+            assert not copy.whole
+            sent.append(node.manager.send_kvcache(
+                reg.session_id, [1, 2], reg.kv_ptrs, [5, 6], dst_layer_ids=reg.kv_layer_ids,
+                dst_bytes_per_page=reg.kv_bytes_per_page, dst_heads=copy,
+                **_state_kw(reg, 2, 4, dst_state_copy=state)))
+        assert calls == [(result.nbytes, True) for result in sent]
+        assert all(result.nbytes > 0 for result in sent)
+    finally:
+        if peer is not hybrid_peer:
+            peer.stop()
 
 
 def _share(state: torch.Tensor, spec: StateSpec, rank: int, *, conv: bool) -> torch.Tensor:
