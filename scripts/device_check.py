@@ -13,6 +13,11 @@
   at least half the prompts (the share is reported);
 * ``c_graphs_on_off``: graphs on and off give the same tokens;
 * ``d_eagle_vs_plain``: EAGLE equals plain decoding (and its acceptance length);
+* ``f_hybrid``: the hybrid (Qwen3.5) and Qwen3-VL paths, in parts: the linear-attention kernels
+  the device gets (flash-linear-attention, causal-conv1d) equal the torch reference (outputs and
+  pool states; skipped where the device gets the reference itself), ``LLMEngine`` float32 equals
+  transformers on tiny Qwen3.5 and Qwen3-VL checkpoints (text and image prompts), and Qwen3.5's
+  MTP drafting equals plain decoding (drafted and accepted counts); runs before ``e_speed``;
 * ``e_speed``: output tok/s of our engine vs transformers on a Qwen2-VL-2B-shaped bf16 checkpoint
   at batch 1, 32, 128 and the batch-1 decode step vs the memory-bandwidth bound.
 
@@ -35,6 +40,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +54,7 @@ from typing import Any
 import torch
 from device_check_context import Context
 from device_check_correctness import check_bf16, check_eagle, check_fp32, check_graphs
+from device_check_hybrid import check_hybrid
 from device_check_kernels import check_kernels
 from device_check_speed import check_speed
 
@@ -59,6 +66,7 @@ SECTIONS: tuple[tuple[str, Section, float, float], ...] = (
     ("b_bf16_vs_transformers", check_bf16, 20.0, 3.0),
     ("c_graphs_on_off", check_graphs, 30.0, 3.0),
     ("d_eagle_vs_plain", check_eagle, 30.0, 3.0),
+    ("f_hybrid", check_hybrid, 45.0, 4.0),
     ("e_speed", check_speed, 90.0, 5.0),
 )
 REPORT_FILE = "device_check.json"
@@ -91,14 +99,27 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
     info: dict[str, Any] = {
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": args.device, "quick": args.quick, "budget_s": args.budget_s,
+        "cuda": torch.version.cuda, "sections_asked": args.sections,
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": _version("transformers"), "triton": _version("triton"),
+        "fla_core": _version("fla-core"), "causal_conv1d": _version("causal-conv1d"),
         "notes": ["float32 runs disable TF32 (torch flags here, NVIDIA_TF32_OVERRIDE=0 for the "
                   "pdserve generate subprocess)"],
     }
     if args.device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+        info["driver"] = _driver()
     return info
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver's version as ``nvidia-smi`` reports it, None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
 
 
 def _version(package: str) -> str | None:
@@ -150,7 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU dry run)")
     p.add_argument("--budget-s", type=float, default=450.0,
                    help="seconds for the whole check; later sections are skipped past it")
+    p.add_argument("--sections", default=None, metavar="KEY,KEY",
+                   help="run only these sections (comma-separated keys, in running order; "
+                        "default: all), e.g. to rerun the failed ones in a short lease")
     args = p.parse_args(argv)
+    keys = [key for key, *_ in SECTIONS]
+    chosen = keys if args.sections is None else [k for k in args.sections.split(",") if k]
+    unknown = sorted(set(chosen) - set(keys))
+    if unknown or not chosen:
+        p.error(f"--sections: unknown {', '.join(unknown) or 'none given'}; the sections are "
+                f"{', '.join(keys)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no CUDA device")
     start = time.monotonic()
@@ -165,10 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             ctx = Context(args.device, args.quick, Path(work), start + args.budget_s,
                           report.save)
             for key, body, need_full, need_quick in SECTIONS:
-                run_section(ctx, report, key, body, need_quick if args.quick else need_full)
+                if key in chosen:
+                    run_section(ctx, report, key, body, need_quick if args.quick else need_full)
     except Stopped as exc:
         report.data["stopped"] = str(exc)
-        for key, *_ in SECTIONS:
+        for key in chosen:
             report.data["sections"].setdefault(
                 key, {"ok": False, "error": "not run: stopped", "summary": "not run: stopped"})
     report.data["elapsed_s"] = round(time.monotonic() - start, 1)

@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("0_kernels", "a_fp32_vs_transformers", "b_bf16_vs_transformers", "c_graphs_on_off",
-            "d_eagle_vs_plain", "e_speed")
+            "d_eagle_vs_plain", "f_hybrid", "e_speed")
 
 
 def run_check(out: Path, *args: str, script: str = "device_check.py",
@@ -74,6 +74,26 @@ def test_engine_equals_transformers_and_eagle_equals_plain_on_cpu(
 
 
 @pytest.mark.slow
+def test_hybrid_section_on_cpu(quick_run: tuple[Path, int]) -> None:
+    """Off CUDA the linear-attention kernels are the torch reference (a skip, which is ok);
+    Qwen3.5 and Qwen3-VL equal transformers, and MTP drafting equals plain decoding with drafts
+    both accepted and rejected."""
+    hybrid = report(quick_run[0])["sections"]["f_hybrid"]
+    assert hybrid["ok"], hybrid
+    kernels = hybrid["kernels"]
+    assert kernels["ok"] and kernels["skipped"] == "torch reference on cpu"
+    assert kernels["conv_from"] == kernels["delta_rule_from"] == "torch"
+    archs = hybrid["vs_transformers"]["archs"]
+    assert set(archs) == {"qwen3_5", "qwen3_vl"} and archs["qwen3_5"]["hybrid"]
+    for arch in archs.values():
+        assert {p["name"] for p in arch["prompts"]} >= {"text_23", "image"}
+        assert all(p["equal"] and len(p["ours"]) > 0 for p in arch["prompts"])
+    for run in hybrid["mtp"]["runs"].values():
+        assert run["ok"] and 0 < run["accepted"] < run["drafted"]
+        assert all(p["equal"] for p in run["prompts"])
+
+
+@pytest.mark.slow
 def test_speed_section_measures_both_sides(quick_run: tuple[Path, int]) -> None:
     speed = report(quick_run[0])["sections"]["e_speed"]
     for side in ("ours", "transformers"):
@@ -91,3 +111,16 @@ def test_shell_wrapper_skips_sections_past_the_budget(tmp_path: Path) -> None:
     assert tuple(sections) == SECTIONS
     assert all(r["error"] == "skipped: budget" and not r["ok"] for r in sections.values())
     assert (tmp_path / "device_check.log").is_file()
+
+
+def test_sections_runs_only_the_ones_asked_for(tmp_path: Path) -> None:
+    """``--sections`` reruns part of the check (a short lease after a failure): only those run,
+    in running order; an unknown key is a usage error naming the sections."""
+    proc = run_check(tmp_path, "--out", str(tmp_path), "--sections", "e_speed,0_kernels")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = report(tmp_path)
+    assert tuple(data["sections"]) == ("0_kernels", "e_speed")
+    assert data["sections_asked"] == "e_speed,0_kernels"
+    bad = run_check(tmp_path, "--sections", "0_kernels,nope")
+    assert bad.returncode == 2
+    assert f"--sections: unknown nope; the sections are {', '.join(SECTIONS)}" in bad.stderr
