@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from device_check_context import Context
-from device_check_models import Case, compare, hf_greedy, hf_load, make_mtp_predictable, png_bytes
+from device_check_models import Case, compare, hf_greedy, hf_load, png_bytes
 
 from engine.attention.linear import select
 from engine.builtin.tiny_model import TINY_VOCAB
-from engine.builtin.tiny_qwen3 import QWEN3_ARCHS, write_tiny_qwen3_model
+from engine.builtin.tiny_qwen3 import QWEN3_ARCHS, make_mtp_predictable, write_tiny_qwen3_model
 from engine.builtin.tiny_tokenizer import SPECIAL_TOKENS
 from engine.core.request import SamplingParams
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt

@@ -8,8 +8,6 @@
 * :func:`hf_greedy` is the oracle: transformers' ``generate``, greedy, batch 1, exactly
   ``new_tokens`` tokens (end-of-sequence suppressed).
 * :func:`compare` is one prompt's verdict: equal or not, and the first index that differs.
-* :func:`make_mtp_predictable` turns the tiny Qwen3.5 checkpoint with an MTP module
-  (``engine.builtin.tiny_qwen3``) into one whose drafts are accepted part of the time.
 
 Only public transformers APIs are used (``Qwen2VLConfig``, the ``*ForConditionalGeneration``
 classes, ``from_pretrained``, ``generate``), so any transformers 5.x works.
@@ -181,40 +179,3 @@ def compare(name: str, ours: list[int], ref: list[int], prompt_len: int) -> dict
         first = min(len(ours), len(ref))
     return {"name": name, "prompt_len": prompt_len, "equal": first is None,
             "first_diff": first, "ours": ours, "ref": ref}
-
-
-def make_mtp_predictable(model: Path) -> Path:
-    """Turn the tiny Qwen3.5 checkpoint ``model`` (``write_tiny_qwen3_model(..., mtp=True)``:
-    one ``model.safetensors``, random weights) into one whose MTP module is accepted part of the
-    time, in place: unit-RMS token embeddings, no MLP in the linear layers, and an MTP module
-    that is the full-attention layer again over the token's embedding (``fc`` passes it through,
-    identity norms). What the linear layers add is what the module cannot know, so drafts are
-    accepted part of the time and rejected the rest. (The same as
-    ``tests/decode_node/spec/test_mtp_spec.py``'s oracle, which the device machine cannot import
-    without pytest.)"""
-    from safetensors.torch import load_file, save_file
-
-    config = model / "config.json"
-    raw = json.loads(config.read_text())
-    text = raw["text_config"]
-    text["mtp_num_hidden_layers"] = 1
-    config.write_text(json.dumps(raw, indent=2))
-    file = model / "model.safetensors"
-    state = {k: v for k, v in load_file(str(file)).items() if not k.startswith("mtp.")}
-    pre = "model.language_model."
-    embed = state[pre + "embed_tokens.weight"]
-    state[pre + "embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
-    full = text["layer_types"].index("full_attention")
-    for i, kind in enumerate(text["layer_types"]):
-        if kind == "linear_attention":
-            state[f"{pre}layers.{i}.mlp.down_proj.weight"].zero_()
-    h = text["hidden_size"]
-    state["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
-        state[f"mtp.{name}.weight"] = torch.zeros(h)
-    layer = f"{pre}layers.{full}."
-    for key in [k for k in state if k.startswith(layer)]:
-        state["mtp.layers.0." + key[len(layer):]] = state[key].clone()
-    state["mtp.norm.weight"] = state[pre + "norm.weight"].clone()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(file), metadata={"format": "pt"})
-    return model

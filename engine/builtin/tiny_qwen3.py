@@ -10,7 +10,9 @@ our engine and with transformers alike. The weights come from our own model clas
 (:class:`Qwen3VLModel`, :class:`Qwen35Model`), drawn from a seeded generator: the same seed
 writes the same bytes on every machine. A Qwen3.5 checkpoint may also carry a random MTP module
 (``mtp.*`` tensors of :class:`~engine.models.eagle.mtp.MtpDraft`, ``mtp_num_hidden_layers: 1``),
-as published ones do; transformers ignores it.
+as published ones do; transformers ignores it. :func:`make_mtp_predictable` turns such a
+checkpoint into one whose MTP drafts are accepted part of the time (the oracle of the MTP
+tests and of the GPU check).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from engine.builtin.tiny_model import TINY_VOCAB
 from engine.builtin.tiny_tokenizer import build_tiny_tokenizer, special_token_ids
@@ -195,3 +197,37 @@ def write_tiny_qwen3_model(model_dir: str | Path, arch: str, seed: int = 0,
         (path / name).write_text(json.dumps(content, indent=2) + "\n")
     build_tiny_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
     return path
+
+
+def make_mtp_predictable(model: Path) -> Path:
+    """Turn the Qwen3.5 checkpoint ``model`` (one ``model.safetensors``, random weights) into
+    one whose MTP module is accepted part of the time, in place: unit-RMS token embeddings, no
+    MLP in the linear layers (their token mixing stays whole), and an MTP module
+    (``mtp_num_hidden_layers: 1``) that is its full-attention layer again over the token's
+    embedding (``fc`` passes it through, identity norms). The linear layers' contribution is
+    what the module cannot know, so drafts are accepted part of the time and rejected the
+    rest. transformers still reads the checkpoint (it ignores ``mtp.*``)."""
+    config = model / "config.json"
+    raw = json.loads(config.read_text())
+    text = raw["text_config"]
+    text["mtp_num_hidden_layers"] = 1
+    config.write_text(json.dumps(raw, indent=2))
+    file = model / "model.safetensors"
+    state = {k: v for k, v in load_file(str(file)).items() if not k.startswith("mtp.")}
+    pre = "model.language_model."
+    embed = state[pre + "embed_tokens.weight"]
+    state[pre + "embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+    full = text["layer_types"].index("full_attention")
+    for i, kind in enumerate(text["layer_types"]):
+        if kind == "linear_attention":
+            state[f"{pre}layers.{i}.mlp.down_proj.weight"].zero_()
+    h = text["hidden_size"]
+    state["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        state[f"mtp.{name}.weight"] = torch.zeros(h)
+    layer = f"{pre}layers.{full}."
+    for key in [k for k in state if k.startswith(layer)]:
+        state["mtp.layers.0." + key[len(layer):]] = state[key].clone()
+    state["mtp.norm.weight"] = state[pre + "norm.weight"].clone()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(file), metadata={"format": "pt"})
+    return model

@@ -27,11 +27,11 @@ from pathlib import Path
 import pytest
 
 from decode_node.spec.eagle_engine import HYBRID_TREE_REASON
+from engine.builtin.tiny_qwen3 import make_mtp_predictable
 from tests.cluster.harness import Node
 from tests.cluster.stats import assert_all_idle, get_stats
 from tests.cluster.test_cluster import start_all, stop_all
 from tests.cluster.test_hybrid_cluster import NAMES, NODE, stream_all
-from tests.decode_node.spec.test_mtp_spec import make_mtp_predictable
 from tests.engine.models.test_qwen3_generation import NEW_TOKENS, cases, reference
 
 pytestmark = pytest.mark.slow

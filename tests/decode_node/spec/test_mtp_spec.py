@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from decode_node.spec.eagle_engine import (
     HYBRID_TREE_REASON,
@@ -30,7 +29,11 @@ from decode_node.spec.graph_runner import RoundInputs
 from decode_node.spec.tree import TreeShape
 from engine.attention.linear.states import LinearStates
 from engine.builtin.tiny_model import write_random_draft
-from engine.builtin.tiny_qwen3 import tiny_qwen3_config_dict, write_tiny_qwen3_model
+from engine.builtin.tiny_qwen3 import (
+    make_mtp_predictable,
+    tiny_qwen3_config_dict,
+    write_tiny_qwen3_model,
+)
 from engine.config import KEEP_ROWS, REPLAY, EngineConfig, ModelConfig, VerifyStates
 from engine.core.request import SamplingParams
 from engine.errors import ConfigError
@@ -75,40 +78,6 @@ PROMPTS = {
               Prompt(token_ids=list(range(100, 160))), video_prompt([11, 12], (2, 4, 4), 3),
               image_prompt([], (1, 4, 4), [11], 4)],
 }
-
-
-def make_mtp_predictable(model: Path) -> Path:
-    """Turn the Qwen3.5 checkpoint ``model`` (one ``model.safetensors``, random weights) into
-    one whose MTP module is accepted part of the time, in place: unit-RMS token embeddings, no
-    MLP in the linear layers (their token mixing stays whole), and an MTP module
-    (``mtp_num_hidden_layers: 1``) that is its full-attention layer again over the token's
-    embedding (``fc`` passes it through, identity norms). The linear layers' contribution is
-    what the module cannot know, so drafts are accepted part of the time and rejected the
-    rest. transformers still reads the checkpoint (it ignores ``mtp.*``)."""
-    config = model / "config.json"
-    raw = json.loads(config.read_text())
-    text = raw["text_config"]
-    text["mtp_num_hidden_layers"] = 1
-    config.write_text(json.dumps(raw, indent=2))
-    file = model / "model.safetensors"
-    state = {k: v for k, v in load_file(str(file)).items() if not k.startswith("mtp.")}
-    pre = "model.language_model."
-    embed = state[pre + "embed_tokens.weight"]
-    state[pre + "embed_tokens.weight"] = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
-    full = text["layer_types"].index("full_attention")
-    for i, kind in enumerate(text["layer_types"]):
-        if kind == "linear_attention":
-            state[f"{pre}layers.{i}.mlp.down_proj.weight"].zero_()
-    h = text["hidden_size"]
-    state["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden"):
-        state[f"mtp.{name}.weight"] = torch.zeros(h)
-    layer = f"{pre}layers.{full}."
-    for key in [k for k in state if k.startswith(layer)]:
-        state["mtp.layers.0." + key[len(layer):]] = state[key].clone()
-    state["mtp.norm.weight"] = state[pre + "norm.weight"].clone()
-    save_file({k: v.contiguous() for k, v in state.items()}, str(file), metadata={"format": "pt"})
-    return model
 
 
 def write_mtp_oracle(path: Path) -> Path:
