@@ -52,7 +52,9 @@ def make_norm(dim: int, eps: float, *, offset: bool) -> RMSNorm:
 class DeviceCopies:
     """A constant tensor made once on the host, and its copy on each device asked for, made the
     first time that device asks: a forward on an accelerator reads a cached device tensor and
-    creates nothing on the host."""
+    creates nothing on the host. The copies are ordinary tensors even when first asked for
+    under ``torch.inference_mode`` (an inference tensor cached here would break every later
+    autograd use, such as a training script running after the engine)."""
 
     def __init__(self, host: torch.Tensor) -> None:
         self._copies = {host.device: host}
@@ -61,7 +63,8 @@ class DeviceCopies:
     def on(self, device: torch.device) -> torch.Tensor:
         copy = self._copies.get(device)
         if copy is None:
-            copy = self._copies[device] = self._host.to(device)
+            with torch.inference_mode(False):
+                copy = self._copies[device] = self._host.to(device)
         return copy
 
 
@@ -72,8 +75,9 @@ def _swap_index(half: int, device: torch.device) -> torch.Tensor:
     """``[2 * half]`` indices on ``device`` that swap the two halves of the last dimension."""
     swaps = _SWAPS.get(half)
     if swaps is None:
-        swaps = _SWAPS[half] = DeviceCopies(torch.cat((
-            torch.arange(half, 2 * half, device="cpu"), torch.arange(half, device="cpu"))))
+        with torch.inference_mode(False):  # a constant of every later forward (DeviceCopies)
+            swaps = _SWAPS[half] = DeviceCopies(torch.cat((
+                torch.arange(half, 2 * half, device="cpu"), torch.arange(half, device="cpu"))))
     return swaps.on(device)
 
 
