@@ -21,6 +21,7 @@ from pathlib import Path
 from bench import compare, hf_baseline, loadgen
 from cli.arg_types import positive, positive_float
 from cli.engine_args import add_tree_args
+from cli.models import ensure_model
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -35,9 +36,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", default=None,
                    help="the row ratios are taken against (default: transformers with "
                         "--compare if run, else the first target)")
-    p.add_argument("--model", type=Path, default=None,
-                   help="checkpoint for --compare, and the tokenizer of --dataset code "
-                        "(default: the built-in model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint for --compare, and the tokenizer of --dataset code: a "
+                        "directory, or builtin, builtin:qwen2-vl, builtin:hybrid (default: "
+                        "builtin)")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw latency against request rate per target (matplotlib)")
     p.add_argument("--num-requests", type=positive, default=64)
@@ -99,10 +101,9 @@ def workloads(args: argparse.Namespace) -> loadgen.Load:
                                             args.turn_len or args.input_len, args.output_len,
                                             args.vocab, args.seed)
     if args.dataset == "code":
-        from engine.builtin import builtin_model_dir
         from engine.text.tokenizer import Tokenizer
 
-        model = args.model or builtin_model_dir()
+        model = ensure_model(args.model)
         tok = Tokenizer.from_dir(model)
         if tok is None:
             raise ValueError(f"--dataset code needs a tokenizer: {model} has no tokenizer.json")
@@ -176,8 +177,6 @@ def _target_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[floa
 
 def _compare_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[float]
                   ) -> tuple[list[compare.Row], list[list[list[int]]], str]:
-    from engine.builtin import builtin_model_dir
-
     multi_turn = isinstance(works, loadgen.MultiTurn)
     if args.compare_targets is None:
         targets = [t for t in compare.DEFAULT_TARGETS if not (multi_turn and t == "transformers")]
@@ -197,7 +196,7 @@ def _compare_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[flo
     from decode_node.spec.tree import TreeShape
 
     TreeShape(args.num_draft_tokens or compare.DEFAULT_K, args.draft_topk, args.draft_steps)
-    model = args.model or builtin_model_dir()
+    model = ensure_model(args.model)
     rows, outputs = compare.run_compare(
         model, targets, works, rates, max_concurrency=args.max_concurrency,
         num_draft_tokens=args.num_draft_tokens or compare.DEFAULT_K, seed=args.seed,

@@ -36,7 +36,8 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    p.add_argument("--model", help="model directory, or builtin, builtin:qwen2-vl, builtin:hybrid "
+                   "(the shipped tiny models; default: builtin)")
     add_device_args(p)
     p.add_argument("--page-size", type=positive, default=16)
     p.add_argument("--num-pages", type=positive, default=None,

@@ -43,7 +43,8 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    p.add_argument("--model", help="model directory, or builtin, builtin:qwen2-vl, builtin:hybrid "
+                   "(the shipped tiny models; default: builtin)")
     p.add_argument("--prefill", type=positive, default=1, help="prefill workers")
     p.add_argument("--decode", type=positive, default=1, help="decode workers")
     p.add_argument("--port", type=port, default=50050, help="router port (0 picks a free one)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engine.builtin import builtin_model_dir
+from engine.builtin import builtin_alias_dir, builtin_model_dir
 
 
 def cache_dir() -> Path:
@@ -19,10 +19,19 @@ def default_model_dir() -> Path:
 
 
 def ensure_model(model: str | None) -> Path:
-    """``model`` if given, else the shipped trained tiny model, else a random tiny model
-    written on first use."""
+    """The model directory ``model`` names: a path, or ``builtin`` / ``builtin:NAME`` for a
+    shipped trained model (``builtin:qwen2-vl``, ``builtin:hybrid``; ``ValueError`` for another
+    name or one whose weights this checkout lacks); without ``model``, the shipped trained tiny
+    model, else a random tiny model written on first use. A directory called ``builtin`` is
+    named ``./builtin``."""
     if model:
-        return Path(model)
+        alias = builtin_alias_dir(model)
+        if alias is None:
+            return Path(model)
+        if not (alias / "config.json").is_file():
+            raise ValueError(f"the built-in model {model!r} is not in this checkout "
+                             f"({alias} has no config.json)")
+        return alias
     if (builtin_model_dir() / "config.json").is_file():
         return builtin_model_dir()
     from engine.builtin.tiny_model import write_tiny_model

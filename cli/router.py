@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="model directory (config.json, tokenizer.json, ...)")
+    p.add_argument("--model", help="model directory (config.json, tokenizer.json, ...), or "
+                   "builtin, builtin:qwen2-vl, builtin:hybrid (default: builtin)")
     p.add_argument("--prefill", metavar="HOST:PORT[,...]",
                    help="prefill workers; an entry dns:NAME:PORT means every A record of NAME "
                         "(e.g. a Kubernetes headless service), re-resolved every 5 s")

@@ -38,3 +38,27 @@ class Settings:
     draft_pass_decay: float = 0.8  # pass j's loss weighs decay ** j
     threads: int = 1  # the same count reproduces the same weights
     bf16_autocast: bool = False  # CPU bf16 matmuls; measured slower than float32 here
+
+
+@dataclass(frozen=True)
+class HybridSettings(Settings):
+    """What determines the hybrid sibling's weights (``scripts/train_tiny_hybrid.py``): a
+    Qwen3.5-shaped text model (Gated DeltaNet layers, a gated full-attention layer every
+    ``full_attention_interval``) and its MTP head. The inherited EAGLE-only fields are unused."""
+
+    hidden_size: int = 128
+    num_layers: int = 6
+    intermediate_size: int = 384
+    head_dim: int = 32
+    full_attention_interval: int = 3  # layers 2, 5, ... are full attention, the rest linear
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel: int = 4
+    steps: int = 1000
+    draft_kind: str = "mtp"
+    draft_prompts: int = 1024
+    draft_steps: int = 1500
+    mtp_passes: int = 3  # unrolled passes per step (pass j: chain step j + 1 of a K-token draft)
+    mtp_pass_decay: float = 0.8  # pass j's loss weighs decay ** j

@@ -40,6 +40,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ SAMPLE_PROMPTS = ("def fibonacci(n):", "import os\n", "class Stack:\n    def pus
                   chat_prompt("Write a Python function fibonacci(n). Return the n-th Fibonacci "
                               "number."))
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+TargetForward = Callable[[Qwen2VLModel, torch.Tensor], torch.Tensor]
 TARGET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
                 "preprocessor_config.json")
 
@@ -203,8 +205,11 @@ def autocast(s: Settings) -> torch.autocast:
 # ---- training --------------------------------------------------------------------------------
 
 
-def train_target(model: Qwen2VLModel, stream: torch.Tensor, s: Settings) -> list[float]:
-    """Next-token training on random windows of ``stream``; returns the loss curve."""
+def train_target(model: Qwen2VLModel, stream: torch.Tensor, s: Settings,
+                 forward: TargetForward | None = None) -> list[float]:
+    """Next-token training on random windows of ``stream``; returns the loss curve. ``forward``
+    (default :func:`target_forward`) gives the final-normed hidden states of a batch of ids."""
+    forward = forward or target_forward
     gen = torch.Generator().manual_seed(s.seed + 1)
     params = [p for n, p in model.named_parameters() if not n.startswith("visual.")]
     decay = [p for p in params if p.dim() >= 2]
@@ -219,7 +224,7 @@ def train_target(model: Qwen2VLModel, stream: torch.Tensor, s: Settings) -> list
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s.steps, s.lr, s.warmup)
         with autocast(s):
-            hidden = target_forward(model, batch[:, :-1])
+            hidden = forward(model, batch[:, :-1])
             logits = model.lm_head(hidden).float()
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
@@ -397,14 +402,25 @@ def transformers_greedy(model_dir: Path, ids: list[int], new: int) -> list[int]:
     return res[0, len(ids):].tolist()
 
 
-def write_report(out: Path, s: Settings, command: str, facts: dict[str, Any]) -> None:
+def append_target_report(out: Path, target: Path) -> None:
+    """Append the target's own ``TRAINING.md`` to ``out``'s (a draft trained with ``--target``),
+    its headings one level down."""
+    with (out / "TRAINING.md").open("a") as f:
+        f.write("\n# The target: its own TRAINING.md\n\n"
+                + (target / "TRAINING.md").read_text().replace("\n# ", "\n## ")
+                .removeprefix("# "))
+
+
+def write_report(out: Path, s: Settings, command: str, facts: dict[str, Any],
+                 title: str = "The built-in tiny model",
+                 script: str = "scripts/train_tiny.py") -> None:
     """``TRAINING.md``: the command, the settings and the measured results."""
     sizes = {str(p.relative_to(out)): p.stat().st_size for p in sorted(out.rglob("*"))
              if p.is_file() and p.name != "TRAINING.md"}
     lines = [
-        "# The built-in tiny model: how it was made",
+        f"# {title}: how it was made",
         "",
-        "Written by `scripts/train_tiny.py`; rebuild with (from the repository root):",
+        f"Written by `{script}`; rebuild with (from the repository root):",
         "",
         "```", command, "```", "",
         "## Settings", "", "```json", json.dumps(asdict(s), indent=2), "```", "",
@@ -544,10 +560,7 @@ def main() -> None:
         print(json.dumps(facts["eval"], indent=2), flush=True)
     write_report(out, s, command, facts)
     if target is not None:
-        with (out / "TRAINING.md").open("a") as f:
-            f.write("\n# The target: its own TRAINING.md\n\n"
-                    + (target / "TRAINING.md").read_text().replace("\n# ", "\n## ")
-                    .removeprefix("# "))
+        append_target_report(out, target)
 
 
 if __name__ == "__main__":
