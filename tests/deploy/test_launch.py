@@ -1,7 +1,8 @@
 """``pdserve launch`` on a local Ray cluster: serves over gRPC, answers like the colocated
 engine, and Ctrl-C leaves no server, actor or Ray process behind. Its prefill runs in two
 pipeline stages (``--prefill-pp-size 2``: the second started first, the draft on it), the whole
-launch path otherwise being that of tests/deploy/test_launch_errors.py."""
+launch path otherwise being that of tests/deploy/test_launch_errors.py. The hybrid built-in
+(``--model builtin:hybrid --draft mtp``) serves the same way, its MTP head drafting."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine.builtin import builtin_hybrid_model_dir
 from engine.builtin.tiny_model import write_tiny_draft, write_tiny_model
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
+from engine.text.tokenizer import Tokenizer
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 
@@ -41,42 +44,44 @@ def processes_matching(text: str) -> list[str]:
     return found
 
 
-def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
-    model = write_tiny_model(tmp_path / "launch-model")
-    write_tiny_draft(model / "draft")
+def start_launch(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
+    """``pdserve launch --port 0 ARGS`` in a subprocess, and its router's address once READY."""
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "launch", "--model", str(model),
-                             "--port", "0", "--draft", "auto", "--num-draft-tokens", "2",
-                             "--prefill-pp-size", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "launch", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None
+    address = None
+    deadline = time.monotonic() + 300  # a loaded 2-core machine starts Ray slowly
+    log = []
+    while time.monotonic() < deadline and address is None:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        log.append(line)
+        if line.startswith("READY "):
+            address = line.split()[1]
+    if address is None:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("".join(log))
+    assert address.startswith("127.0.0.1:")  # single node: loopback only
+    return proc, address
+
+
+def stream(address: str, ids: list[int], new_tokens: int) -> list[gpb.GenerateResponse]:
+    request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=ids),
+                                  sampling=gpb.SamplingParams(max_new_tokens=new_tokens,
+                                                              ignore_eos=True))
+    with grpc.insecure_channel(address) as ch:
+        return list(generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60))
+
+
+def stop_launch(proc: subprocess.Popen[str], model: Path) -> None:
+    """Ctrl-C: the launch says it stopped, exits 0, and leaves no server of ``model`` and no
+    Ray process behind."""
     try:
-        address = None
-        deadline = time.monotonic() + 300  # a loaded 2-core machine starts Ray slowly
-        log = []
-        while time.monotonic() < deadline and address is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            log.append(line)
-            if line.startswith("READY "):
-                address = line.split()[1]
-        assert address is not None, "".join(log)
-        assert address.startswith("127.0.0.1:")  # single node: loopback only
-        request = gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, 2, 3, 4]),
-                                      sampling=gpb.SamplingParams(max_new_tokens=12,
-                                                                  ignore_eos=True))
-        with grpc.insecure_channel(address) as ch:
-            msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(request, timeout=60))
-        got = [t for m in msgs for t in m.token_ids]
-        engine = LLMEngine(model, EngineConfig(num_pages=64))
-        [expected] = engine.generate([Prompt(token_ids=[1, 2, 3, 4])],
-                                     SamplingParams(max_new_tokens=12, ignore_eos=True))
-        assert got == expected.token_ids  # EAGLE on (the draft was passed on) changes nothing
-        assert msgs[-1].usage.drafted_tokens > 0
-        assert len(processes_matching("--pp-rank")) == 2  # one server per stage
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out
@@ -92,3 +97,43 @@ def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
             break
         time.sleep(0.5)
     assert not left, left
+
+
+def test_launch_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
+    model = write_tiny_model(tmp_path / "launch-model")
+    write_tiny_draft(model / "draft")
+    proc, address = start_launch(tmp_path, "--model", str(model), "--draft", "auto",
+                                 "--num-draft-tokens", "2", "--prefill-pp-size", "2")
+    try:
+        msgs = stream(address, [1, 2, 3, 4], 12)
+        got = [t for m in msgs for t in m.token_ids]
+        engine = LLMEngine(model, EngineConfig(num_pages=64))
+        [expected] = engine.generate([Prompt(token_ids=[1, 2, 3, 4])],
+                                     SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert got == expected.token_ids  # EAGLE on (the draft was passed on) changes nothing
+        assert msgs[-1].usage.drafted_tokens > 0
+        assert len(processes_matching("--pp-rank")) == 2  # one server per stage
+    finally:
+        stop_launch(proc, model)
+
+
+def test_launch_serves_the_hybrid_builtin_with_its_mtp_head(tmp_path: Path) -> None:
+    """``pdserve launch --model builtin:hybrid --draft mtp``: the workers get the shipped
+    Qwen3.5-shaped sibling, its trained MTP head drafts and is accepted, and the stream is plain
+    decoding's."""
+    model = builtin_hybrid_model_dir()
+    tok = Tokenizer.from_dir(model)
+    assert tok is not None
+    ids = tok.encode("def fibonacci(n):\n")
+    proc, address = start_launch(tmp_path, "--model", "builtin:hybrid", "--draft", "mtp",
+                                 "--num-draft-tokens", "3")
+    try:
+        msgs = stream(address, ids, 24)
+        got = [t for m in msgs for t in m.token_ids]
+        [expected] = LLMEngine(model, EngineConfig(num_pages=64)).generate(
+            [Prompt(token_ids=ids)], SamplingParams(max_new_tokens=24, ignore_eos=True))
+        assert got == expected.token_ids
+        usage = msgs[-1].usage
+        assert 0 < usage.accepted_tokens <= usage.drafted_tokens, usage
+    finally:
+        stop_launch(proc, model)
