@@ -134,7 +134,8 @@ class SpecGraphRunner:
                 return hidden
             return torch.cat((hidden, self.drafter.target_feature(hidden, aux)), dim=-1)
 
-        out = self.graphs.run("verify", self.bs, forward)[: len(rnd.reqs) * self.n]
+        kind = "verify" if tree_mask is None else "verify_tree"  # the mask changes the graph
+        out = self.graphs.run(kind, self.bs, forward)[: len(rnd.reqs) * self.n]
         if not eagle3:
             return out, out
         return out[:, : b.hidden_size], out[:, b.hidden_size :]

@@ -4,13 +4,20 @@ A *static forward* is a callable that reads only persistent buffers and returns 
 CUDA device with graphs on, :class:`GraphCache` captures it once per padded size (after a
 warm-up run on a side stream, so lazy allocations and Triton compilation happen outside the
 capture) into one shared memory pool, and later calls replay the graph: the host launches one
-graph instead of every kernel of every layer. Elsewhere (CPU, NPU, ``--no-graphs``) the callable
-simply runs, which is what lets the padding and buffer logic be tested on a CPU.
+graph instead of every kernel of every layer. In a shared pool a graph's output may lie in
+memory another graph uses for its temporaries, so a replay of *any* graph can overwrite it:
+:meth:`GraphCache.run` therefore hands out a copy of the output (one device copy of the
+output's size per replay; the pool stays shared, which is what keeps the captured graphs'
+memory to that of the largest one rather than their sum). Elsewhere (CPU, NPU,
+``--no-graphs``) the callable simply runs, which is what lets the padding and buffer logic be
+tested on a CPU.
 
 Invariants a static forward keeps, so that a replay equals an eager run over fresh buffers:
 every input is copied into the buffers *before* the call, host-side values baked into the
-callable are capacities (never a batch's own maxima) when :attr:`GraphCache.captures`, and the
-returned tensor stays valid only until the next call of the same size.
+callable are capacities (never a batch's own maxima) when :attr:`GraphCache.captures`, and a
+graph is keyed by everything that changes what it computes (its name says the kind of forward,
+e.g. a tree verify apart from a chain one, and the padded size the rest). The tensor
+:meth:`GraphCache.run` returns is the caller's: no later call changes it.
 """
 
 from __future__ import annotations
@@ -60,7 +67,8 @@ class GraphCache:
         return self.sizes[k]
 
     def run(self, name: str, size: int, fn: StaticForward) -> torch.Tensor:
-        """``fn()``, through its captured graph for ``(name, size)`` when capturing."""
+        """``fn()``, through its captured graph for ``(name, size)`` when capturing; the
+        result is a copy of the graph's output (valid after later replays of any graph)."""
         if not self.captures:
             return fn()
         entry = self._graphs.get((name, size))
@@ -69,7 +77,7 @@ class GraphCache:
             self._graphs[(name, size)] = entry
         else:
             entry[0].replay()
-        return entry[1]
+        return entry[1].clone()
 
     def _capture(self, fn: StaticForward) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         side = torch.cuda.Stream()

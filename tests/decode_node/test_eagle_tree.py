@@ -21,6 +21,7 @@ from engine.core.request import Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.models.eagle.loader import load_draft
 from engine.multimodal.mrope import rope_index
+from engine.runner.cuda_graph import GraphCache
 from engine.sampling.penalties import chain_scores, tree_scores
 
 SHAPES = [(4, 2, 3), (6, 3, 2), (3, 1, 5)]  # (num_draft_tokens, topk, steps)
@@ -108,6 +109,32 @@ def test_a_one_child_tree_round_is_the_chain_round(pair_dir: Path) -> None:
     assert [g.token_ids for g in forced.generate(prompts, GREEDY)] == want
     assert forced.stats == chain.stats and chain.stats.accepted > 0
     forced.engine.scheduler.check_no_leaks()
+
+
+def test_a_tree_verify_and_a_chain_verify_are_different_graphs(
+        pair_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain round and a tree round of the same shape verify the same number of rows at the
+    same padded sizes, but the tree's forward runs under its mask: their graphs are keyed
+    apart, so a captured chain graph is never replayed for a tree round."""
+    keys: list[tuple[str, int]] = []
+    real = GraphCache.run
+
+    def run(self: GraphCache, name: str, size: int, fn):  # noqa: ANN001, ANN202
+        keys.append((name, size))
+        return real(self, name, size, fn)
+
+    monkeypatch.setattr(GraphCache, "run", run)
+    chain = tree_engine(pair_dir, 3, 1, 3)
+    chain.generate(PROMPTS["text"][:1], GREEDY)
+    chain_keys, keys[:] = set(keys), []
+    tree = tree_engine(pair_dir, 3, 1, 3)
+    tree.trees = tree_round.TreeRounds(tree.engine, tree.drafter, tree.graph, tree.shape,
+                                       tree._log_rows)
+    tree.generate(PROMPTS["text"][:1], GREEDY)
+    verify = {(name, size) for name, size in chain_keys if name.startswith("verify")}
+    assert verify and {name for name, _ in verify} == {"verify"}
+    assert {(name, size) for name, size in keys if name.startswith("verify")} == {
+        ("verify_tree", size) for _, size in verify}
 
 
 @pytest.mark.parametrize("shape", [(3, 1, 5), (6, 3, 2)], ids=["n3k1s5", "n6k3s2"])

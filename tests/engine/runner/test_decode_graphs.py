@@ -54,6 +54,38 @@ def test_capture_sizes_and_padding() -> None:
         capture_sizes_for(0)
 
 
+class _AliasedGraph:
+    """A captured graph stand-in whose output lies in ``out``, memory it shares with the other
+    graphs of its pool (as a graph's output may lie where another keeps its temporaries)."""
+
+    def __init__(self, out: torch.Tensor, value: float) -> None:
+        self.out, self.value = out, value
+
+    def replay(self) -> None:
+        self.out.fill_(self.value)
+
+
+def test_a_result_outlives_the_replay_of_another_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two graphs whose outputs share memory in their pool: what ``run`` handed out for one
+    stays as it was through the other's capture and replays (it is a copy)."""
+    cache = GraphCache(torch.device("cpu"), [1], enabled=True)
+    cache.captures = True  # the capture path, with stand-ins for the CUDA graphs
+    shared = torch.zeros(3)
+
+    def capture(fn):  # noqa: ANN001, ANN202
+        graph = _AliasedGraph(shared, float(fn()[0]))
+        graph.replay()  # as _capture runs the captured graph once
+        return graph, shared
+
+    monkeypatch.setattr(cache, "_capture", capture)
+    first = cache.run("a", 1, lambda: torch.full((3,), 1.0))
+    assert torch.equal(cache.run("b", 1, lambda: torch.full((3,), 2.0)), torch.full((3,), 2.0))
+    again = cache.run("a", 1, lambda: torch.full((3,), 1.0))  # a replay
+    cache.run("b", 1, lambda: torch.full((3,), 2.0))
+    assert torch.equal(first, torch.ones(3)) and torch.equal(again, torch.ones(3))
+    assert cache.num_captured == 2
+
+
 def test_static_decode_matches_transformers_as_the_batch_shrinks(hf_dir: Path, hf_model) -> None:  # noqa: ANN001,E501
     """Eight prompts (text and images) stop after different lengths, so decode batches of
     8, 7, ... 1 are padded to 8, 8, 8, 8, 4, 4, 2, 1 rows; every token equals transformers."""
