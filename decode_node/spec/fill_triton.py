@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from decode_node.spec.graph_buffers import SpecGraphBuffers, check_fill_args
+from engine.attention.kernels.configs import fill_tile  # tile sizes, checked by tests/gpu_readiness
 
 
 def _fill_rows(  # type: ignore[no-untyped-def]  # a Triton kernel: no Python annotations
@@ -170,8 +171,7 @@ def fill_draft_extend_prepare_buffers_triton(
         )
     s = {k: v.contiguous() for k, v in srcs.items()}
     n = num_tokens_per_bs
-    block_n = triton.next_power_of_2(n)
-    block_h = min(triton.next_power_of_2(bufs.hidden_size), max(16, 4096 // block_n))
+    block_n, block_h, num_warps = fill_tile(n, bufs.hidden_size)
     _kernel(interpret)[(bs,)](
         bufs.input_ids,
         bufs.positions,
@@ -204,4 +204,5 @@ def fill_draft_extend_prepare_buffers_triton(
         N=n,
         BLOCK_N=block_n,
         BLOCK_H=block_h,
+        num_warps=num_warps,
     )

@@ -17,16 +17,11 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
+from engine.attention.kernels.configs import decode_splits
 from engine.attention.kernels.paged_attention import decode_attention, extend_attention
 from engine.kv.pool import KVPool
 
-_TARGET_PROGRAMS = 128  # decode programs (sequence x kv head x split) worth filling a GPU
-
-
-def decode_splits(num_seqs: int, kv_heads: int, max_splits: int) -> int:
-    """Key-range splits of a decode launch: enough programs to fill the device, at most
-    ``max_splits``; a function of the launch shape only, never of the sequence lengths."""
-    return max(1, min(max_splits, _TARGET_PROGRAMS // max(1, num_seqs * kv_heads)))
+__all__ = ["TritonPagedAttention", "decode_splits"]
 
 
 class TritonPagedAttention(AttentionBackend):

@@ -12,7 +12,8 @@ extend only) query ``i`` instead sees every key before the sequence's last ``W``
 last ``W`` its row of the ``[B, max_q, W]`` mask admits:
 
 - :func:`extend_attention`: ragged prefill chunks, mixed batches and verify windows. One
-  program per (block of ``BLOCK_Q`` queries, sequence, kv head); the query heads of a kv head
+  program per (block of ``BLOCK_Q`` queries (tile sizes per dtype and head dim:
+  :mod:`engine.attention.kernels.configs`), sequence, kv head); the query heads of a kv head
   are stacked into the rows of one tile (row ``r`` is query ``r // GROUP_PAD``, head
   ``r % GROUP_PAD``), so each K/V tile is loaded once for the whole group.
 - :func:`decode_attention`: one query per sequence. One program per (sequence, kv head,
@@ -33,11 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.kernels.configs import decode_launch, extend_launch, next_power_of_2
+
 _INTERPRETED = bool(triton.knobs.runtime.interpret)
 _LOG2E = 1.4426950408889634
-_MIN_DOT = 16  # smallest tile side tl.dot accepts
-_ROWS = 64  # query rows (tokens x group heads) per extend program
-_BLOCK_N = 64  # keys per inner step
 
 
 @triton.jit
@@ -216,8 +216,8 @@ def _dot_f32(q: torch.Tensor) -> bool:
     return _INTERPRETED and q.dtype == torch.bfloat16
 
 
-def _pad_dim(d: int) -> int:
-    return max(_MIN_DOT, triton.next_power_of_2(d))
+def _dtype_name(q: torch.Tensor) -> str:
+    return str(q.dtype).removeprefix("torch.")
 
 
 def _kv_strides(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple[int, int]:
@@ -225,14 +225,6 @@ def _kv_strides(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple[int, int]:
     if k_buf.stride() != v_buf.stride() or not k_buf.is_contiguous():
         raise ValueError("K and V buffers must be contiguous with equal strides")
     return k_buf.stride(1), k_buf.stride(2)
-
-
-def extend_block_q(max_q: int, group: int) -> int:
-    """Queries per extend program: ``_ROWS`` rows of (query, head), no more queries than
-    ``max_q`` needs, and at least the ``_MIN_DOT`` rows a tile must have."""
-    group_pad = triton.next_power_of_2(group)
-    block = min(triton.next_power_of_2(max_q), max(1, _ROWS // group_pad))
-    return max(block, _MIN_DOT // group_pad, 1)
 
 
 def extend_attention(
@@ -258,18 +250,19 @@ def extend_attention(
     _, page_size, kv_heads, _ = k_buf.shape
     group = heads // kv_heads
     stride_ks, stride_kh = _kv_strides(k_buf, v_buf)
-    block_q = extend_block_q(max_q, group)
-    grid = (triton.cdiv(max_q, block_q), page_table.shape[0], kv_heads)
+    cfg = extend_launch(_dtype_name(q), dim, group, max_q)  # tile sizes: see configs.py
+    grid = (triton.cdiv(max_q, cfg.block_q), page_table.shape[0], kv_heads)
     # the mask as bytes (a bool tensor's storage); without one, a placeholder never read
     tree = page_table if tree_mask is None else tree_mask.contiguous().view(torch.uint8)
     _extend_kernel[grid](
         q, k_buf, v_buf, out, q_starts, kv_lens, page_table, tree, _LOG2E / math.sqrt(dim),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_ks, stride_kh,
         page_table.stride(0), tree.stride(0), tree.stride(1),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=block_q,
-        D=dim, D_PAD=_pad_dim(dim), BLOCK_N=_BLOCK_N, PAGE_SIZE=page_size,
+        GROUP=group, GROUP_PAD=cfg.group_pad, BLOCK_Q=cfg.block_q,
+        D=dim, D_PAD=cfg.d_pad, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
         DOT_F32=_dot_f32(q), TREE=tree_mask is not None,
         WINDOW=0 if tree_mask is None else tree_mask.shape[2],
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -291,7 +284,8 @@ def decode_attention(
     bsz, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_buf.shape
     group = heads // kv_heads
-    d_pad = _pad_dim(dim)
+    cfg = decode_launch(_dtype_name(q), dim, group)  # tile sizes: see configs.py
+    d_pad = cfg.d_pad
     stride_ks, stride_kh = _kv_strides(k_buf, v_buf)
     part_o = part_lse = out  # unused placeholders when there is one split
     if num_splits > 1:
@@ -301,13 +295,13 @@ def decode_attention(
         q, k_buf, v_buf, out, part_o, part_lse, kv_lens, page_table, _LOG2E / math.sqrt(dim),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_ks, stride_kh,
         page_table.stride(0), heads,
-        GROUP=group, GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
-        NUM_SPLITS=num_splits, D=dim, D_PAD=d_pad, BLOCK_N=_BLOCK_N, PAGE_SIZE=page_size,
-        DOT_F32=_dot_f32(q),
+        GROUP=group, GROUP_PAD=cfg.group_pad,
+        NUM_SPLITS=num_splits, D=dim, D_PAD=d_pad, BLOCK_N=cfg.block_n, PAGE_SIZE=page_size,
+        DOT_F32=_dot_f32(q), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(bsz, heads)](
             out, part_o, part_lse, out.stride(0), out.stride(1), heads,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
             D=dim, D_PAD=d_pad,
         )
