@@ -1,10 +1,12 @@
 """The CUDA libraries' linear-attention kernels behind the torch reference's interface.
 
-UNTESTED ON A GPU: no GPU was at hand when these were written. They follow the libraries'
-source (flash-linear-attention 0.4 to 0.6, causal-conv1d 1.4 to 1.6); their plumbing (rows,
-slots, state layouts, keywords) is tested on stand-ins that do what the libraries document, and
-fla 0.6.0's recurrent kernel once matched the reference under ``TRITON_INTERPRET=1`` on a CPU.
-Check both against ``conv`` and ``delta_rule`` on a GPU before they serve. Each adapter is
+They follow the libraries' source (flash-linear-attention 0.4 to 0.6, causal-conv1d 1.4 to
+1.6); their plumbing (rows, slots, state layouts, keywords) is tested on stand-ins that do what
+the libraries document. On a GPU: :class:`FlaGatedDeltaRule` over fla 0.6.0 matched the torch
+reference on an H200 (2026-12-04, ``scripts/device_check.py`` section ``f_hybrid``: a mixed
+batch of continued prefill chunks, decode rows and a fresh prompt, bf16 and float32, outputs
+and states), and Qwen3.5 through the engine with it equalled transformers. UNTESTED ON A GPU:
+:class:`LibraryCausalConv1d` (causal-conv1d has no wheel for that machine). Each adapter is
 handed the library's module by ``select``, the only place the libraries are imported.
 
 - :class:`FlaGatedDeltaRule` (``fla.ops.gated_delta_rule``): one-token sequences through

@@ -2,9 +2,9 @@
 
 Off CUDA, and by default: the torch reference (``conv``, ``delta_rule``). On CUDA each kernel
 comes from its library when that is importable, flash-linear-attention for the gated delta rule
-and causal-conv1d for the conv (``libraries``; UNTESTED, see there), and from the torch
-reference otherwise; a missing library is logged once. The libraries are imported here only,
-and only when a CUDA device asks.
+and causal-conv1d for the conv (``libraries``: fla's checked on a GPU, causal-conv1d's not
+yet), and from the torch reference otherwise; a missing library is logged once. The libraries
+are imported here only, and only when a CUDA device asks.
 """
 
 from __future__ import annotations
