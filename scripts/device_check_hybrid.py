@@ -22,8 +22,8 @@ leaves the others' results; the section raises at the end if one raised):
 * ``mtp``: Qwen3.5 drafting with its own MTP module (``draft="mtp"``, an
   :class:`~decode_node.spec.eagle_engine.EagleEngine` chain of 3) equals plain decoding token for
   token, on a checkpoint whose drafts are accepted part of the time (both the accepted and the
-  rejected path must run); once per ``engine.config.VERIFY_STATES`` mode where the engine has
-  them. Reports drafted, accepted, rounds and acceptance length.
+  rejected path must run); once per ``engine.config.VERIFY_STATES`` mode. Reports drafted,
+  accepted, rounds and acceptance length.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from engine.attention.linear import select
 from engine.builtin.tiny_model import TINY_VOCAB
 from engine.builtin.tiny_qwen3 import QWEN3_ARCHS, make_mtp_predictable, write_tiny_qwen3_model
 from engine.builtin.tiny_tokenizer import SPECIAL_TOKENS
+from engine.config import VERIFY_STATES
 from engine.core.request import SamplingParams
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt
 
@@ -415,8 +416,6 @@ MTP_TOKENS, QUICK_MTP_TOKENS = 32, 16
 def part_mtp(ctx: Context, part: dict[str, Any]) -> None:
     """Part 3: Qwen3.5 with its MTP module drafting equals plain decoding on the device, for
     each way the engine keeps a verify's states (one that raises is recorded as failed)."""
-    from engine import config as engine_config
-
     path = make_mtp_predictable(write_tiny_qwen3_model(ctx.work / "tiny-qwen3_5-mtp", "qwen3_5",
                                                        mtp=True))
     new = QUICK_MTP_TOKENS if ctx.quick else MTP_TOKENS
@@ -430,16 +429,13 @@ def part_mtp(ctx: Context, part: dict[str, Any]) -> None:
     plain = plain_engine.generate(prompts, greedy)
     del plain_engine
     ctx.free()
-    # the engine's modes of keeping a verify window's linear-attention states, where it has them
-    modes: tuple[str | None, ...] = tuple(getattr(engine_config, "VERIFY_STATES", ())) or (None,)
     part["k"], part["new_tokens"] = MTP_K, new
     runs: dict[str, dict[str, Any]] = {}
     part["runs"] = runs
-    for mode in modes:
-        runs[mode or "default"] = run = {"ok": False}
+    for mode in VERIFY_STATES:  # each way of keeping a verify window's linear-attention states
+        runs[mode] = run = {"ok": False}
         try:
-            _mtp_run(ctx, path, {**base, **({} if mode is None else {"verify_states": mode})},
-                     prompts, plain, greedy, run)
+            _mtp_run(ctx, path, {**base, "verify_states": mode}, prompts, plain, greedy, run)
         except Exception as exc:  # the other mode still runs
             _failed(run, exc)
         ctx.free()
