@@ -6,7 +6,7 @@ the libraries document. On a GPU: :class:`FlaGatedDeltaRule` over fla 0.6.0 matc
 reference on an H200 (2026-12-04, ``scripts/device_check.py`` section ``f_hybrid``: a mixed
 batch of continued prefill chunks, decode rows and a fresh prompt, bf16 and float32, outputs
 and states), and Qwen3.5 through the engine with it equalled transformers. UNTESTED ON A GPU:
-:class:`LibraryCausalConv1d` (causal-conv1d has no wheel for that machine). Each adapter is
+:class:`LibraryCausalConv1d` (causal-conv1d was not built there). Each adapter is
 handed the library's module by ``select``, the only place the libraries are imported.
 
 - :class:`FlaGatedDeltaRule` (``fla.ops.gated_delta_rule``): one-token sequences through
