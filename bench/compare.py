@@ -39,14 +39,11 @@ from pathlib import Path
 
 from bench import clusters as cc
 from bench import loadgen
+from bench.compare_targets import NO_CACHE
 
-DEFAULT_TARGETS = ("disaggregated", "colocated", "disaggregated+eagle", "transformers")
-NO_CACHE = "-no-cache"
-TARGETS = (*DEFAULT_TARGETS, "disaggregated" + NO_CACHE, "colocated" + NO_CACHE)
 # the counters (``pdserve_<name>_total``) a row reports per node; absent ones are left out
 KV_COUNTERS = ("transfer_bytes", "kv_bytes_not_sent", "kv_pages_not_sent",
                "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
-DEFAULT_K = 4
 GOODPUT_LEVEL = 0.9  # a rate "meets the SLO" when this share of its requests does
 Row = dict[str, object]
 

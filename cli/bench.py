@@ -17,11 +17,15 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bench import compare, hf_baseline, loadgen
+from bench.compare_targets import DEFAULT_K, DEFAULT_TARGETS, TARGETS
 from cli.arg_types import positive, positive_float
 from cli.engine_args import add_tree_args
 from cli.models import ensure_model
+
+if TYPE_CHECKING:  # the run functions import these (gRPC, clusters): the parser stays light
+    from bench import compare, loadgen
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -30,8 +34,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare", action="store_true",
                    help="start each of --compare-targets on loopback in turn and compare them")
     p.add_argument("--compare-targets", default=None,
-                   help=f"comma-separated, from {','.join(compare.TARGETS)} (default: "
-                        f"{','.join(compare.DEFAULT_TARGETS)}; without transformers for "
+                   help=f"comma-separated, from {','.join(TARGETS)} (default: "
+                        f"{','.join(DEFAULT_TARGETS)}; without transformers for "
                         "--dataset multi-turn); the -no-cache ones run without a prefix cache")
     p.add_argument("--baseline", default=None,
                    help="the row ratios are taken against (default: transformers with "
@@ -72,7 +76,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=positive, default=32)
     p.add_argument("--num-draft-tokens", type=positive, default=None,
                    help="the servers' K, to turn accepted/drafted counts into acceptance "
-                        f"length (--compare: the EAGLE cluster's K, default {compare.DEFAULT_K})")
+                        "length (--compare: the EAGLE cluster's K, default "
+                        f"{DEFAULT_K})")
     add_tree_args(p)  # --compare: the EAGLE cluster's draft tree
     p.add_argument("--slo-ttft-ms", type=positive_float, default=None,
                    help="goodput: the share of requests with TTFT (and TPOT) within the limits; "
@@ -85,6 +90,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def workloads(args: argparse.Namespace) -> loadgen.Load:
+    from bench import loadgen
+
     n = args.num_requests
     if args.dataset == "jsonl":
         if args.jsonl is None:
@@ -124,6 +131,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from bench import compare
+
     if bool(args.compare) == bool(args.target):
         raise ValueError("give --target HOST:PORT (repeatable) or --compare, not both")
     works = workloads(args)
@@ -159,6 +168,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _target_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[float]
                  ) -> tuple[list[compare.Row], list[list[list[int]]]]:
+    from bench import compare, loadgen
+
     rows: list[compare.Row] = []
     outputs: list[list[list[int]]] = []
     for target in args.target:
@@ -177,14 +188,16 @@ def _target_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[floa
 
 def _compare_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[float]
                   ) -> tuple[list[compare.Row], list[list[list[int]]], str]:
+    from bench import compare, hf_baseline, loadgen
+
     multi_turn = isinstance(works, loadgen.MultiTurn)
     if args.compare_targets is None:
-        targets = [t for t in compare.DEFAULT_TARGETS if not (multi_turn and t == "transformers")]
+        targets = [t for t in DEFAULT_TARGETS if not (multi_turn and t == "transformers")]
     else:
         targets = [t.strip() for t in args.compare_targets.split(",") if t.strip()]
-    unknown = sorted(set(targets) - set(compare.TARGETS))
+    unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
-        raise ValueError(f"unknown --compare-targets {unknown}; choose from {compare.TARGETS}")
+        raise ValueError(f"unknown --compare-targets {unknown}; choose from {TARGETS}")
     if multi_turn and "transformers" in targets:
         raise ValueError("--dataset multi-turn does not run on the transformers baseline: "
                          "leave it out of --compare-targets")
@@ -195,11 +208,11 @@ def _compare_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[flo
         hf_baseline.require_transformers()  # fail before any cluster starts
     from decode_node.spec.tree import TreeShape
 
-    TreeShape(args.num_draft_tokens or compare.DEFAULT_K, args.draft_topk, args.draft_steps)
+    TreeShape(args.num_draft_tokens or DEFAULT_K, args.draft_topk, args.draft_steps)
     model = ensure_model(args.model)
     rows, outputs = compare.run_compare(
         model, targets, works, rates, max_concurrency=args.max_concurrency,
-        num_draft_tokens=args.num_draft_tokens or compare.DEFAULT_K, seed=args.seed,
+        num_draft_tokens=args.num_draft_tokens or DEFAULT_K, seed=args.seed,
         draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         log=(lambda m: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)),
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
@@ -207,6 +220,8 @@ def _compare_rows(args: argparse.Namespace, works: loadgen.Load, rates: list[flo
 
 
 def _config(args: argparse.Namespace, rates: list[float], requests: int) -> dict[str, object]:
+    from bench import compare
+
     dataset: dict[str, object] = {}
     if args.dataset == "shared-prefix":
         dataset = {"shared_prefix_ratio": args.shared_prefix_ratio}
@@ -218,8 +233,7 @@ def _config(args: argparse.Namespace, rates: list[float], requests: int) -> dict
             "max_concurrency": args.max_concurrency,
             "request_rates": [compare.rate_key(r) for r in rates],
             "model": str(args.model) if args.model else "built-in",
-            "num_draft_tokens": args.num_draft_tokens or (compare.DEFAULT_K if args.compare
-                                                           else 0),
+            "num_draft_tokens": args.num_draft_tokens or (DEFAULT_K if args.compare else 0),
             "draft_topk": args.draft_topk, "draft_steps": args.draft_steps, "seed": args.seed}
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
-import grpc
-
-from serving.overload import abort_overloaded
+# grpc only where a call is refused: the command line reads DEFAULT_MAX_WAITING from here and
+# builds every parser without grpc
+if TYPE_CHECKING:
+    import grpc
 
 DEFAULT_MAX_WAITING = 256  # a worker's bound when --max-waiting is not given
 
@@ -49,6 +51,8 @@ class AdmissionGate:
             queued = await asyncio.to_thread(self._queued)
             if queued + self.admitting - 1 >= self.max_waiting:
                 self.counters["requests_rejected"] += 1
+                from serving.overload import abort_overloaded
+
                 await abort_overloaded(context, f"{self._what.format(queued=queued)} "
                                                 f"(--max-waiting {self.max_waiting})")
             await enqueue()

@@ -373,3 +373,16 @@ def test_generate_with_video_patches(
     video = VideoInput(torch.from_numpy(patches), (2, 4, 4), 0.5)
     [want] = in_process(engine, [Prompt(token_ids=ids, videos=[video])], 6)
     assert row["token_ids"] == want
+
+
+def test_the_command_line_is_built_without_heavy_libraries() -> None:
+    """``pdserve``'s parsers (every subcommand's) import no torch, gRPC, protobuf code, Ray or
+    HTTP client: each subcommand imports what it needs when it runs, so ``pdserve generate``
+    on a machine without the serving stack (a lent GPU node) starts, and ``--help`` is quick."""
+    heavy = ("torch", "grpc", "grpc_health", "grpc_tools", "proto", "google", "ray", "aiohttp",
+             "prometheus_client", "transformers")
+    code = ("import sys; from cli.main import build_parser; build_parser(); "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(heavy)!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=REPO).stdout
+    assert out.strip() == "[]"
