@@ -45,7 +45,6 @@ import tiny_eagle3  # scripts/, beside this file
 import torch
 import torch.nn.functional as F
 import train_tiny
-from safetensors.torch import save_file
 from tiny_settings import HybridSettings
 from tokenizers import Tokenizer
 
@@ -54,16 +53,11 @@ from engine.attention.linear.norm import gated_rms_norm
 from engine.builtin import builtin_model_dir
 from engine.builtin.stdlib_corpus import heldout_prompts, read_text, split_files, stdlib_files
 from engine.builtin.tiny_model import init_weights
-from engine.builtin.tiny_qwen3 import (
-    TINY_QWEN3_PREPROCESSOR,
-    TINY_QWEN3_VIDEO_PREPROCESSOR,
-    published_name,
-    tiny_qwen3_config_dict,
-)
+from engine.builtin.tiny_qwen3 import tiny_qwen3_config_dict, write_qwen3_checkpoint
 from engine.builtin.tiny_tokenizer import special_token_ids
 from engine.checkpoint import load_model
 from engine.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
-from engine.models.eagle.mtp import MTP_PREFIX, MtpConfig, MtpDraft
+from engine.models.eagle.mtp import MtpConfig, MtpDraft
 from engine.models.layers import MropeRotary, OffsetRMSNorm, RotaryTables
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.models.qwen3_5.gated_delta_net import GatedDeltaNet
@@ -251,18 +245,10 @@ def write_checkpoint(out: Path, model: Qwen2VLModel, mtp: MtpDraft, raw: dict[st
     """Weights (published names, ``mtp.*`` beside them, the tied LM head left out), configs and
     the shipped tokenizer."""
     out.mkdir(parents=True, exist_ok=True)
-    state = {published_name(k): v.detach().contiguous() for k, v in model.state_dict().items()
-             if k != "lm_head.weight"}
-    state.update({MTP_PREFIX + k: v.detach().contiguous() for k, v in mtp.state_dict().items()})
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     special = special_token_ids(raw["text_config"]["vocab_size"])
     generation = {"eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
                   "bos_token_id": special["<|endoftext|>"], "max_new_tokens": 128}
-    files = {"config.json": raw, "generation_config.json": generation,
-             "preprocessor_config.json": TINY_QWEN3_PREPROCESSOR,
-             "video_preprocessor_config.json": TINY_QWEN3_VIDEO_PREPROCESSOR}
-    for name, content in files.items():
-        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+    write_qwen3_checkpoint(out, model, mtp, raw, generation, tied=True)
     shutil.copyfile(builtin_model_dir() / "tokenizer.json", out / "tokenizer.json")
 
 

@@ -181,22 +181,35 @@ def write_tiny_qwen3_model(model_dir: str | Path, arch: str, seed: int = 0,
     cfg = ModelConfig.from_dict(raw)
     model = _MODELS[arch](cfg)
     init_qwen3_weights(model, seed)
-    state = {published_name(k): v.detach().contiguous() for k, v in model.state_dict().items()}
+    module = None
     if mtp:
         module = MtpDraft(MtpConfig.of(cfg.text))
         init_qwen3_weights(module, seed + 1)
-        state.update({MTP_PREFIX + k: v.detach().contiguous()
-                      for k, v in module.state_dict().items()})
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     text = raw["text_config"]
     generation = {"eos_token_id": text["eos_token_id"], "bos_token_id": text["bos_token_id"]}
+    write_qwen3_checkpoint(path, model, module, raw, generation)
+    build_tiny_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
+    return path
+
+
+def write_qwen3_checkpoint(path: Path, model: Qwen2VLModel, mtp: MtpDraft | None,
+                           raw: dict[str, Any], generation: dict[str, Any], *,
+                           tied: bool = False) -> None:
+    """A Qwen3-family checkpoint of ``model`` in ``path`` (which must exist), all but the
+    tokenizer: ``model.safetensors`` under the published names, ``mtp``'s tensors beside them
+    as ``mtp.*`` and, with ``tied``, no ``lm_head`` (the embedding serves); ``config.json``
+    (``raw``), ``generation_config.json`` (``generation``) and the tiny processors' settings."""
+    state = {published_name(k): v.detach().contiguous() for k, v in model.state_dict().items()
+             if not (tied and k == "lm_head.weight")}
+    if mtp is not None:
+        state.update({MTP_PREFIX + k: v.detach().contiguous()
+                      for k, v in mtp.state_dict().items()})
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     files = {"config.json": raw, "generation_config.json": generation,
              "preprocessor_config.json": TINY_QWEN3_PREPROCESSOR,
              "video_preprocessor_config.json": TINY_QWEN3_VIDEO_PREPROCESSOR}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2) + "\n")
-    build_tiny_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
-    return path
 
 
 def make_mtp_predictable(model: Path) -> Path:
