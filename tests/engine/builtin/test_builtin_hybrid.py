@@ -51,8 +51,8 @@ def test_mtp_at_k3_on_heldout_prompts_equals_plain_and_accepts(model_dir: Path) 
     tok = Tokenizer.from_dir(model_dir)
     assert tok is not None
     prompts = [Prompt(token_ids=ids) for ids in heldout_prompts(tok.encode)]  # all 16
-    plain = LLMEngine(model_dir, EngineConfig(num_pages=1024, page_size=16)).generate(prompts,
-                                                                                   GREEDY)
+    plain_engine = LLMEngine(model_dir, EngineConfig(num_pages=1024, page_size=16))
+    plain = plain_engine.generate(prompts, GREEDY)
     engine = LLMEngine(model_dir, EngineConfig(num_pages=1024, page_size=16, lookahead_tokens=K),
                        draft="mtp")
     draft = engine.load_draft()
@@ -66,6 +66,9 @@ def test_mtp_at_k3_on_heldout_prompts_equals_plain_and_accepts(model_dir: Path) 
     assert st.drafted == K * st.rounds
     assert st.acceptance_length == (st.accepted + st.rounds) / st.rounds
     assert st.acceptance_length >= MIN_TOKENS_PER_ROUND
+    for done in (plain_engine, engine):  # pages and state slots all back
+        done.scheduler.check_no_leaks()
+        assert done.stats()["state_slots_used"] == 0
 
 
 def test_builtin_aliases_name_the_shipped_directories(model_dir: Path) -> None:
