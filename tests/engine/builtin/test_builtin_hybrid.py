@@ -66,9 +66,8 @@ def test_mtp_at_k3_on_heldout_prompts_equals_plain_and_accepts(model_dir: Path) 
     assert st.drafted == K * st.rounds
     assert st.acceptance_length == (st.accepted + st.rounds) / st.rounds
     assert st.acceptance_length >= MIN_TOKENS_PER_ROUND
-    for done in (plain_engine, engine):  # pages and state slots all back
-        done.scheduler.check_no_leaks()
-        assert done.stats()["state_slots_used"] == 0
+    for done in (plain_engine, engine):
+        done.scheduler.check_no_leaks()  # pages, batch rows and state slots all back
 
 
 def test_builtin_aliases_name_the_shipped_directories(model_dir: Path) -> None:
