@@ -18,6 +18,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.config import ModelConfig, TextConfig
 from engine.models.layers import MropeRotary, RMSNorm, RotaryTables, activation
+from engine.models.linear import PreparedLinear, prepare_linears
 from engine.models.qwen2_vl.vision import Grid, VisionTower
 from engine.models.qwen2_vl.vision_qwen2_5 import Qwen25VisionTower
 from engine.models.step_extras import NO_EXTRAS, StepExtras, VisualEmbeds
@@ -43,24 +44,26 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, kv * d, bias=True)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         self.tp = tp
-        self.qkv_weight = self.qkv_bias = torch.empty(0)  # set by fuse()
+        self.qkv: PreparedLinear | None = None  # set by fuse()
+        self.o: PreparedLinear | None = None
 
     def fuse(self) -> None:
-        """Store q/k/v weights in one tensor (the projections become views into it) so a
-        forward runs one matmul instead of three."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = torch.cat([p.weight.detach() for p in projs])
-        self.qkv_bias = torch.cat([p.bias.detach() for p in projs])
-        share_rows(projs, self.qkv_weight, self.qkv_bias)
+        """Prepare q/k/v as one linear (one matmul instead of three) and ``o_proj``
+        (:func:`prepare_linears`); a second call keeps the first preparation."""
+        if self.qkv is not None:
+            return
+        self.qkv, self.o = prepare_linears(((self.q_proj, self.k_proj, self.v_proj),
+                                                 (self.o_proj,)))
 
     def forward(
         self, x: torch.Tensor, rot: RotaryTables, attn: AttentionBackend, layer: int
     ) -> torch.Tensor:
+        assert self.qkv is not None and self.o is not None, "fuse() the model first"
         t, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(t, h + 2 * kv, d)
+        qkv = self.qkv(x).view(t, h + 2 * kv, d)
         qk = rot.apply(qkv[:, : h + kv])  # q and k heads rotated together
         out = attn.forward(qk[:, :h], qk[:, h:], qkv[:, h + kv :], layer)
-        return self.tp.all_reduce(F.linear(out.reshape(t, h * d), self.o_proj.weight))
+        return self.tp.all_reduce(self.o(out.reshape(t, h * d)))
 
 
 class Mlp(nn.Module):
@@ -75,30 +78,20 @@ class Mlp(nn.Module):
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.act = activation(cfg.hidden_act)
         self.tp = tp
-        self.gate_up_weight = torch.empty(0)  # set by fuse()
+        self.gate_up: PreparedLinear | None = None  # set by fuse()
+        self.down: PreparedLinear | None = None
 
     def fuse(self) -> None:
-        """Store gate and up weights in one tensor (see :meth:`Attention.fuse`)."""
-        projs = (self.gate_proj, self.up_proj)
-        self.gate_up_weight = torch.cat([p.weight.detach() for p in projs])
-        share_rows(projs, self.gate_up_weight, None)
+        """Prepare gate and up as one linear, and ``down_proj`` (see :meth:`Attention.fuse`)."""
+        if self.gate_up is not None:
+            return
+        self.gate_up, self.down = prepare_linears(((self.gate_proj, self.up_proj),
+                                                        (self.down_proj,)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.tp.all_reduce(F.linear(self.act(gate) * up, self.down_proj.weight))
-
-
-def share_rows(
-    projs: Sequence[nn.Linear], weight: torch.Tensor, bias: torch.Tensor | None
-) -> None:
-    """Re-point each projection's parameters at its rows of the fused ``weight``/``bias``."""
-    row = 0
-    for p in projs:
-        n = p.weight.shape[0]
-        p.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
-        if bias is not None:
-            p.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
-        row += n
+        assert self.gate_up is not None and self.down is not None, "fuse() the model first"
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.tp.all_reduce(self.down(self.act(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -161,6 +154,7 @@ class Qwen2VLModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = MropeRotary(t.rotary_dim, t.rope_theta, t.mrope_section,
                                   t.mrope_interleaved)
+        self.head: PreparedLinear | None = None  # the LM head, prepared by fuse()
 
     def build_text(self, cfg: TextConfig, tp: TPGroup) -> TextModel:
         """The decoder stack (embedding, layers, final norm)."""
@@ -184,11 +178,20 @@ class Qwen2VLModel(nn.Module):
         return self.model.layers[layer].forward(x, rot, attn, index)
 
     def fuse(self) -> None:
-        """Fuse projections for inference; call after the weights are loaded and placed."""
+        """Fuse and prepare projections for inference (:func:`prepare_linears`) and the LM
+        head; call once, after the weights are loaded and placed."""
         for layer in self.model.layers:
             if isinstance(layer, DecoderLayer):  # not a layer a pipeline stage dropped
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
+        self.fuse_head()
+
+    def fuse_head(self) -> None:
+        """Prepare the LM head (a packed copy beside the plain weight, which stays: it may be
+        the embedding's, and drafts and training scripts read it)."""
+        head = getattr(self, "lm_head", None)  # a TP rank past 0 holds no head
+        if head is not None and self.head is None:
+            self.head = PreparedLinear(head.weight)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -268,4 +271,6 @@ class Qwen2VLModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 logits ``[n, vocab]``."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        if self.head is None:  # before fuse() (a model built for training or export)
+            return F.linear(hidden, self.lm_head.weight).float()
+        return self.head(hidden).float()

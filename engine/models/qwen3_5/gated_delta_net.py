@@ -25,6 +25,7 @@ from torch import nn
 from engine.attention.linear.norm import gated_rms_norm
 from engine.attention.linear.states import LinearStates
 from engine.config import LinearAttentionConfig, TextConfig
+from engine.models.linear import PreparedLinear, prepare_linears
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TextShard
 
@@ -63,14 +64,19 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedNormWeight(lin.head_v_dim)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.eps = cfg.rms_norm_eps
-        self.in_weight = torch.empty(0)  # set by fuse()
+        self.proj_in: PreparedLinear | None = None  # set by fuse()
+        self.proj_out: PreparedLinear | None = None
         self.conv_weight = torch.empty(0)
 
     def fuse(self) -> None:
-        """One matrix for the four input projections (rows: q/k/v, z, b, a) and the conv's
-        weight as ``[C, K]``."""
-        projs = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        self.in_weight = torch.cat([p.weight.detach() for p in projs])
+        """One prepared linear for the four input projections (rows: q/k/v, z, b, a), the
+        prepared ``out_proj`` and the conv's weight as ``[C, K]``; a second call keeps the
+        first."""
+        if self.proj_in is not None:
+            return
+        self.proj_in, self.proj_out = prepare_linears((
+            (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a),
+            (self.out_proj,)))
         self.conv_weight = self.conv1d.weight.detach().squeeze(1)
 
     def forward(self, x: torch.Tensor, states: LinearStates, index: int) -> torch.Tensor:
@@ -78,7 +84,8 @@ class GatedDeltaNet(nn.Module):
         layer ``index`` for the forward's rows."""
         lin, t = self.lin, x.shape[0]
         channels, hv = lin.conv_channels, lin.num_v_heads
-        mixed, z, b, a = F.linear(x, self.in_weight).split(
+        assert self.proj_in is not None and self.proj_out is not None, "fuse() first"
+        mixed, z, b, a = self.proj_in(x).split(
             [channels, self.value_dim, hv, hv], dim=-1)
         mixed = states.conv(index, mixed, self.conv_weight, None)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -89,4 +96,4 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = states.delta_rule(index, q, k, v, g, beta)  # [T, Hv, Dv]
         out = gated_rms_norm(out, z.reshape(t, hv, lin.head_v_dim), self.norm.weight, self.eps)
-        return self.tp.all_reduce(F.linear(out.reshape(t, self.value_dim), self.out_proj.weight))
+        return self.tp.all_reduce(self.proj_out(out.reshape(t, self.value_dim)))

@@ -74,6 +74,7 @@ class Qwen35Model(Qwen3VLModel):
         for layer in self.model.layers:
             if isinstance(layer, HybridDecoderLayer):  # not a layer a pipeline stage dropped
                 layer.fuse()
+        self.fuse_head()
 
     def pool_index(self, layer: int, layers: range) -> int:
         indexes = self._indexes.get(layers)

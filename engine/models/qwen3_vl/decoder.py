@@ -11,13 +11,13 @@ leading ``rotary_dim`` channels).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.config import TextConfig
 from engine.models.layers import RMSNorm, RotaryTables, make_norm
-from engine.models.qwen2_vl.model import Mlp, share_rows
+from engine.models.linear import PreparedLinear, empty_like_weight, prepare_linears
+from engine.models.qwen2_vl.model import Mlp
 from engine.parallel.group import SINGLE, TPGroup
 from engine.parallel.shard import TextShard
 
@@ -41,26 +41,29 @@ class Qwen3Attention(nn.Module):
         self.q_norm = make_norm(d, cfg.rms_norm_eps, offset=cfg.zero_centered_norm)
         self.k_norm = make_norm(d, cfg.rms_norm_eps, offset=cfg.zero_centered_norm)
         self.tp = tp
-        self.qkv_weight = torch.empty(0)  # set by fuse()
-        self.qkv_bias: torch.Tensor | None = None
+        self.qkv: PreparedLinear | None = None  # set by fuse()
+        self.o: PreparedLinear | None = None
         self.o_bias: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        """Store q/k/v weights in one tensor (the projections become views into it)."""
-        projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = torch.cat([p.weight.detach() for p in projs])
-        if self.q_proj.bias is not None:
-            self.qkv_bias = torch.cat([p.bias.detach() for p in projs])
-        share_rows(projs, self.qkv_weight, self.qkv_bias)
+        """Prepare q/k/v as one linear and ``o_proj`` without its bias
+        (:func:`~engine.models.linear.prepare_linears`); a second call keeps the first."""
+        if self.qkv is not None:
+            return
+        self.qkv, = prepare_linears(((self.q_proj, self.k_proj, self.v_proj),))
         # row-parallel: the bias is added once, by rank 0, to the all-reduced sum
         if self.o_proj.bias is not None and self.tp.rank == 0:
             self.o_bias = self.o_proj.bias.detach()
+        self.o = PreparedLinear(self.o_proj.weight)
+        if self.o.packed:
+            self.o_proj.weight = empty_like_weight(self.o_proj.weight)
 
     def forward(
         self, x: torch.Tensor, rot: RotaryTables, attn: AttentionBackend, layer: int
     ) -> torch.Tensor:
+        assert self.qkv is not None and self.o is not None, "fuse() the model first"
         t, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         q_width = h * d * (2 if self.gated else 1)
         gate: torch.Tensor | None = None
         if self.gated:
@@ -75,7 +78,7 @@ class Qwen3Attention(nn.Module):
         out = attn.forward(q, k, v, layer).reshape(t, h * d)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        out = self.tp.all_reduce(F.linear(out, self.o_proj.weight))
+        out = self.tp.all_reduce(self.o(out))
         return out if self.o_bias is None else out + self.o_bias
 
 

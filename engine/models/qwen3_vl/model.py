@@ -39,6 +39,7 @@ class Qwen3VLModel(Qwen2VLModel):
         for layer in self.model.layers:
             if isinstance(layer, Qwen3DecoderLayer):  # not a layer a pipeline stage dropped
                 layer.fuse()
+        self.fuse_head()
 
     def encode_images(self, patches: torch.Tensor, grids: Sequence[Grid]) -> VisualEmbeds:
         patches = patches.to(device=self.device, dtype=self.dtype)

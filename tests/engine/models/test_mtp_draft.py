@@ -18,6 +18,7 @@ from engine.errors import CheckpointError
 from engine.kv.pool import KVPool
 from engine.models.eagle.loader import MTP_DRAFT, draft_source, load_draft
 from engine.models.eagle.mtp import MtpDraft
+from engine.models.linear import PACKING
 from engine.parallel.shard import TextShard
 from tests.engine.parallel.test_tp_shard import ThreadGroup
 
@@ -99,9 +100,12 @@ def inputs(hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return embeds, feats, positions
 
 
-def test_mtp_module_equals_transformers_components(qwen35_mtp_dir: Path) -> None:
+def test_mtp_module_equals_transformers_components(qwen35_mtp_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """fc over cat(norm(embedding), norm(feature)), transformers' decoder layer (gated q_proj,
-    q/k norms, partial interleaved mrope, MLP), the final norm: equal in float32 to 1e-5."""
+    q/k norms, partial interleaved mrope, MLP), the final norm: equal in float32 to 1e-5.
+    The weights stay plain (unpacked), so the reference can be loaded from the module's own."""
+    monkeypatch.setitem(PACKING, "enabled", False)
     text = ModelConfig.from_dir(qwen35_mtp_dir).text
     draft = load_draft(draft_source(MTP_DRAFT, qwen35_mtp_dir), text, torch.float32)
     assert isinstance(draft, MtpDraft)
