@@ -1,13 +1,26 @@
-"""Engine throughput against transformers' ``generate`` on the same checkpoint, in one run.
+"""Engine throughput against a peer on the same checkpoint and prompts, in one run.
 
-    python -m bench.engine [--model DIR] [--batch-sizes 1,8,32] [--prompt-len 128] [--new 64]
-        [--device cpu] [--dtype float32]
+    python -m bench.engine [--model DIR|qwen2-0.5b] [--peer transformers|vllm]
+        [--batch-sizes 1,8,32] [--prompt-len 128] [--new 64] [--device cpu]
+        [--dtype float32[,bfloat16]] [--bandwidth] [--json]
 
-Prints decode tokens/s of both and the ratio per batch size (greedy, on ``--device`` in
-``--dtype``, the same for both; ``auto`` as in ``pdserve generate``). Both see the
-same random prompts of exactly ``--prompt-len`` tokens and produce exactly ``--new`` tokens.
-Beside them, the engine's host time per decode step (``host ms``: step wall time minus the
-model's forward and LM head, :mod:`bench.host_time`) over ``--new`` steps of the same batch.
+Prints decode tokens/s (batch x new tokens / wall time of one ``generate`` call over fresh
+prompts, after a warm-up call over other prompts, so the timed call's prefill is computed, not
+found in a prefix cache) of pdserve and of the peer, and their ratio, per dtype and batch size.
+Both see the same random prompts of exactly ``--prompt-len`` tokens and produce exactly
+``--new`` tokens, greedy; ``same`` says whether the first prompt's tokens agree. The peers:
+
+- ``transformers``: its ``generate`` in this interpreter; beside it the engine's host time per
+  decode step (``host ms``: step wall time minus the model's forward and LM head,
+  :mod:`bench.host_time`);
+- ``vllm``: vLLM's offline ``LLM.generate`` in its own environment (:mod:`bench.peers.vllm_peer`,
+  created on first use), on the checkpoint's decoder as a ``Qwen2ForCausalLM``
+  (:func:`bench.checkpoints.text_only_view`: a text prompt's mrope is plain rope).
+
+``--model qwen2-0.5b`` writes (once, under ``~/.cache/pdserve/bench``) a random checkpoint of
+Qwen2-0.5B's decoder shape (:mod:`bench.checkpoints`); without ``--model`` a fresh tiny model.
+``--bandwidth`` adds, per dtype, the batch-1 decode step's weight bandwidth against a plain
+streaming read of as many bytes (:mod:`bench.weight_bandwidth`).
 """
 
 from __future__ import annotations
@@ -17,9 +30,11 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from bench.checkpoints import SHAPES, text_only_view, write_shaped
 from bench.host_time import measure_host_time
 from bench.random_prompts import prompts
 from engine.builtin.tiny_model import write_tiny_model
@@ -27,6 +42,9 @@ from engine.config import EngineConfig
 from engine.core.request import SamplingParams
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine, Prompt
+
+CACHE = Path.home() / ".cache" / "pdserve" / "bench"
+WARMUP_SEED = 1  # the timed prompts are seed 0's
 
 
 def _engine(model_dir: Path, device: str, dtype: str) -> LLMEngine:
@@ -40,75 +58,126 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_ours(engine: LLMEngine, ids: list[list[int]], new: int) -> float:
+def run_ours(engine: LLMEngine, warm: list[list[int]], ids: list[list[int]],
+             new: int) -> tuple[float, list[int]]:
+    """tok/s of one generate call over ``ids`` after one over ``warm``; the first prompt's
+    tokens."""
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-    engine.generate([Prompt(token_ids=p) for p in ids], params)  # warm-up (and graph capture)
+    engine.generate([Prompt(token_ids=p) for p in warm], params)  # warm-up (and graph capture)
     _sync(engine.device)
     start = time.perf_counter()
     results = engine.generate([Prompt(token_ids=p) for p in ids], params)
     _sync(engine.device)
     elapsed = time.perf_counter() - start
     assert all(len(r.token_ids) == new for r in results)
-    return len(ids) * new / elapsed
+    return len(ids) * new / elapsed, list(results[0].token_ids)
 
 
-def run_transformers(model_dir: Path, ids: list[list[int]], new: int, device: torch.device,
-                     dtype: torch.dtype) -> float:
+def run_transformers(model_dir: Path, warm: list[list[int]], ids: list[list[int]], new: int,
+                     device: torch.device, dtype: torch.dtype) -> tuple[float, list[int]]:
     from transformers import Qwen2VLForConditionalGeneration
 
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
     model.to(device)
-    batch = torch.tensor(ids, device=device)
     kwargs = {"max_new_tokens": new, "eos_token_id": None, "do_sample": False,
-              "pad_token_id": 0, "attention_mask": torch.ones_like(batch)}
+              "pad_token_id": 0}
     with torch.inference_mode():
-        model.generate(input_ids=batch[:1], **{**kwargs, "attention_mask": batch[:1] * 0 + 1})
+        first = torch.tensor(warm[:1], device=device)
+        model.generate(input_ids=first, attention_mask=torch.ones_like(first), **kwargs)
+        batch = torch.tensor(ids, device=device)
         _sync(device)
         start = time.perf_counter()
-        out = model.generate(input_ids=batch, **kwargs)
+        out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), **kwargs)
         _sync(device)
         elapsed = time.perf_counter() - start
     assert out.shape[1] == batch.shape[1] + new
-    return len(ids) * new / elapsed
+    return len(ids) * new / elapsed, out[0, batch.shape[1]:].tolist()
+
+
+def model_dir_of(arg: str | None, tmp: Path) -> Path:
+    """``--model``: a directory, a shape name of :data:`bench.checkpoints.SHAPES` (written
+    once under :data:`CACHE`) or none (a fresh tiny model in ``tmp``)."""
+    if arg is None:
+        return write_tiny_model(tmp / "tiny")
+    if arg in SHAPES:
+        return write_shaped(CACHE / arg, arg)
+    return Path(arg)
+
+
+def rows_for_dtype(args: argparse.Namespace, model_dir: Path, device: torch.device,
+                   dtype: torch.dtype, vocab: int, tmp: Path) -> list[dict[str, Any]]:
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    timed = prompts(max(sizes), args.prompt_len, vocab)
+    warm = prompts(max(sizes), args.prompt_len, vocab, seed=WARMUP_SEED)
+    peer: dict[int, tuple[float, list[int]]] = {}
+    if args.peer == "vllm":
+        from bench.peers import vllm_peer
+
+        text_dir = text_only_view(model_dir, tmp / f"text-{dtype_name(dtype)}")
+        got = vllm_peer.generate(text_dir, warm, timed, args.new, dtype_name(dtype), sizes,
+                            cuda=device.type == "cuda")
+        peer = {r["batch"]: (r["tok_s"], got["tokens"]) for r in got["rows"]}
+    rows = []
+    for bs in sizes:
+        engine = _engine(model_dir, str(device), dtype_name(dtype))
+        ours, tokens = run_ours(engine, warm[:bs], timed[:bs], args.new)
+        row: dict[str, Any] = {"dtype": dtype_name(dtype), "batch": bs,
+                               "pdserve_tok_s": round(ours, 1)}
+        if args.peer == "transformers":
+            row["host_ms"] = round(measure_host_time(engine, timed[:bs], args.new).host_ms, 3)
+        if args.bandwidth and bs == sizes[0]:
+            from bench.weight_bandwidth import measure
+
+            bw = measure(engine, args.prompt_len, args.new, vocab)
+            row.update(step_ms=round(bw.step_ms, 1), step_gb_s=round(bw.step_gb_s, 1),
+                       stream_gb_s=round(bw.stream_gb_s, 1), bandwidth=round(bw.ratio, 2))
+        del engine
+        if args.peer == "transformers":
+            peer[bs] = run_transformers(model_dir, warm[:bs], timed[:bs], args.new, device,
+                                        dtype)
+        theirs, their_tokens = peer[bs]
+        row.update(peer_tok_s=round(theirs, 1), ratio=round(ours / theirs, 2))
+        if bs == sizes[0]:
+            row["same"] = tokens == their_tokens
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="checkpoint directory (default: a fresh tiny model)")
+    parser.add_argument("--model", help="checkpoint directory or a shape: "
+                        f"{', '.join(SHAPES)} (default: a fresh tiny model)")
+    parser.add_argument("--peer", choices=("transformers", "vllm"), default="transformers")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--dtype", default="float32",
-                        help="auto, float32, bfloat16 or float16")
+                        help="auto, float32, bfloat16 or float16, or several, comma-separated")
+    parser.add_argument("--bandwidth", action="store_true",
+                        help="also the batch-1 decode step's share of the memory bandwidth")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    torch.set_num_threads(torch.get_num_threads())
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else write_tiny_model(Path(tmp) / "tiny")
-        vocab = json.loads((model_dir / "config.json").read_text())
-        vocab = (vocab.get("text_config") or vocab)["vocab_size"]
-        rows = []
-        for bs in (int(b) for b in args.batch_sizes.split(",")):
-            ids = prompts(bs, args.prompt_len, vocab)
-            engine = _engine(model_dir, str(device), dtype_name(dtype))
-            ours = run_ours(engine, ids, args.new)
-            host = measure_host_time(engine, ids, args.new)
-            del engine
-            ref = run_transformers(model_dir, ids, args.new, device, dtype)
-            rows.append({"batch": bs, "pdserve_tok_s": round(ours, 1),
-                         "transformers_tok_s": round(ref, 1), "ratio": round(ours / ref, 2),
-                         "host_ms": round(host.host_ms, 3)})
+        model_dir = model_dir_of(args.model, Path(tmp))
+        raw = json.loads((model_dir / "config.json").read_text())
+        vocab = (raw.get("text_config") or raw)["vocab_size"]
+        for name in args.dtype.split(","):
+            dtype = resolve_dtype(name, device)
+            rows += rows_for_dtype(args, model_dir, device, dtype, vocab, Path(tmp))
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"{'batch':>5} {'pdserve tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
-          f"{'host ms':>8}")
+    print(f"peer: {args.peer}; model: {args.model or 'tiny'}; prompt {args.prompt_len}, "
+          f"{args.new} new tokens")
+    cols = ["dtype", "batch", "pdserve_tok_s", "peer_tok_s", "ratio", "same", "host_ms",
+            "step_ms", "step_gb_s", "stream_gb_s", "bandwidth"]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    print(" ".join(f"{c:>13}" for c in cols))
     for r in rows:
-        print(f"{r['batch']:>5} {r['pdserve_tok_s']:>14} {r['transformers_tok_s']:>19} "
-              f"{r['ratio']:>6} {r['host_ms']:>8}")
+        print(" ".join(f"{str(r.get(c, '')):>13}" for c in cols))
 
 
 if __name__ == "__main__":

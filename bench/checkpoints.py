@@ -1,0 +1,99 @@
+"""Random-weight checkpoints of real model sizes for the speed benchmarks (``--model qwen2-0.5b``).
+
+The tiny built-in models measure per-op overhead, not a model's step; a peer comparison needs a
+checkpoint of the size users serve. :func:`write_qwen2_05b` writes a Qwen2-VL-architecture
+checkpoint whose decoder has Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads over 2 KV heads,
+intermediate 4864, a 151,936-token vocabulary tied to the LM head: 494M parameters, 1.98 GB in
+float32) and a two-block vision tower, seeded, in the Hugging Face layout; :func:`text_only_view`
+writes the same decoder as a ``Qwen2ForCausalLM`` directory, for a peer that serves Qwen2-VL's
+decoder on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from engine.builtin.tiny_model import TINY_PREPROCESSOR, TINY_VOCAB, tiny_config_dict
+from engine.builtin.tiny_tokenizer import build_tiny_tokenizer
+from engine.checkpoint import save_weights
+from engine.config import ModelConfig
+from engine.models.qwen2_vl.model import Qwen2VLModel
+
+QWEN2_05B_TEXT: dict[str, Any] = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                        "mrope_section": [8, 12, 12]},
+}
+# the names a checkpoint's shape is asked for by (``--model NAME`` of bench.engine)
+SHAPES = {"qwen2-0.5b": QWEN2_05B_TEXT}
+
+
+def config_dict(text: dict[str, Any]) -> dict[str, Any]:
+    """The tiny model's ``config.json`` with its decoder reshaped by ``text``, embeddings tied."""
+    raw = tiny_config_dict()
+    raw["text_config"] = {**raw["text_config"], **text}
+    raw["vision_config"]["hidden_size"] = text["hidden_size"]  # the tower's merger output
+    raw["tie_word_embeddings"] = True
+    return raw
+
+
+def write_shaped(model_dir: str | Path, shape: str, seed: int = 0) -> Path:
+    """Write a seeded checkpoint of the decoder shape called ``shape`` (:data:`SHAPES`) to
+    ``model_dir``, unless one is there already (the weights take a minute to draw)."""
+    path = Path(model_dir)
+    raw = config_dict(SHAPES[shape])
+    if (path / "config.json").exists() and json.loads(
+            (path / "config.json").read_text()) == raw:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    model = Qwen2VLModel(ModelConfig.from_dict(raw))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    save_weights(model, path)
+    # the tiny tokenizer (its ids are the low ones): the benchmarks feed token ids
+    build_tiny_tokenizer(TINY_VOCAB).save(str(path / "tokenizer.json"))
+    (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2) + "\n")
+    (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return path
+
+
+def text_only_view(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write ``model_dir``'s decoder as a ``Qwen2ForCausalLM`` checkpoint to ``out_dir``: the
+    text config at the top level (plain rope: a text-only prompt's three mrope axes are equal,
+    so mrope is plain rope there) and the weights without the vision tower."""
+    src, out = Path(model_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((src / "config.json").read_text())
+    text = dict(raw["text_config"])
+    rope = dict(text.pop("rope_parameters", {}))
+    rope.pop("mrope_section", None)
+    text.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                tie_word_embeddings=raw.get("tie_word_embeddings", False),
+                rope_parameters={**rope, "rope_type": "default"}, torch_dtype="float32")
+    (out / "config.json").write_text(json.dumps(text, indent=2) + "\n")
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("visual.")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "generation_config.json"):
+        if (src / name).exists():
+            (out / name).write_text((src / name).read_text())
+    return out

@@ -1,0 +1,1 @@
+"""Peer serving systems the benchmarks run beside pdserve, each in its own virtual environment."""

