@@ -1,13 +1,14 @@
 """Linear layers with weights prepared once for the device's fastest matrix multiply.
 
-On a CPU, torch's ``F.linear`` hands a weight stored ``[out, in]`` to a BLAS call that reorders
-it again on every call; at one token (a matrix-vector product) that costs half the memory
-bandwidth a decode step is bound by. :class:`PreparedLinear` instead reorders the weight once
-into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's
-freezing does and vLLM's CPU build does) and multiplies through ``mkldnn._linear_pointwise``: on
-this project's CPU 1.7x faster at one token and 1.3-2x at 8 to 512 tokens in float32, 1.2-1.6x
-in bfloat16 (float32 accumulation). Elsewhere (CUDA, NPU, float16, a torch without oneDNN) it
-is ``F.linear`` over the plain weight.
+On a CPU, torch's ``F.linear`` hands a weight stored ``[out, in]`` to a BLAS call that lays it
+out for its kernels on every call; at one token (a matrix-vector product) it reached about half
+the memory bandwidth a decode step is bound by. :class:`PreparedLinear` instead reorders the
+weight once into oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what
+inductor's freezing does and vLLM's CPU build does) and multiplies through
+``mkldnn._linear_pointwise``: on this project's CPU 1.7-3x faster at 1 to 512 rows in float32
+and 1.1-1.6x in bfloat16 (float32 accumulation), measured over a 0.5B model's weights
+(docs/performance.md). Elsewhere (CUDA, NPU, float16, a torch without oneDNN) it is
+``F.linear`` over the plain weight.
 
 Invariant: a prepared linear computes ``x @ weight.T + bias`` for the weight it was made from;
 its results equal ``F.linear``'s within float32 rounding (bfloat16: the same bits on this CPU),
