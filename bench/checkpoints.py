@@ -15,11 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.builtin.tiny_model import TINY_PREPROCESSOR, TINY_VOCAB, tiny_config_dict
+from engine.builtin.tiny_model import TINY_PREPROCESSOR, TINY_VOCAB, init_weights, tiny_config_dict
 from engine.builtin.tiny_tokenizer import build_tiny_tokenizer
 from engine.checkpoint import save_weights
 from engine.config import ModelConfig
@@ -59,15 +58,7 @@ def write_shaped(model_dir: str | Path, shape: str, seed: int = 0) -> Path:
         return path
     path.mkdir(parents=True, exist_ok=True)
     model = Qwen2VLModel(ModelConfig.from_dict(raw))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if name.endswith("bias"):
-                param.zero_()
-            elif param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
+    init_weights(model, seed)
     save_weights(model, path)
     # the tiny tokenizer (its ids are the low ones): the benchmarks feed token ids
     build_tiny_tokenizer(TINY_VOCAB).save(str(path / "tokenizer.json"))

@@ -22,6 +22,7 @@ import torch
 
 from engine.core.request import SamplingParams
 from engine.llm_engine import LLMEngine, Prompt
+from engine.models.linear import PreparedLinear
 
 
 @dataclass(frozen=True)
@@ -44,17 +45,13 @@ def decode_weight_bytes(engine: LLMEngine) -> int:
     embedding is read one row a token; the vision tower not at all)."""
     model = engine.model
     decoder = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    # packed weights are no parameters (their plain ones are empty); plain ones are counted above
     prepared = sum(lin.out_features * lin.in_features * model.dtype.itemsize
                    for layer in model.model.layers.modules()
-                   for lin in vars(layer).values() if _is_prepared(lin))
+                   for lin in vars(layer).values()
+                   if isinstance(lin, PreparedLinear) and lin.packed)
     head = model.lm_head.weight
     return decoder + prepared + head.numel() * head.element_size()
-
-
-def _is_prepared(value: object) -> bool:
-    from engine.models.linear import PreparedLinear
-
-    return isinstance(value, PreparedLinear) and value.packed  # plain ones are parameters too
 
 
 def stream_gb_s(nbytes: int, dtype: torch.dtype) -> float:
