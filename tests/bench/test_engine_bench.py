@@ -74,7 +74,7 @@ def test_the_engine_bench_runs_against_transformers() -> None:
     pytest.importorskip("transformers")
     proc = subprocess.run(
         [sys.executable, "-m", "bench.engine", "--batch-sizes", "1,2", "--prompt-len", "12",
-         "--new", "4", "--bandwidth", "--json"],
+         "--new", "4", "--bandwidth", "--rounds", "2", "--json"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -82,3 +82,9 @@ def test_the_engine_bench_runs_against_transformers() -> None:
     assert rows[0]["same"] is True  # float32 greedy on the tiny model: the same tokens
     assert rows[0]["stream_gb_s"] > 0 and rows[0]["step_ms"] > 0
     assert all(r["pdserve_tok_s"] > 0 and r["peer_tok_s"] > 0 for r in rows)
+
+
+def test_the_engine_bench_refuses_zero_rounds() -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.engine", "--rounds", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "--rounds must be at least 1" in proc.stderr
