@@ -2,7 +2,7 @@
 
     python -m bench.engine [--model DIR|qwen2-0.5b] [--peer transformers|vllm]
         [--batch-sizes 1,8,32] [--prompt-len 128] [--new 64] [--device cpu]
-        [--dtype float32[,bfloat16]] [--bandwidth] [--rounds 1] [--json]
+        [--dtype float32[,bfloat16]] [--bandwidth] [--phases] [--rounds 1] [--json]
 
 Prints decode tokens/s (batch x new tokens / wall time of one ``generate`` call over fresh
 prompts, after a warm-up call over other prompts, so the timed call's prefill is computed, not
@@ -19,6 +19,11 @@ Both see the same random prompts of exactly ``--prompt-len`` tokens and produce 
 
 ``--model qwen2-0.5b`` writes (once, under ``~/.cache/pdserve/bench``) a random checkpoint of
 Qwen2-0.5B's decoder shape (:mod:`bench.checkpoints`); without ``--model`` a fresh tiny model.
+``--phases`` (with ``--peer vllm``) adds each side's prefill apart: a one-token call over other
+fresh prompts (``prefill_s``, and its rate over the projections' and head's FLOPs,
+``prefill_gflop_s``, :mod:`bench.roofline`), the timed call's mean decode step once that prefill
+is taken off (``decode_ms``), and, on a CPU, what one large product of the checkpoint's widest
+shape reaches (``gemm_gflop_s``): the ceiling a prefill is read against.
 ``--rounds N`` runs both sides N times, alternating, and keeps each one's best (on a shared
 machine whose memory bandwidth drifts, one slow spell then costs a round, not the ratio).
 ``--bandwidth`` adds, per dtype, the batch-1 decode step's weight bandwidth against a plain
@@ -47,6 +52,7 @@ from engine.llm_engine import LLMEngine, Prompt
 
 CACHE = Path.home() / ".cache" / "pdserve" / "bench"
 WARMUP_SEED = 1  # the timed prompts are seed 0's
+PREFILL_SEED = 2  # the prompts of --phases' one-token calls
 
 
 def _engine(model_dir: Path, device: str, dtype: str) -> LLMEngine:
@@ -73,6 +79,27 @@ def run_ours(engine: LLMEngine, warm: list[list[int]], ids: list[list[int]],
     elapsed = time.perf_counter() - start
     assert all(len(r.token_ids) == new for r in results)
     return len(ids) * new / elapsed, list(results[0].token_ids)
+
+
+def prefill_seconds(engine: LLMEngine, ids: list[list[int]]) -> float:
+    """Wall time of a generate call over ``ids`` that makes one token: the prefill and the
+    first sample."""
+    _sync(engine.device)
+    start = time.perf_counter()
+    engine.generate([Prompt(token_ids=p) for p in ids],
+                    SamplingParams(max_new_tokens=1, ignore_eos=True))
+    _sync(engine.device)
+    return time.perf_counter() - start
+
+
+def phase_columns(prefix: str, batch: int, args: argparse.Namespace, tok_s: float,
+                  prefill_s: float, flops: int) -> dict[str, float]:
+    """``--phases``' figures of one side: the prefill's seconds and GFLOP/s, and the mean
+    decode step of the timed call once its prefill (taken as ``prefill_s``) is subtracted."""
+    whole = batch * args.new / tok_s
+    return {f"{prefix}prefill_s": round(prefill_s, 2),
+            f"{prefix}prefill_gflop_s": round(flops / prefill_s / 1e9),
+            f"{prefix}decode_ms": round((whole - prefill_s) / (args.new - 1) * 1000, 1)}
 
 
 def run_transformers(model_dir: Path, warm: list[list[int]], ids: list[list[int]], new: int,
@@ -122,8 +149,11 @@ def rows_for_dtype(args: argparse.Namespace, model_dir: Path, device: torch.devi
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     timed = prompts(max(sizes), args.prompt_len, vocab)
     warm = prompts(max(sizes), args.prompt_len, vocab, seed=WARMUP_SEED)
+    once = prompts(max(sizes), args.prompt_len, vocab, seed=PREFILL_SEED) if args.phases else []
     peer: dict[int, Result] = {}
     ours: dict[int, Result] = {}
+    prefill: dict[tuple[str, int], float] = {}  # (side, batch) -> the best prefill seconds
+    flops: dict[int, int] = {}
     extra: dict[int, dict[str, Any]] = {bs: {} for bs in sizes}
     text_dir = None
     for round_ in range(args.rounds):
@@ -133,12 +163,21 @@ def rows_for_dtype(args: argparse.Namespace, model_dir: Path, device: torch.devi
             if text_dir is None:
                 text_dir = text_only_view(model_dir, tmp / f"text-{dtype_name(dtype)}")
             got = vllm_peer.generate(text_dir, warm, timed, args.new, dtype_name(dtype), sizes,
-                                     cuda=device.type == "cuda")
+                                     cuda=device.type == "cuda", prefill_prompts=once)
             for r in got["rows"]:
                 _keep_best(peer, r["batch"], (r["tok_s"], got["tokens"]))
+                if args.phases:
+                    key = ("peer", r["batch"])
+                    prefill[key] = min(prefill.get(key, float("inf")), r["prefill_s"])
         for bs in sizes:
             engine = _engine(model_dir, str(device), dtype_name(dtype))
             _keep_best(ours, bs, run_ours(engine, warm[:bs], timed[:bs], args.new))
+            if args.phases:
+                from bench.roofline import prefill_flops
+
+                flops[bs] = prefill_flops(engine, bs, args.prompt_len)
+                prefill[("ours", bs)] = min(prefill.get(("ours", bs), float("inf")),
+                                            prefill_seconds(engine, once[:bs]))
             if round_ == 0 and args.peer == "transformers":
                 extra[bs]["host_ms"] = round(
                     measure_host_time(engine, timed[:bs], args.new).host_ms, 3)
@@ -161,6 +200,17 @@ def rows_for_dtype(args: argparse.Namespace, model_dir: Path, device: torch.devi
                                "ratio": round(mine / theirs, 2), **extra[bs]}
         if bs == sizes[0]:
             row["same"] = tokens == their_tokens
+        if args.phases:
+            row.update(phase_columns("", bs, args, mine, prefill[("ours", bs)], flops[bs]))
+            row.update(phase_columns("peer_", bs, args, theirs, prefill[("peer", bs)],
+                                     flops[bs]))
+            if bs == sizes[0] and device.type == "cpu":
+                from bench.roofline import gemm_gflop_s
+
+                text = json.loads((model_dir / "config.json").read_text())
+                text = text.get("text_config", text)
+                row["gemm_gflop_s"] = round(gemm_gflop_s(
+                    2 * text["intermediate_size"], text["hidden_size"], dtype))
         rows.append(row)
     return rows
 
@@ -178,12 +228,16 @@ def main() -> None:
                         help="auto, float32, bfloat16 or float16, or several, comma-separated")
     parser.add_argument("--bandwidth", action="store_true",
                         help="also the batch-1 decode step's share of the memory bandwidth")
+    parser.add_argument("--phases", action="store_true",
+                        help="also each side's prefill and decode step apart (--peer vllm)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of both sides, alternating; the best of each is kept")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.phases and (args.peer != "vllm" or args.new < 2):
+        parser.error("--phases needs --peer vllm and --new of at least 2")
     device = resolve_device(args.device)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -199,11 +253,13 @@ def main() -> None:
     print(f"peer: {args.peer}; model: {args.model or 'tiny'}; prompt {args.prompt_len}, "
           f"{args.new} new tokens")
     cols = ["dtype", "batch", "pdserve_tok_s", "peer_tok_s", "ratio", "same", "host_ms",
-            "step_ms", "step_gb_s", "stream_gb_s", "bandwidth"]
+            "step_ms", "step_gb_s", "stream_gb_s", "bandwidth", "prefill_s", "peer_prefill_s",
+            "prefill_gflop_s", "peer_prefill_gflop_s", "gemm_gflop_s", "decode_ms",
+            "peer_decode_ms"]
     cols = [c for c in cols if any(c in r for r in rows)]
-    print(" ".join(f"{c:>13}" for c in cols))
+    print(" ".join(f"{c:>{max(13, len(c))}}" for c in cols))
     for r in rows:
-        print(" ".join(f"{str(r.get(c, '')):>13}" for c in cols))
+        print(" ".join(f"{str(r.get(c, '')):>{max(13, len(c))}}" for c in cols))
 
 
 if __name__ == "__main__":

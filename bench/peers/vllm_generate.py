@@ -5,7 +5,9 @@
 ``REQUEST.json``: ``{"model": dir, "warmup": [[ids]...], "prompts": [[ids]...], "new": n,
 "dtype": "float32", "batch_sizes": [1, 8]}``: per batch size ``b``, a warm-up call over the
 first ``b`` of ``warmup``, then the timed call over the first ``b`` of ``prompts`` (other
-prompts: its prefill is timed too, not served from the prefix cache).
+prompts: its prefill is timed too, not served from the prefix cache). With
+``"prefill_prompts"`` (others again), each row also has ``prefill_s``: a call over the first ``b``
+of them that makes one token (the prefill and the first sample).
 Prints one JSON line: ``{"rows": [{"batch": b, "tok_s": ..., "seconds": ...}], "tokens": [ids]}``
 (``tokens``: the greedy output of the first prompt, for the caller to compare with its own).
 Imports nothing of pdserve: it runs under another interpreter, with vLLM's torch.
@@ -40,7 +42,15 @@ def main() -> None:
         seconds = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == req["new"] for o in outs)
         tokens = list(outs[0].outputs[0].token_ids)
-        rows.append({"batch": b, "tok_s": b * req["new"] / seconds, "seconds": seconds})
+        row = {"batch": b, "tok_s": b * req["new"] / seconds, "seconds": seconds}
+        if req.get("prefill_prompts"):
+            once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                  detokenize=False)
+            batch = [TokensPrompt(prompt_token_ids=p) for p in req["prefill_prompts"][:b]]
+            start = time.perf_counter()
+            llm.generate(batch, once, use_tqdm=False)
+            row["prefill_s"] = time.perf_counter() - start
+        rows.append(row)
     print("PEER-RESULT " + json.dumps({"rows": rows, "tokens": tokens}), flush=True)
 
 

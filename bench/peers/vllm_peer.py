@@ -62,13 +62,17 @@ def run_env(root: Path) -> dict[str, str]:
 
 
 def generate(model_dir: Path, warmup: list[list[int]], prompts: list[list[int]], new: int,
-             dtype: str, batch_sizes: list[int], cuda: bool = False) -> dict[str, Any]:
+             dtype: str, batch_sizes: list[int], cuda: bool = False,
+             prefill_prompts: list[list[int]] | None = None) -> dict[str, Any]:
     """vLLM's tok/s per batch size over the first ``b`` of ``prompts`` (after a warm-up over
     the first ``b`` of ``warmup``), and its greedy tokens for ``prompts[0]``:
-    ``{"rows": [{"batch", "tok_s", "seconds"}], "tokens": [...]}``."""
+    ``{"rows": [{"batch", "tok_s", "seconds"}], "tokens": [...]}``; with ``prefill_prompts``
+    each row also has ``prefill_s``, the time of a one-token call over the first ``b`` of
+    them."""
     python = ensure_venv(cuda)
     request = {"model": str(model_dir), "warmup": warmup, "prompts": prompts, "new": new,
-               "dtype": dtype, "batch_sizes": batch_sizes}
+               "dtype": dtype, "batch_sizes": batch_sizes,
+               "prefill_prompts": prefill_prompts or []}
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(request, f)
         f.flush()

@@ -1,8 +1,10 @@
 """``bench.engine`` and its pieces: the text-only view a peer loads, the bytes a decode step
-reads, the vLLM peer's environment, and a whole run against transformers on the tiny model."""
+reads, the FLOPs a prefill costs, the vLLM peer's environment, and a whole run against
+transformers on the tiny model."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -13,7 +15,9 @@ import torch
 from safetensors import safe_open
 
 from bench.checkpoints import QWEN2_05B_TEXT, config_dict, text_only_view
+from bench.engine import phase_columns
 from bench.peers import vllm_peer
+from bench.roofline import gemm_gflop_s, prefill_flops
 from bench.weight_bandwidth import decode_weight_bytes
 from engine.builtin.tiny_model import write_tiny_model
 from engine.config import EngineConfig, ModelConfig
@@ -58,6 +62,30 @@ def test_decode_weight_bytes_count_every_decoder_weight_and_the_head(tmp_path: P
     assert decode_weight_bytes(engine) == want
 
 
+def test_prefill_flops_count_every_projection_per_token_and_the_head_per_prompt(
+        tmp_path: Path) -> None:
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        layers = sum(f.get_tensor(k).numel() for k in f.keys() if k.startswith("model.layers.")
+                     and k.endswith(".weight") and k.split(".")[-2] in projections)
+        head = f.get_tensor("lm_head.weight").numel()
+    engine = LLMEngine(model_dir, EngineConfig(num_pages=16, page_size=16))
+    assert prefill_flops(engine, 3, 10) == 2 * (layers * 3 * 10 + head * 3)
+
+
+def test_phase_columns_take_the_prefill_off_the_timed_call() -> None:
+    args = argparse.Namespace(new=5)
+    # 2 prompts x 5 tokens at 4 tok/s: 2.5 s, of which a 0.5 s prefill; 4 steps of 0.5 s
+    cols = phase_columns("peer_", 2, args, 4.0, 0.5, 10**9)
+    assert cols == {"peer_prefill_s": 0.5, "peer_prefill_gflop_s": 2, "peer_decode_ms": 500.0}
+
+
+def test_the_gemm_ceiling_is_a_plausible_rate() -> None:
+    rate = gemm_gflop_s(256, 128, torch.float32)
+    assert 0.1 < rate < 100_000  # GFLOP/s of a real product, not a division by a zero time
+
+
 def test_the_vllm_environment_binds_every_core_and_preloads_what_exists(tmp_path: Path,
                                                                        monkeypatch) -> None:
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -84,7 +112,12 @@ def test_the_engine_bench_runs_against_transformers() -> None:
     assert all(r["pdserve_tok_s"] > 0 and r["peer_tok_s"] > 0 for r in rows)
 
 
-def test_the_engine_bench_refuses_zero_rounds() -> None:
-    proc = subprocess.run([sys.executable, "-m", "bench.engine", "--rounds", "0"],
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--rounds", "0"], "--rounds must be at least 1"),
+    (["--phases"], "--phases needs --peer vllm"),
+    (["--phases", "--peer", "vllm", "--new", "1"], "--phases needs --peer vllm"),
+])
+def test_the_engine_bench_refuses_bad_arguments(argv: list[str], error: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.engine", *argv],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 2 and "--rounds must be at least 1" in proc.stderr
+    assert proc.returncode == 2 and error in proc.stderr
