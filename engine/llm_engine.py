@@ -24,7 +24,7 @@ from engine.core.request import FinishReason, Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.state_checkpoints import StateCheckpoints
 from engine.core.state_slots import StateSlotAllocator
-from engine.device import dtype_name, resolve_device, resolve_dtype
+from engine.device import dtype_name, keep_freed_memory, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidRequestError
 from engine.kv.pool import KVPool, pages_for_budget
 from engine.kv.state_pool import StatePool
@@ -145,6 +145,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = dtype = resolve_dtype(config.dtype, self.device)
         self.config = config = replace(config, device=str(self.device), dtype=dtype_name(dtype))
+        if self.device.type == "cpu":
+            keep_freed_memory()
         model_config = ModelConfig.from_dir(model_dir)
         text = model_config.text
         shard = TextShard.of(text, 0, config.tp_size)  # this rank's heads

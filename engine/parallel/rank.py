@@ -39,7 +39,7 @@ from engine.attention.linear.states import LinearStates
 from engine.attention.select import make_attention
 from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig
-from engine.device import resolve_device, resolve_dtype
+from engine.device import keep_freed_memory, resolve_device, resolve_dtype
 from engine.kv.pool import KVPool, move_kv
 from engine.kv.state_pool import StatePool
 from engine.models.eagle.eagle3 import Draft
@@ -94,6 +94,8 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
     group = DistGroup(spec.rank, spec.config.tp_size)
     try:
         device = rank_device(resolve_device(spec.config.device), spec.rank)
+        if device.type == "cpu":
+            keep_freed_memory()
         model, pool, states = _build(spec, group, device)
         draft = _build_draft(spec, model, pool, group, device)
         pools = [pool] if draft is None else [pool, draft.pool]
