@@ -7,6 +7,12 @@ intermediate 4864, a 151,936-token vocabulary tied to the LM head: 494M paramete
 float32) and a two-block vision tower, seeded, in the Hugging Face layout; :func:`text_only_view`
 writes the same decoder as a ``Qwen2ForCausalLM`` directory, for a peer that serves Qwen2-VL's
 decoder on its own.
+
+Such a checkpoint gets a word-level tokenizer over its whole vocabulary (:func:`word_tokenizer`:
+token ``i`` is the word ``w<i>``), so that a serving benchmark's text is real on both sides:
+random prompts decode to text that encodes back to the same ids, and every token the random
+model emits decodes to a word (a small tokenizer would turn most of them into nothing, and an
+OpenAI-API client would see empty streams).
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ from typing import Any
 
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from engine.builtin.tiny_model import TINY_PREPROCESSOR, TINY_VOCAB, init_weights, tiny_config_dict
-from engine.builtin.tiny_tokenizer import build_tiny_tokenizer
+from engine.builtin.tiny_model import TINY_PREPROCESSOR, init_weights, tiny_config_dict
 from engine.checkpoint import save_weights
 from engine.config import ModelConfig
 from engine.models.qwen2_vl.model import Qwen2VLModel
@@ -53,18 +59,61 @@ def write_shaped(model_dir: str | Path, shape: str, seed: int = 0) -> Path:
     ``model_dir``, unless one is there already (the weights take a minute to draw)."""
     path = Path(model_dir)
     raw = config_dict(SHAPES[shape])
+    tokenizer = word_tokenizer(int(raw["text_config"]["vocab_size"]), special_tokens(raw))
     if (path / "config.json").exists() and json.loads(
             (path / "config.json").read_text()) == raw:
+        _write_if_changed(path / "tokenizer.json", tokenizer.to_str())  # an older tokenizer
         return path
     path.mkdir(parents=True, exist_ok=True)
     model = Qwen2VLModel(ModelConfig.from_dict(raw))
     init_weights(model, seed)
     save_weights(model, path)
-    # the tiny tokenizer (its ids are the low ones): the benchmarks feed token ids
-    build_tiny_tokenizer(TINY_VOCAB).save(str(path / "tokenizer.json"))
+    (path / "tokenizer.json").write_text(tokenizer.to_str())
     (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2) + "\n")
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return path
+
+
+def special_tokens(config: dict[str, Any]) -> dict[int, str]:
+    """The ids a prompt's words must never become, by the names they get: every
+    ``<name>_token_id`` of ``config`` (the vision placeholders and markers) as ``<|name|>``."""
+    return {value: f"<|{key.removesuffix('_token_id')}|>" for key, value in config.items()
+            if key.endswith("_token_id") and isinstance(value, int)}
+
+
+def word_tokenizer(vocab_size: int, special: dict[int, str]) -> Tokenizer:
+    """A tokenizer of ``vocab_size`` words split on whitespace: token ``i`` is the word
+    ``w<i>``, or the special token ``special[i]`` (which decoding without special tokens drops,
+    and which a load generator leaves out of random prompts). Ids decode to words joined by
+    spaces, and that text encodes back to the same ids."""
+    vocab = {special.get(i, f"w{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([AddedToken(name, special=True) for name in special.values()])
+    return tok
+
+
+def tokenizer_only(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """``model_dir``'s ``tokenizer.json`` alone in ``out_dir``, with the
+    ``tokenizer_config.json`` that has transformers load it as it is and know its special
+    tokens: where a ``config.json`` sits beside it, transformers takes a Qwen2 model's own
+    tokenizer class instead, which reads none of a word-level tokenizer's words (what a peer and
+    its load generator are given)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = (Path(model_dir) / "tokenizer.json").read_text()
+    (out / "tokenizer.json").write_text(text)
+    added = Tokenizer.from_str(text).get_added_tokens_decoder()
+    special = [added[i].content for i in sorted(added) if added[i].special]
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 32768,
+         "additional_special_tokens": special}, indent=2) + "\n")
+    return out
+
+
+def _write_if_changed(file: Path, text: str) -> None:
+    if not file.exists() or file.read_text() != text:
+        file.write_text(text)
 
 
 def text_only_view(model_dir: str | Path, out_dir: str | Path) -> Path:

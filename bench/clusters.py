@@ -1,11 +1,13 @@
 """Starting local clusters of ``pdserve`` subprocesses on loopback for benchmarks.
 
-Used by ``pdserve bench --compare`` and ``bench.serving``. Every process gets
-``OMP_NUM_THREADS=1`` (so clusters of different sizes compete for cores the same way, one
-engine thread per process); its output is read by a thread of its own, so a chatty node never
-blocks on a full pipe. :meth:`Processes.stop_all` ends every process started (SIGTERM, then
-SIGKILL), and runs however the benchmark ends. A node started with ``--metrics-port 0`` has its
-Prometheus counters read by :meth:`Proc.counters`.
+Used by ``pdserve bench --compare``, ``bench.serving`` and ``bench.serving_peer``. Every process
+gets ``OMP_NUM_THREADS=1`` unless started with more threads (so clusters of different sizes
+compete for cores the same way, one engine thread per process); its output is read by a thread
+of its own, so a chatty node never blocks on a full pipe. :meth:`Processes.stop_all` ends every
+process started (SIGTERM, then SIGKILL), and runs however the benchmark ends. A node started
+with ``--metrics-port 0`` has its Prometheus counters read by :meth:`Proc.counters`; a router
+started with ``--http-port 0`` has the port of its OpenAI-compatible door in
+:attr:`Proc.http_port`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Proc:
     log: list[str] = field(default_factory=list)
     port: int | None = None
     metrics_port: int | None = None
+    http_port: int | None = None
     ready: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -44,13 +47,15 @@ class Proc:
         return f"127.0.0.1:{self.port}"
 
     def read(self) -> None:
-        """Reader thread: record output; note the ``METRICS <port>`` and ``READY <port>``
-        lines (a node prints the first before the second)."""
+        """Reader thread: record output; note the ``METRICS <port>``, ``HTTP <port>`` and
+        ``READY <port>`` lines (a node prints the others before ``READY``)."""
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
             self.log.append(line)
             if self.metrics_port is None and line.startswith("METRICS "):
                 self.metrics_port = int(line.split()[1])
+            if self.http_port is None and line.startswith("HTTP "):
+                self.http_port = int(line.split()[1])
             if self.port is None and line.startswith("READY "):
                 self.port = int(line.split()[1])
                 self.ready.set()
@@ -78,13 +83,19 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[Proc] = []
 
-    def start(self, name: str, args: Sequence[str]) -> Proc:
+    def start(self, name: str, args: Sequence[str], threads: int = 1) -> Proc:
+        """``pdserve ARGS`` with ``threads`` OpenMP threads."""
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env["OMP_NUM_THREADS"] = "1"
+        env["OMP_NUM_THREADS"] = str(threads)
+        return self.spawn(name, [sys.executable, "-m", "cli.main", *args], env)
+
+    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> Proc:
+        """Any command (a peer's server), its output read and its end owed to :meth:`stop_all`
+        like a node's."""
         popen = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            cwd=ROOT,
         )
         proc = Proc(name, popen)
         self.procs.append(proc)
@@ -115,11 +126,12 @@ class Processes:
 
 def start_disaggregated(procs: Processes, model: Path, engine: Sequence[str],
                         draft: Path | None = None, num_draft_tokens: int = 0,
-                        draft_topk: int = 1, draft_steps: int | None = None) -> str:
-    """One prefill node, one decode node and their router; returns the router's address.
+                        draft_topk: int = 1, draft_steps: int | None = None,
+                        router_flags: Sequence[str] = ()) -> Proc:
+    """One prefill node, one decode node and their router; returns the router.
     With ``draft`` both workers load the EAGLE draft and the decode runs rounds of
     ``num_draft_tokens`` (a tree of ``draft_topk`` children per node, ``draft_steps`` deep,
-    when those are given)."""
+    when those are given). ``router_flags``: more flags for the router (``--http-port 0``)."""
     spec = [] if draft is None else ["--draft", str(draft)]
     prefill = procs.start("prefill", ["prefill", *engine, *spec])
     steps = [] if draft_steps is None else ["--draft-steps", str(draft_steps)]
@@ -129,19 +141,22 @@ def start_disaggregated(procs: Processes, model: Path, engine: Sequence[str],
     procs.wait_ready([prefill, decode])
     router = procs.start("disaggregated router", [
         "router", "--model", str(model), "--port", "0",
-        "--prefill", prefill.address, "--decode", decode.address])
+        "--prefill", prefill.address, "--decode", decode.address, *router_flags])
     procs.wait_ready([router])
-    return router.address
+    return router
 
 
-def start_colocated(procs: Processes, model: Path, engine: Sequence[str]) -> str:
-    """One decode node that also prefills, behind a router; returns the router's address."""
-    worker = procs.start("colocated decode", ["decode", *engine])
+def start_colocated(procs: Processes, model: Path, engine: Sequence[str], threads: int = 1,
+                    router_flags: Sequence[str] = ()) -> Proc:
+    """One decode node that also prefills (with ``threads`` OpenMP threads), behind a router;
+    returns the router. ``router_flags``: as for :func:`start_disaggregated`."""
+    worker = procs.start("colocated decode", ["decode", *engine], threads)
     procs.wait_ready([worker])
     router = procs.start("colocated router", [
-        "router", "--model", str(model), "--port", "0", "--colocated", worker.address])
+        "router", "--model", str(model), "--port", "0", "--colocated", worker.address,
+        *router_flags])
     procs.wait_ready([router])
-    return router.address
+    return router
 
 
 def engine_flags(model: Path, *, page_size: int = 16, num_pages: int = 4096,

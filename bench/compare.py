@@ -102,13 +102,13 @@ def _start(procs: cc.Processes, target: str, model: Path, engine: list[str], k: 
         engine.append("--no-prefix-cache")
         target = target.removesuffix(NO_CACHE)
     if target == "colocated":
-        return cc.start_colocated(procs, model, engine)
+        return cc.start_colocated(procs, model, engine).address
     if target == "disaggregated+eagle":
         draft = model / "draft"
         if not (draft / "config.json").is_file():
             raise RuntimeError(f"{model} has no EAGLE draft in draft/ (needed by {target})")
-        return cc.start_disaggregated(procs, model, engine, draft, k, *tree)
-    return cc.start_disaggregated(procs, model, engine)
+        return cc.start_disaggregated(procs, model, engine, draft, k, *tree).address
+    return cc.start_disaggregated(procs, model, engine).address
 
 
 def _counters(procs: cc.Processes) -> dict[str, dict[str, float]]:

@@ -46,8 +46,8 @@ def start_clusters(procs: Processes, model_dir: Path, args: argparse.Namespace) 
     engine = engine_flags(model_dir, page_size=args.page_size, num_pages=args.num_pages,
                           max_num_seqs=max(64, args.concurrency),
                           max_num_batched_tokens=args.max_num_batched_tokens)
-    return {"disaggregated": start_disaggregated(procs, model_dir, engine),
-            "colocated": start_colocated(procs, model_dir, engine)}
+    return {"disaggregated": start_disaggregated(procs, model_dir, engine).address,
+            "colocated": start_colocated(procs, model_dir, engine).address}
 
 
 # ---- load --------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ model needs none of them, so they are removed again. Each run then starts
 :mod:`bench.peers.vllm_generate` under that interpreter, set up as vLLM's CPU documentation
 says: OpenMP threads bound to every core (``VLLM_CPU_OMP_THREADS_BIND``), Intel's OpenMP runtime
 (shipped in the environment) and tcmalloc (``libtcmalloc-minimal4``, where installed) preloaded,
-a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB.
+a KV cache of ``VLLM_CPU_KVCACHE_SPACE`` GiB. :func:`serve_command` is vLLM's OpenAI server
+under the same set-up, and :func:`bench_serve` its serving benchmark (for
+:mod:`bench.serving_peer`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("vllm_generate.py")
+BENCH_SERVE = Path(__file__).with_name("vllm_bench_serve.py")
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 CUDA_ONLY_WHEELS = ("torchvision", "torchaudio", "torchcodec")
 
@@ -78,9 +81,40 @@ def generate(model_dir: Path, warmup: list[list[int]], prompts: list[list[int]],
         f.flush()
         proc = subprocess.run([str(python), str(WORKER), f.name], capture_output=True,
                               text=True, env=run_env(venv_dir()))
+    return _peer_result(proc, "vLLM's run")
+
+
+def serve_command(model_dir: Path, tokenizer_dir: Path, name: str, dtype: str, port: int,
+                  max_num_seqs: int) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of vLLM's OpenAI server for ``model_dir`` (its tokenizer
+    from ``tokenizer_dir``) on loopback ``port``, its model called ``name`` (the environment is
+    created first if need be)."""
+    python = ensure_venv(cuda=False)
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--tokenizer", str(tokenizer_dir), "--served-model-name", name, "--dtype", dtype,
+            "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", str(max_num_seqs),
+            "--seed", "0"]
+    return argv, run_env(venv_dir())
+
+
+def bench_serve(args: list[str]) -> dict[str, Any]:
+    """Run vLLM's serving benchmark (:mod:`bench.peers.vllm_bench_serve`) with ``args``; its
+    result, with ``error_lines``: what it printed of failed requests' errors."""
+    python = ensure_venv(cuda=False)
+    proc = subprocess.run([str(python), str(BENCH_SERVE), *args], capture_output=True,
+                          text=True)
+    result = _peer_result(proc, "vLLM's serving benchmark")
+    # the benchmark prints the first ten failed requests' errors and keeps none in its result
+    result["error_lines"] = [line for line in proc.stdout.splitlines()
+                             if line.startswith("Error ")]
+    return result
+
+
+def _peer_result(proc: subprocess.CompletedProcess[str], what: str) -> dict[str, Any]:
+    """The ``PEER-RESULT`` line a worker printed; raise with its last output if none."""
     for line in proc.stdout.splitlines():
         if line.startswith("PEER-RESULT "):
             result: dict[str, Any] = json.loads(line.removeprefix("PEER-RESULT "))
             return result
-    raise RuntimeError(f"vLLM's run failed (exit {proc.returncode}); its last output:\n"
+    raise RuntimeError(f"{what} failed (exit {proc.returncode}); its last output:\n"
                        + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
