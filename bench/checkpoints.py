@@ -41,8 +41,15 @@ QWEN2_05B_TEXT: dict[str, Any] = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                         "mrope_section": [8, 12, 12]},
 }
-# the names a checkpoint's shape is asked for by (``--model NAME`` of bench.engine)
+# the names a checkpoint's shape is asked for by (``--model NAME`` of the benchmarks)
 SHAPES = {"qwen2-0.5b": QWEN2_05B_TEXT}
+CACHE = Path.home() / ".cache" / "pdserve" / "bench"  # where shaped checkpoints are kept
+
+
+def shaped_or_dir(arg: str) -> Path:
+    """A benchmark's ``--model``: the cached checkpoint of shape ``arg`` (written under
+    :data:`CACHE` on first use), or the directory ``arg`` as given."""
+    return write_shaped(CACHE / arg, arg) if arg in SHAPES else Path(arg)
 
 
 def config_dict(text: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from bench.checkpoints import SHAPES, text_only_view, write_shaped
+from bench.checkpoints import SHAPES, shaped_or_dir, text_only_view
 from bench.host_time import measure_host_time
 from bench.random_prompts import prompts
 from engine.builtin.tiny_model import write_tiny_model
@@ -50,7 +50,6 @@ from engine.core.request import SamplingParams
 from engine.device import dtype_name, resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine, Prompt
 
-CACHE = Path.home() / ".cache" / "pdserve" / "bench"
 WARMUP_SEED = 1  # the timed prompts are seed 0's
 PREFILL_SEED = 2  # the prompts of --phases' one-token calls
 
@@ -125,12 +124,10 @@ def run_transformers(model_dir: Path, warm: list[list[int]], ids: list[list[int]
 
 def model_dir_of(arg: str | None, tmp: Path) -> Path:
     """``--model``: a directory, a shape name of :data:`bench.checkpoints.SHAPES` (written
-    once under :data:`CACHE`) or none (a fresh tiny model in ``tmp``)."""
+    once under :data:`bench.checkpoints.CACHE`) or none (a fresh tiny model in ``tmp``)."""
     if arg is None:
         return write_tiny_model(tmp / "tiny")
-    if arg in SHAPES:
-        return write_shaped(CACHE / arg, arg)
-    return Path(arg)
+    return shaped_or_dir(arg)
 
 
 Result = tuple[float, list[int]]  # tok/s and the first prompt's tokens

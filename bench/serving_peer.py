@@ -40,15 +40,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.checkpoints import SHAPES, text_only_view, tokenizer_only, write_shaped
+from bench.checkpoints import SHAPES, shaped_or_dir, text_only_view, tokenizer_only
 from bench.clusters import Proc, Processes, engine_flags, start_colocated, start_disaggregated
 from bench.peers import vllm_peer
 
-CACHE = Path.home() / ".cache" / "pdserve" / "bench"
 TARGETS = ("vllm", "colocated", "disaggregated")
 MIN_REQUESTS = 8
 SERVER_READY_S = 900.0  # vLLM's CPU start-up compiles its model step: minutes on 2 cores
@@ -222,10 +221,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def model_dir_of(arg: str) -> Path:
-    """A shape's cached checkpoint (written on first use), or a directory as given."""
-    if arg in SHAPES:
-        return write_shaped(CACHE / arg, arg)
-    path = Path(arg)
+    """:func:`bench.checkpoints.shaped_or_dir`, refusing a directory with no checkpoint."""
+    path = shaped_or_dir(arg)
     if not (path / "config.json").is_file():
         raise SystemExit(f"--model {arg!r}: neither a shape ({', '.join(SHAPES)}) nor a "
                          "checkpoint directory with a config.json")
@@ -246,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"measuring {target} ({args.dtype})", file=sys.stderr, flush=True)
             results[target] = measure(target, ckpt, args.dtype, load)
     if args.json:
-        print(json.dumps({"dtype": args.dtype, "load": load.__dict__, "results": results},
+        print(json.dumps({"dtype": args.dtype, "load": asdict(load), "results": results},
                          default=str))
     else:
         print(f"{model_dir} {args.dtype}, {load.input_len}-token prompts, "
