@@ -11,11 +11,11 @@ leave the transfer queues are emitted as they are polled, on every pass.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from decode_node.remote import RemoteQueues, RemoteRoom, RoomOutcome
 from decode_node.spec.eagle_engine import EagleEngine
-from engine.core.request import FinishReason, Request, SamplingParams
+from engine.core.request import FinishReason, Request, SamplingParams, TopLogprobs
 from engine.errors import InvalidRequestError, TensorParallelError
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import ImageInput, VideoInput
@@ -38,6 +38,10 @@ class TokenEvent:
     drafted: int = 0  # speculative decoding: draft tokens proposed / accepted so far
     accepted: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV a prefix cache held (Request.num_cached_tokens)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)  # per token, when asked for
+    # the prompt's (Request.prompt_logprobs / prompt_top_logprobs), on a request's first event
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 Emit = Callable[[list[TokenEvent]], None]
@@ -193,6 +197,10 @@ def _event(req: Request, new: int, drafted: int = 0, accepted: int = 0) -> Token
     """The event for ``req``'s last ``new`` output tokens."""
     ids = req.output_token_ids[len(req.output_token_ids) - new :] if new else []
     lps = req.output_logprobs[len(req.output_logprobs) - new :] if new else []
+    tops = req.output_top_logprobs[len(req.output_top_logprobs) - new :] if new else []
+    first = new and req.num_output_tokens == new  # the request's first event with tokens
     return TokenEvent(req.request_id, ids, lps, req.finish_reason, req.num_prompt_tokens,
                       req.num_output_tokens, drafted=drafted, accepted=accepted,
-                      cached_tokens=req.num_cached_tokens)
+                      cached_tokens=req.num_cached_tokens, top_logprobs=tops,
+                      prompt_logprobs=req.prompt_logprobs if first else [],
+                      prompt_top_logprobs=req.prompt_top_logprobs if first else [])

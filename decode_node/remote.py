@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core.request import FinishReason, Request
+from engine.core.request import FinishReason, Request, TopLogprobs
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import RequestState
 from engine.sampling.sampler import make_generator
@@ -222,6 +222,8 @@ class RemoteQueues:
         req.num_cached_tokens = row.cached_tokens  # compute the prefill's cache saved
         req.output_token_ids.append(row.first_token)
         req.output_logprobs.append(row.logprob)
+        if row.top is not None and req.sampling.top_logprobs:
+            req.output_top_logprobs.append(TopLogprobs(*row.top))
         req.payload = RequestState(images=[], mrope_table=None, delta=row.mrope_delta,
                                    image_prefix=None, generator=make_generator(req.sampling.seed,
                                                                           self.engine.device))

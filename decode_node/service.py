@@ -22,7 +22,7 @@ import grpc
 
 from decode_node.clients import BootstrapClients
 from decode_node.loop import DecodeLoop, TokenEvent
-from engine.core.request import SamplingParams
+from engine.core.request import SamplingParams, TopLogprobs
 from engine.multimodal.inputs import ImageInput, VideoInput, image_from_array, video_from_array
 from proto.convert import patches_array, sampling_kwargs, video_patches
 from proto.pdserve.v1 import generate_pb2 as gpb
@@ -195,6 +195,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return figures
 
 
+def top_message(top: TopLogprobs) -> gpb.TopLogprobs:
+    return gpb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
 def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateResponse:
     """One stream message for consecutive events of one request. ``usage.cached_tokens`` rides
     on every message that has any (the router keeps the first it sees: a client stream can end
@@ -204,6 +208,9 @@ def merge_events(request_id: str, events: list[TokenEvent]) -> gpb.GenerateRespo
     for ev in events:
         msg.token_ids.extend(ev.token_ids)
         msg.logprobs.extend(ev.logprobs)
+        msg.top_logprobs.extend(top_message(t) for t in ev.top_logprobs)
+        msg.prompt_logprobs.extend(ev.prompt_logprobs)
+        msg.prompt_top_logprobs.extend(top_message(t) for t in ev.prompt_top_logprobs)
     last = events[-1]
     if last.cached_tokens:
         msg.usage.cached_tokens = last.cached_tokens

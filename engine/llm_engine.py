@@ -8,7 +8,7 @@ pieces; this class is what ``pdserve generate`` and the benchmarks use.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -20,7 +20,7 @@ from engine.checkpoint import load_model
 from engine.config import EngineConfig, ModelConfig, TextConfig, VerifyStates
 from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
-from engine.core.request import FinishReason, Request, SamplingParams
+from engine.core.request import FinishReason, Request, SamplingParams, TopLogprobs
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.state_checkpoints import StateCheckpoints
 from engine.core.state_slots import StateSlotAllocator
@@ -45,6 +45,7 @@ from engine.parallel.rank import RankAttach
 from engine.parallel.shard import TextShard
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, StepForward
+from engine.sampling.logprobs import record_prompt_logprobs, top_logprobs
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.sampler import Sampler, make_generator
 from engine.text.tokenizer import Tokenizer
@@ -88,6 +89,10 @@ class GenerationResult:
     logprobs: list[float]
     text: str | None  # None when the model has no tokenizer
     finish_reason: FinishReason
+    # what the request's sampling asked for (Request's fields of the same names), else empty
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 def hybrid_states(text: TextConfig, layers: range, num_slots: int, dtype: torch.dtype,
@@ -350,10 +355,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.items:
             return StepResult([], [])
-        samples = self.forward(out)
+        samples, fwd = self.forward_states(out)
         sampled = [it.request for it in out.items if it.needs_sample]
         counts = [r.num_output_tokens for r in sampled]
-        finished = self.scheduler.update(out, samples)
+        finished = self.scheduler.update(out, samples, fwd.tops)
         grown = [(r, 1) for r, n in zip(sampled, counts, strict=True) if r.num_output_tokens > n]
         return StepResult(grown, finished)
 
@@ -365,14 +370,18 @@ class LLMEngine:
     def forward_states(
         self, out: SchedulerOutput
     ) -> tuple[list[tuple[int, float]], StepForward]:
-        """:meth:`forward`, also returning the forward's tensors (for a draft model)."""
+        """:meth:`forward`, also returning the forward's tensors (for a draft model) with the
+        sampled tokens' alternatives (``fwd.tops``, for ``Scheduler.update``); the prompt
+        log-probabilities of the requests that ask are recorded on them."""
         fwd = self.runner.run(out)
+        record_prompt_logprobs(out, fwd.hidden, self.model.logits)
         logits = self.model.logits(fwd.hidden[fwd.sample_rows])
         sampled = [it.request for it in out.items if it.needs_sample]
         params = [r.sampling for r in sampled]
         gens = [_state(r).generator for r in sampled]
         scores = apply_penalties(logits, sampled)
         tokens, logprobs = self.sampler.sample(logits, params, gens, scores)
+        fwd.tops = top_logprobs(logits, [p.top_logprobs for p in params])
         return list(zip(tokens, logprobs, strict=True)), fwd
 
     def generate(
@@ -397,7 +406,9 @@ class LLMEngine:
         assert req.finish_reason is not None, "result() of an unfinished request"
         text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer else None
         return GenerationResult(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                                list(req.output_logprobs), text, req.finish_reason)
+                                list(req.output_logprobs), text, req.finish_reason,
+                                list(req.output_top_logprobs), list(req.prompt_logprobs),
+                                list(req.prompt_top_logprobs))
 
     # ---- helpers -------------------------------------------------------------------------------
 

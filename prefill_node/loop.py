@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.core.request import SamplingParams
+from engine.core.request import SamplingParams, TopLogprobs
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import TensorParallelError
 from engine.llm_engine import LLMEngine
@@ -111,7 +111,9 @@ class PrefillLoop(PrefillThread):
     ) -> None:
         """Validate and gate a room; raises ``InvalidRequestError`` or ``TransferError``."""
         # The prefill computes the prompt and samples exactly one token, the decode's first.
-        first_only = replace(sampling, max_new_tokens=1)
+        # Prompt log-probabilities are computed where the router has the prompt run locally
+        # (the decode node: see router.service): a prefill has no way to send them back.
+        first_only = replace(sampling, max_new_tokens=1, prompt_logprobs=None)
         with self.lock:
             req = self.engine.new_request(token_ids, images, first_only, request_id=str(room),
                                           videos=videos)
@@ -123,25 +125,26 @@ class PrefillLoop(PrefillThread):
         out = self.engine.scheduler.schedule()
         if not out.items:
             return
-        if self.drafter is None:
-            samples, seeds = self.engine.forward(out), {}
-        else:  # the draft's KV travels with the target's; its last feature rides in the aux row
-            samples, fwd = self.engine.forward_states(out)
-            seeds = self.drafter.prefill(out, samples, fwd)
-        failed = self.rooms.push(out, self._aux_rows(out, samples, seeds))
-        finished = self.engine.scheduler.update(out, samples)
+        samples, fwd = self.engine.forward_states(out)
+        # the draft's KV travels with the target's; its last feature rides in the aux row
+        seeds = {} if self.drafter is None else self.drafter.prefill(out, samples, fwd)
+        failed = self.rooms.push(out, self._aux_rows(out, samples, fwd.tops, seeds))
+        finished = self.engine.scheduler.update(out, samples, fwd.tops)
         self.rooms.settle(failed, finished)
 
     def _aux_rows(self, out: SchedulerOutput, samples: list[tuple[int, float]],
+                  tops: list[TopLogprobs | None],
                   seeds: dict[str, torch.Tensor]) -> dict[int, AuxRow]:
-        """The aux row of each room whose last chunk ran in this step (one sample each)."""
+        """The aux row of each room whose last chunk ran in this step (one sample each, with
+        its alternatives when the request asked for them)."""
         rows = {}
         sampled = [item.request for item in out.items if item.needs_sample]
-        for req, (token, logprob) in zip(sampled, samples, strict=True):
+        for req, (token, logprob), top in zip(sampled, samples, tops, strict=True):
             state = req.payload
             assert isinstance(state, RequestState)
             seed = seeds.get(req.request_id)
             hidden = self._hidden if seed is None else tuple(seed.tolist())
             room = int(req.request_id)
-            rows[room] = AuxRow(room, token, logprob, state.delta, hidden, req.num_cached_tokens)
+            rows[room] = AuxRow(room, token, logprob, state.delta, hidden, req.num_cached_tokens,
+                                top)
         return rows

@@ -33,6 +33,10 @@ def sampling_kwargs(msg: pb.SamplingParams, default_max_new_tokens: int) -> dict
             out[name] = float(getattr(msg, name))
     if msg.HasField("top_k"):
         out["top_k"] = int(msg.top_k)
+    if msg.top_logprobs:
+        out["top_logprobs"] = int(msg.top_logprobs)
+    if msg.HasField("prompt_logprobs"):
+        out["prompt_logprobs"] = int(msg.prompt_logprobs)
     return out
 
 
@@ -48,7 +52,7 @@ def sampling_message(kwargs: dict[str, Any]) -> pb.SamplingParams:
         ignore_eos=kwargs["ignore_eos"], logprobs=kwargs["logprobs"],
         stop=list(kwargs.get("stop", ())),
     )
-    for name in (*_OPTIONAL_FLOATS, "top_p", "top_k"):
+    for name in (*_OPTIONAL_FLOATS, "top_p", "top_k", "top_logprobs", "prompt_logprobs"):
         if kwargs.get(name) is not None:
             setattr(msg, name, kwargs[name])
     if kwargs.get("seed") is not None:

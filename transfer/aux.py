@@ -1,9 +1,11 @@
 """Aux rows: the small per-room record the prefill writes next to the KV.
 
-A row holds the first generated token, its logprob, the last hidden state for the draft model
-(``hidden_size`` float32 values), the request's mrope delta, how many prompt tokens the prefill
-found in its prefix cache (the request's ``usage.cached_tokens``) and the room id echoed back so
-the decode can detect a row that belongs to another room. Rows have a fixed size (a multiple of 64
+A row holds the first generated token, its logprob and (when the request asked for them) up to
+:data:`MAX_TOP_LOGPROBS` alternatives (``(token ids, logprobs)``, most likely first), the last
+hidden state for the draft model (``hidden_size`` float32 values), the request's mrope delta,
+how many prompt tokens the prefill found in its prefix cache (the request's
+``usage.cached_tokens``) and the room id echoed back so the decode can detect a row that belongs
+to another room. Rows have a fixed size (a multiple of 64
 bytes) and live in one host buffer that is registered with the engine once; slots are owned by
 one room at a time through :meth:`AuxBuffer.alloc` / :meth:`AuxBuffer.free`.
 
@@ -21,8 +23,13 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+MAX_TOP_LOGPROBS = 20  # engine.core.request's limit (transfer imports no engine types)
+TopPairs = tuple[tuple[int, ...], tuple[float, ...]]  # token ids, their logprobs
 _HEADER = struct.Struct("<qfIqQ")  # first_token, logprob, cached_tokens, mrope_delta, room
+# the first token's alternatives: their count, then MAX_TOP_LOGPROBS token ids and logprobs
+_TOPS = struct.Struct(f"<I{MAX_TOP_LOGPROBS}I{MAX_TOP_LOGPROBS}f")
 _ROW_ALIGN = 64
+_NO_TOP = 0xFFFFFFFF  # the count of a row without alternatives (0 alternatives is not that)
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,7 @@ class AuxLayout:
 
     @property
     def row_bytes(self) -> int:
-        raw = _HEADER.size + 4 * self.hidden_size
+        raw = _HEADER.size + _TOPS.size + 4 * self.hidden_size
         return -(-raw // _ROW_ALIGN) * _ROW_ALIGN
 
 
@@ -47,6 +54,7 @@ class AuxRow:
     mrope_delta: int
     hidden: tuple[float, ...]
     cached_tokens: int = 0  # prompt tokens the prefill took from its prefix cache
+    top: TopPairs | None = None  # the first token's alternatives, when the request asked
 
 
 class AuxBuffer:
@@ -99,19 +107,37 @@ class AuxBuffer:
     def write(self, slot: int, row: AuxRow) -> None:
         hidden = _floats(row.hidden, self.layout.hidden_size)
         data = _HEADER.pack(row.first_token, row.logprob, row.cached_tokens, row.mrope_delta,
-                            row.room) + hidden
+                            row.room) + _pack_top(row.top) + hidden
         ctypes.memmove(self.row_ptr(slot), data, len(data))
 
     def read(self, slot: int) -> AuxRow:
         data = ctypes.string_at(self.row_ptr(slot), self.row_bytes)
         first_token, logprob, cached, mrope_delta, room = _HEADER.unpack_from(data)
+        top = _unpack_top(data)
+        at = _HEADER.size + _TOPS.size
         hidden = array("f")
-        hidden.frombytes(data[_HEADER.size : _HEADER.size + 4 * self.layout.hidden_size])
-        return AuxRow(room, first_token, logprob, mrope_delta, tuple(hidden), cached)
+        hidden.frombytes(data[at : at + 4 * self.layout.hidden_size])
+        return AuxRow(room, first_token, logprob, mrope_delta, tuple(hidden), cached, top)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_rows:
             raise ValueError(f"aux slot {slot} is outside 0..{self.num_rows - 1}")
+
+
+def _pack_top(top: TopPairs | None) -> bytes:
+    ids, lps = top if top is not None else ((), ())
+    if len(ids) > MAX_TOP_LOGPROBS:
+        raise ValueError(f"{len(ids)} alternatives, the aux row holds {MAX_TOP_LOGPROBS}")
+    pad = MAX_TOP_LOGPROBS - len(ids)
+    return _TOPS.pack(len(ids) if top is not None else _NO_TOP, *ids, *[0] * pad, *lps,
+                      *[0.0] * pad)
+
+
+def _unpack_top(data: bytes) -> TopPairs | None:
+    n, *rest = _TOPS.unpack_from(data, _HEADER.size)
+    if n == _NO_TOP:
+        return None
+    return tuple(rest[:n]), tuple(rest[MAX_TOP_LOGPROBS : MAX_TOP_LOGPROBS + n])
 
 
 def _floats(values: Sequence[float], n: int) -> bytes:

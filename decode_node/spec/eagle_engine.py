@@ -60,7 +60,7 @@ from decode_node.spec.tree import TreeShape
 from decode_node.spec.tree_round import TreeRounds
 from engine.attention.backend import AttentionBatch
 from engine.config import TextConfig
-from engine.core.request import Request, SamplingParams
+from engine.core.request import Request, SamplingParams, TopLogprobs
 from engine.core.scheduler import SchedulerOutput
 from engine.errors import ConfigError
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
@@ -69,6 +69,7 @@ from engine.multimodal.inputs import RequestState
 from engine.multimodal.mrope import mrope_from_1d
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
+from engine.sampling.logprobs import top_logprobs
 from engine.sampling.penalties import chain_scores
 from engine.sampling.sampler import sampling_probs
 
@@ -150,7 +151,7 @@ class EagleEngine:
             for r in reqs:
                 self.seed(r, seeds[r.request_id])
             sampled = [it.request for it in out.items if it.needs_sample]
-            done = sched.update(out, samples)
+            done = sched.update(out, samples, fwd.tops)
             new.update((r.request_id, (r, 1)) for r in sampled if r.num_output_tokens == 1)
             finished += done
         ready = [r for r in sched.decoding() if r.request_id in self.states]
@@ -265,11 +266,12 @@ class EagleEngine:
                 seeds: torch.Tensor) -> tuple[list[tuple[Request, int]], list[Request]]:
         new, finished = [], []
         logprobs = committed_logprobs(logits, committed)
+        tops = committed_tops(logits, committed, [r.sampling.top_logprobs for r in reqs])
         for i, (r, c) in enumerate(zip(reqs, committed, strict=True)):
             lps = logprobs[i]
             before = r.num_output_tokens
-            done = self.engine.scheduler.commit(r, starts[i] + len(c), list(zip(c, lps,
-                                                                                 strict=True)))
+            done = self.engine.scheduler.commit(r, starts[i] + len(c),
+                                                list(zip(c, lps, strict=True)), tops[i])
             new.append((r, r.num_output_tokens - before))
             stats = self.request_stats.setdefault(r.request_id, SpecStats())
             for s in (stats, self.stats):
@@ -333,6 +335,21 @@ class EagleEngine:
 def _state(req: Request) -> RequestState:
     assert isinstance(req.payload, RequestState)
     return req.payload
+
+
+def committed_tops(logits: torch.Tensor, committed: list[list[int]],
+                   ks: list[int]) -> list[list[TopLogprobs | None]]:
+    """The ``ks[i]`` alternatives of request ``i``'s committed tokens, under the same verify rows
+    as :func:`committed_logprobs` (empty lists where ``ks[i]`` is 0; no work when none asks)."""
+    out: list[list[TopLogprobs | None]] = [[] for _ in committed]
+    asking = [(i, j) for i, c in enumerate(committed) if ks[i] for j in range(len(c))]
+    if not asking:
+        return out
+    ii, jj = (torch.tensor(x, device=logits.device) for x in zip(*asking, strict=True))
+    for (i, _), top in zip(asking, top_logprobs(logits[ii, jj], [ks[i] for i, _ in asking]),
+                           strict=True):
+        out[i].append(top)
+    return out
 
 
 def committed_logprobs(logits: torch.Tensor, committed: list[list[int]]) -> list[list[float]]:

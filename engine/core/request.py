@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.errors import InvalidRequestError
 
@@ -19,6 +20,15 @@ MAX_NEW_TOKENS_LIMIT = 1_000_000
 MAX_SEED = 2**63 - 1
 MAX_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| at most this (OpenAI's range)
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default)
+
+
+class TopLogprobs(NamedTuple):
+    """The ``k`` most likely tokens at one position and their log-probabilities under the
+    model's own distribution, most likely first."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,11 @@ class SamplingParams:
        likely token's.
 
     ``stop`` strings end the text right before the first occurrence of any of them (the router
-    cuts the text; workers carry them unread). ``seed`` makes a request's samples reproducible
+    cuts the text; workers carry them unread). ``top_logprobs`` (0 to :data:`MAX_TOP_LOGPROBS`)
+    asks for that many alternatives with each output token's log-probability;
+    ``prompt_logprobs`` (None = off, else 0 to :data:`MAX_TOP_LOGPROBS` alternatives) asks for
+    the log-probability of every prompt token after the first (the prefix cache is bypassed for
+    it: cached positions have no logits). ``seed`` makes a request's samples reproducible
     and independent of its batch.
 
     ``resumed_tokens`` marks a request resubmitted after a failure (the router's failover): the
@@ -60,6 +74,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     stop: tuple[str, ...] = ()
     resumed_tokens: int = 0
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -84,6 +100,9 @@ class SamplingParams:
         _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
         _check_stops(self.stop)
         _check_int("resumed_tokens", self.resumed_tokens, 0, None)
+        _check_int("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
 
@@ -159,7 +178,11 @@ class Request:
       * ``0 <= num_computed_tokens <= num_tokens``;
       * ``page_ids`` hold the KV of tokens ``[0, num_computed_tokens)`` in order (token ``i`` lives
         in ``page_ids[i // page_size]``), and may cover a few tokens beyond while a step runs;
-      * ``len(output_logprobs) == len(output_token_ids)`` for tokens the engine sampled;
+      * ``len(output_logprobs) == len(output_token_ids)`` for tokens the engine sampled, and so
+        is ``len(output_top_logprobs)`` when ``sampling.top_logprobs`` is set (else it is empty);
+      * with ``sampling.prompt_logprobs`` set, ``prompt_logprobs[i]`` is prompt token ``i + 1``'s
+        log-probability (and ``prompt_top_logprobs[i]`` its alternatives) once the forward
+        computed position ``i``; both are empty otherwise;
       * once ``finish_reason`` is set the request never runs again;
       * ``batch_row`` is the request's row in the runner's persistent batch while it runs (given
         at admission, taken back when it finishes or is aborted), -1 otherwise;
@@ -180,6 +203,9 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None

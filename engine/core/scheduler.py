@@ -54,11 +54,12 @@ No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
-from engine.core.request import FinishReason, Request
+from engine.core.request import FinishReason, Request, TopLogprobs
 from engine.core.state_slots import StateSlotAllocator
 from engine.errors import InvalidRequestError
 
@@ -361,7 +362,8 @@ class Scheduler:
         cache = self.prefix_cache
         hit: list[int] = []
         pinned = 0
-        if cache is not None and not req.page_ids and req.num_computed_tokens == 0:
+        if cache is not None and not req.page_ids and req.num_computed_tokens == 0 \
+                and req.sampling.prompt_logprobs is None:  # cached positions have no logits
             hit = cache.match(req)
             pinned = cache.num_pinned_by(hit)
         held = len(req.page_ids) + len(hit)
@@ -410,11 +412,14 @@ class Scheduler:
             req.page_ids.extend(self.take_pages(missing, after=after))
             self._held += missing
 
-    def update(self, output: SchedulerOutput, sampled: list[tuple[int, float]]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: list[tuple[int, float]],
+               tops: Sequence[TopLogprobs | None] = ()) -> list[Request]:
         """Apply one step's results; return the requests that finished in this step.
 
         ``sampled`` holds one ``(token_id, logprob)`` per item with ``needs_sample``, in item
-        order. Items whose request was aborted after :meth:`schedule` are skipped.
+        order, and ``tops`` (when given, aligned with it) each token's alternatives, for the
+        requests that asked for them. Items whose request was aborted after :meth:`schedule` are
+        skipped.
         """
         if len(sampled) != output.num_samples:
             raise ValueError(
@@ -422,10 +427,12 @@ class Scheduler:
             )
         finished: list[Request] = []
         samples = iter(sampled)
+        alternatives = iter(tops) if tops else None
         eos = self._eos
         for item in output.items:
             req = item.request
             sample = next(samples) if item.needs_sample else None
+            top = next(alternatives) if alternatives is not None and item.needs_sample else None
             if req.finish_reason is not None:
                 continue
             if item.start != req.num_computed_tokens:
@@ -440,7 +447,9 @@ class Scheduler:
                     and (params.ignore_eos or token not in eos)):
                 req.output_token_ids.append(token)
                 req.output_logprobs.append(sample[1])
-            elif self._append_token(req, token, sample[1]):
+                if top is not None:
+                    req.output_top_logprobs.append(top)
+            elif self._append_token(req, token, sample[1], top):
                 finished.append(req)
         cache = self.prefix_cache
         if cache is not None:  # full blocks completed this step become shareable
@@ -475,21 +484,28 @@ class Scheduler:
             raise ValueError(f"request {req.request_id!r}: {end} tokens exceed its reserve")
         self._allocate_pages(req, end)
 
-    def commit(self, req: Request, computed: int, tokens: list[tuple[int, float]]) -> bool:
+    def commit(self, req: Request, computed: int, tokens: list[tuple[int, float]],
+               tops: Sequence[TopLogprobs | None] = ()) -> bool:
         """Record a speculative round: KV now covers ``computed`` tokens and ``tokens`` were
-        accepted (in order). Stops at a stop token or ``max_new_tokens``; returns True when the
-        request finished (its pages are then freed)."""
+        accepted (in order; ``tops``, when given, their alternatives). Stops at a stop token or
+        ``max_new_tokens``; returns True when the request finished (its pages are then
+        freed)."""
         if not req.num_computed_tokens < computed <= req.num_tokens + len(tokens) - 1:
             raise ValueError(f"request {req.request_id!r}: bad computed count {computed}")
         req.num_computed_tokens = computed
-        done = any(self._append_token(req, tok, lp) for tok, lp in tokens)
+        alternatives = list(tops) or [None] * len(tokens)
+        done = any(self._append_token(req, tok, lp, top)
+                   for (tok, lp), top in zip(tokens, alternatives, strict=True))
         if not done and self.prefix_cache is not None:
             self.prefix_cache.insert(req)
         return done
 
-    def _append_token(self, req: Request, token: int, logprob: float) -> bool:
+    def _append_token(self, req: Request, token: int, logprob: float,
+                      top: TopLogprobs | None = None) -> bool:
         req.output_token_ids.append(token)
         req.output_logprobs.append(logprob)
+        if top is not None:
+            req.output_top_logprobs.append(top)
         params = req.sampling
         if token in params.stop_token_ids or (not params.ignore_eos and token in self._eos):
             reason = FinishReason.STOP

@@ -18,12 +18,13 @@ its slot copied into the checkpoint after the forward (``engine/core/state_check
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.attention.linear.states import LinearStates
+from engine.core.request import TopLogprobs
 from engine.core.scheduler import ScheduledItem, SchedulerOutput
 from engine.kv.pool import move_kv
 from engine.models.qwen2_vl.model import Qwen2VLModel
@@ -49,6 +50,9 @@ class StepForward:
     batch: AttentionBatch  # the forward's attention inputs (a draft over the same rows reuses it)
     # [T, 3H] outputs of the runner's ``aux_layers`` (an EAGLE-3 draft's), [T, 0] without any
     aux: torch.Tensor
+    # the sampled rows' alternatives, in sample order, set by the engine once it sampled
+    # (engine.sampling.logprobs.top_logprobs; None for a request that asks for none)
+    tops: list[TopLogprobs | None] = field(default_factory=list)
 
 
 class ModelRunner:

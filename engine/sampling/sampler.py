@@ -6,7 +6,8 @@ the argmax of the scores; other rows divide them by the temperature and apply to
 then min-p (the order and rules of :class:`engine.core.request.SamplingParams`). The returned
 log-probability of each chosen token is always under the model's own distribution
 (``log_softmax`` of the raw logits at temperature 1), whatever penalties or filters picked it:
-it is what the model thinks of the text, comparable across requests and settings. Rows with a
+it is what the model thinks of the text, comparable across requests and settings (so are the
+alternatives of :mod:`engine.sampling.logprobs`). Rows with a
 generator are sampled one by one with that generator, so a seeded request's token depends only on
 its own logits and seed, never on the rest of the batch; rows without one share a single
 ``torch.multinomial`` call on the global RNG.

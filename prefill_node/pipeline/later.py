@@ -27,13 +27,14 @@ import torch
 from engine.attention.backend import AttentionBatch
 from engine.attention.select import make_attention
 from engine.core.page_allocator import OutOfPagesError, PageAllocator
-from engine.core.request import SamplingParams
+from engine.core.request import SamplingParams, TopLogprobs
 from engine.core.state_slots import StateSlotAllocator
 from engine.errors import OutOfStateSlotsError
 from engine.models.step_extras import NO_EXTRAS, StepExtras
 from engine.parallel.messages import StateStep
 from engine.runner.draft_runner import draft_row_ids
 from engine.runner.input_batch import to_device, token_positions
+from engine.sampling.logprobs import top_logprobs
 from engine.sampling.penalties import TokenHistory, penalize
 from engine.sampling.sampler import Sampler, make_generator
 from prefill_node.pipeline.aux_layers import carried, merge_aux, pack_aux, unpack_aux
@@ -59,6 +60,7 @@ class _Room:
     pages_sent: int = 0
     ready_reported: bool = False
     state_slot: int = -1  # a hybrid model's slot here, taken with its first rows
+    first_top: TopLogprobs | None = None  # the first token's alternatives, when asked for
 
 
 class LaterStage:
@@ -255,6 +257,9 @@ class LaterStage:
             logits = self.share.model.logits(out[ends])
         toks, lps = self.sampler.sample(logits, [r.sampling for r in rooms],
                                         [r.generator for r in rooms], _penalized(logits, rooms))
+        tops = top_logprobs(logits, [r.sampling.top_logprobs for r in rooms])
+        for r, top in zip(rooms, tops, strict=True):
+            r.first_top = top
         return {r.room: (t, lp) for r, t, lp in zip(rooms, toks, lps, strict=True)}
 
     def _draft(
@@ -297,7 +302,7 @@ class LaterStage:
                 token, logprob = tokens[it.room]
                 seed = seeds.get(it.room)
                 hidden = self._zeros if seed is None else tuple(seed.tolist())
-                last = AuxRow(it.room, token, logprob, r.mrope_delta, hidden)
+                last = AuxRow(it.room, token, logprob, r.mrope_delta, hidden, top=r.first_top)
             slot = r.state_slot if it.needs_sample and r.state_slot >= 0 else None
             status = self.bootstrap.send_chunk(it.room, pages, last=last,
                                                finish=it.needs_sample, state_slot=slot)

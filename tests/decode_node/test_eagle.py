@@ -12,6 +12,7 @@ import torch
 
 from decode_node.spec.accept import accept_sampled
 from decode_node.spec.eagle_engine import EagleEngine
+from decode_node.spec.tree import TreeShape
 from engine.builtin.tiny_model import (
     init_weights,
     tiny_config_dict,
@@ -79,6 +80,32 @@ def test_greedy_equals_plain_decoding(model_dir: Path, case: str, k: int) -> Non
     assert [g.token_ids for g in got] == [p.token_ids for p in plain]
     assert_same_logprobs(got, plain)
     assert spec.stats.rounds > 0 and spec.stats.drafted == k * spec.stats.rounds
+    spec.engine.scheduler.check_no_leaks()
+
+
+@pytest.mark.parametrize("tree", [(3, 1, 3), (4, 2, 3)], ids=["chain", "tree"])
+def test_top_logprobs_equal_plain_decoding(model_dir: Path, tree: tuple[int, int, int]) -> None:
+    """Every committed token's alternatives are the ones plain decoding reports (the first
+    token's from the prefill's sample, the rest from verify rows), in chain and tree rounds."""
+    asking = SamplingParams(max_new_tokens=24, ignore_eos=True, top_logprobs=4)
+    prompts = PROMPTS["mixed"]
+    plain = LLMEngine(model_dir, EngineConfig(num_pages=256, page_size=8)).generate(prompts,
+                                                                                   asking)
+    n, k, s = tree
+    config = EngineConfig(num_pages=256, page_size=8, lookahead_tokens=TreeShape(n, k, s).lookahead,
+                          max_num_batched_tokens=24)
+    engine = LLMEngine(model_dir, config)
+    draft = load_draft(model_dir / "draft", engine.model_config.text, torch.float32)
+    spec = EagleEngine(engine, draft, n, k, s)
+    got = spec.generate(prompts, asking)
+    assert [g.token_ids for g in got] == [p.token_ids for p in plain]
+    for g, p in zip(got, plain, strict=True):
+        assert len(g.top_logprobs) == len(g.token_ids)
+        assert [t.token_ids for t in g.top_logprobs] == [t.token_ids for t in p.top_logprobs]
+        torch.testing.assert_close(torch.tensor([t.logprobs for t in g.top_logprobs]),
+                                   torch.tensor([t.logprobs for t in p.top_logprobs]),
+                                   atol=1e-4, rtol=0)
+    assert spec.stats.rounds > 0
     spec.engine.scheduler.check_no_leaks()
 
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.aux import AuxBuffer, AuxRow
+from engine.core.request import MAX_TOP_LOGPROBS as ENGINE_MAX_TOP_LOGPROBS
+from transfer.aux import MAX_TOP_LOGPROBS, AuxBuffer, AuxRow
 from transfer.bootstrap.messages import (
     MAX_MESSAGE_BYTES,
     VERSION,
@@ -160,3 +161,18 @@ def test_aux_rows_and_slots() -> None:
         aux.free(a)
     with pytest.raises(ValueError, match="hidden state"):
         aux.write(b, AuxRow(1, 1, 0.0, 0, (1.0,)))
+
+
+def test_aux_rows_carry_the_first_tokens_alternatives() -> None:
+    aux = AuxBuffer(1, hidden_size=3)
+    slot = aux.alloc()
+    assert slot is not None
+    for top in (None, ((), ()), ((7, 3), (-0.25, -1.5)),
+                (tuple(range(MAX_TOP_LOGPROBS)), tuple(-0.5 * i for i in range(20)))):
+        row = AuxRow(9, 7, -0.25, 0, (1.0, 2.0, 3.0), cached_tokens=4, top=top)
+        aux.write(slot, row)
+        assert aux.read(slot) == row
+    too_many = (tuple(range(MAX_TOP_LOGPROBS + 1)), (0.0,) * (MAX_TOP_LOGPROBS + 1))
+    with pytest.raises(ValueError, match="alternatives"):
+        aux.write(slot, AuxRow(9, 7, 0.0, 0, (1.0, 2.0, 3.0), top=too_many))
+    assert MAX_TOP_LOGPROBS == ENGINE_MAX_TOP_LOGPROBS  # the engine's limit fits the row
