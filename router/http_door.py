@@ -12,7 +12,10 @@ with ``--auth-token-file`` every ``/v1/*`` call must carry ``Authorization: Bear
 (compared in constant time; 401 otherwise), as on the gRPC door; ``/health`` and ``/metrics``
 stay open, like gRPC health and the metrics port. ``/health`` mirrors the router's gRPC health:
 200 ``{"status": "ok"}`` while the worker pool is ready, else 503 ``{"status": "not ready",
-"reason": ...}`` (:func:`router.workers.readiness`).
+"reason": ...}`` (:func:`router.workers.readiness`). ``/v1/models`` follows the same readiness, so
+a client that lists the models before its first call learns whether one can succeed: the model
+list while ready, else 503 with an OpenAI error body (type ``service_unavailable``, the reason in
+its message).
 
 A request with ``n > 1`` runs ``n`` generations concurrently (ids ``<id>-<i>``, seed ``seed + i``
 when seeded) and answers with ``n`` choices; usage counts the prompt once and sums the
@@ -41,6 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.errors import DoorError
+from router.openai_logprobs import CompletionLogprobs, TokenTexts, chat_logprobs, merge_logprobs
 from router.openai_request import BadRequest, OpenAICall, chat_call, completion_call, door_seed
 from router.openai_response import (
     Chunks,
@@ -52,7 +56,8 @@ from router.openai_response import (
 from router.service import GenerationService
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Piece = tuple[int, str | None]  # (choice index, text; None: that choice ended)
+Part = tuple[str, dict[str, Any] | None]  # text, and its tokens' logprobs (when asked for)
+Piece = tuple[int, Part | None]  # (choice index, a part; None: that choice ended)
 
 MAX_BODY_BYTES = 64 << 20
 
@@ -126,6 +131,11 @@ class HttpDoor:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
+        """The served model while the worker pool is ready, else 503 saying why not."""
+        state = self.service.pool.readiness
+        if not state.ready:
+            body = error_body(503, f"not ready: {state.reason}", "unavailable")
+            return web.json_response(body, status=503)
         info = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "pdserve", "max_model_len": self.service.assets.max_model_len}
         return web.json_response({"object": "list", "data": [info]})
@@ -152,13 +162,14 @@ class HttpDoor:
         reqs = self._completions(call)
         outs = [Outcome() for _ in reqs]
         chunk = Chunks(call.request.request_id, self.model_name, call.chat)
-        async with aclosing(self._pieces(reqs, outs)) as pieces:
+        async with aclosing(self._pieces(call, reqs, outs)) as pieces:
             first = await anext(pieces, None)  # refusals raise here, before any byte is sent
             if not call.stream:
                 if first is not None:
                     async for _ in pieces:
                         pass
-                return web.json_response(chunk.whole(["".join(o.text) for o in outs], outs))
+                return web.json_response(chunk.whole(["".join(o.text) for o in outs], outs,
+                                                     call.logprobs is not None))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(request)
@@ -199,7 +210,7 @@ class HttpDoor:
             reqs.append(req)
         return reqs
 
-    async def _pieces(self, reqs: list[gpb.GenerateRequest],
+    async def _pieces(self, call: OpenAICall, reqs: list[gpb.GenerateRequest],
                       outs: list[Outcome]) -> AsyncGenerator[Piece, None]:
         """``(index, text)`` pieces of the generations, run concurrently, in arrival order;
         ``(index, None)`` when generation ``index`` ended (its ``outs`` entry is complete). The
@@ -208,9 +219,9 @@ class HttpDoor:
 
         async def run(index: int) -> None:
             try:
-                async with aclosing(self._texts(reqs[index], outs[index])) as texts:
-                    async for text in texts:
-                        queue.put_nowait((index, text))
+                async with aclosing(self._parts(call, reqs[index], outs[index])) as parts:
+                    async for part in parts:
+                        queue.put_nowait((index, part))
                 queue.put_nowait((index, None))
             except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
                 queue.put_nowait(exc)
@@ -229,9 +240,16 @@ class HttpDoor:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _texts(self, req: gpb.GenerateRequest, out: Outcome) -> AsyncGenerator[str, None]:
-        """Non-empty text pieces of one generation (stop strings already cut by the relay);
-        fills ``out`` (text, usage, finish reason)."""
+    async def _parts(self, call: OpenAICall, req: gpb.GenerateRequest,
+                     out: Outcome) -> AsyncGenerator[Part, None]:
+        """Text pieces of one generation (stop strings already cut by the relay), each with its
+        tokens' log-probabilities when the call asks for them (then a piece may have no text);
+        with ``echo`` the prompt (and its log-probabilities) leads the first. Fills ``out``
+        (text, logprobs, usage, finish reason)."""
+        texts = TokenTexts(self.service.assets.tokenizer)
+        scored = CompletionLogprobs(texts) if call.logprobs is not None and not call.chat \
+            else None
+        lead = self._prompt_text(req) if call.echo else ""
         async with aclosing(self.service.generate(req)) as msgs:
             async for msg in msgs:
                 out.completion_tokens += len(msg.token_ids)
@@ -240,17 +258,34 @@ class HttpDoor:
                     out.prompt_tokens = msg.usage.prompt_tokens
                     out.cached_tokens = msg.usage.cached_tokens
                     out.completion_tokens = msg.usage.completion_tokens or out.completion_tokens
-                if msg.text:
-                    out.text.append(msg.text)
-                    yield msg.text
+                part = None
+                if scored is not None:
+                    lead_part = [scored.prompt(msg)] if msg.prompt_token_ids else []
+                    part = merge_logprobs([*lead_part, scored.tokens(msg)])
+                elif call.logprobs is not None:
+                    part = chat_logprobs(texts, msg, call.logprobs)
+                text, lead = lead + msg.text, ""
+                if part is not None:
+                    out.logprobs.append(part)
+                if text:
+                    out.text.append(text)
+                if text or (part is not None and msg.token_ids):
+                    yield text, part
+
+    def _prompt_text(self, req: gpb.GenerateRequest) -> str:
+        """An echoed prompt's text: as given, or the decoding of the given token ids."""
+        if req.HasField("text") or not req.token_ids.ids:
+            return req.text
+        tok = self.service.assets.tokenizer
+        return tok.decode(req.token_ids.ids, skip_special_tokens=False) if tok else ""
 
 
 def _piece(chunk: Chunks, piece: Piece, outs: list[Outcome]) -> dict[str, Any]:
-    """The stream chunk of one piece: its text, or the finish of its choice."""
-    index, text = piece
-    if text is None:
+    """The stream chunk of one piece: its text (and logprobs), or the finish of its choice."""
+    index, part = piece
+    if part is None:
         return chunk.piece("", outs[index].finish_reason, index)
-    return chunk.piece(text, None, index)
+    return chunk.piece(part[0], None, index, part[1])
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:

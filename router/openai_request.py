@@ -1,10 +1,11 @@
 """OpenAI request bodies -> ``GenerateRequest``: the HTTP door's input conversion.
 
 Only the conversion is checked here (JSON types, roles, content parts, image data URLs, ``n``,
-``stop``, ``stream_options``); the ranges of the sampling values are the shared validator's,
-behind :meth:`GenerationService.generate`. Anything unusable raises :class:`BadRequest` (HTTP
-400). Chat messages are rendered with the served checkpoint's chat template
-(:mod:`engine.text.chat_template`; the built-in ChatML when it has none).
+``stop``, ``stream_options``, ``logprobs``/``top_logprobs``/``echo``); the ranges of the
+sampling values are the shared validator's, behind :meth:`GenerationService.generate`. Anything
+unusable raises :class:`BadRequest` (HTTP 400). Chat messages are rendered with the served
+checkpoint's chat template (:mod:`engine.text.chat_template`; the built-in ChatML when it has
+none).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.core.request import MAX_SEED
+from engine.core.request import MAX_SEED, MAX_TOP_LOGPROBS
 from engine.errors import InvalidRequestError
 from engine.text.chat_template import ChatTemplate
 from proto.pdserve.v1 import generate_pb2 as gpb
@@ -39,6 +40,8 @@ class OpenAICall:
     stream: bool
     include_usage: bool  # only ever True when streaming
     n: int  # completions to generate (OpenAI ``n``)
+    logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
+    echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
 
 
 def completion_call(body: dict[str, Any], request_id: str) -> OpenAICall:
@@ -54,9 +57,15 @@ def completion_call(body: dict[str, Any], request_id: str) -> OpenAICall:
         req.token_ids.ids.extend(prompt)
     else:
         raise BadRequest("'prompt' must be a string (or a list of token ids)")
-    if body.get("echo"):
-        raise BadRequest("echo is not supported")
-    return _call(body, req, chat=False)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest("'echo' must be a boolean")
+    logprobs = _int(body, "logprobs")
+    if logprobs is not None:
+        if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+        _ask_logprobs(req.sampling, logprobs, prompt=bool(echo))
+    return _call(body, req, chat=False, logprobs=logprobs, echo=bool(echo))
 
 
 def chat_call(body: dict[str, Any], request_id: str,
@@ -67,16 +76,36 @@ def chat_call(body: dict[str, Any], request_id: str,
     req = gpb.GenerateRequest(request_id=request_id, text=chat.text,
                               images=[gpb.Image(encoded=im) for im in chat.images],
                               videos=chat.videos, sampling=sampling(body))
-    return _call(body, req, chat=True)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadRequest("'logprobs' must be a boolean")
+    top = _int(body, "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise BadRequest(f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    if top is not None and not wanted:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true")
+    logprobs = (top or 0) if wanted else None
+    if logprobs is not None:
+        _ask_logprobs(req.sampling, logprobs, prompt=False)
+    return _call(body, req, chat=True, logprobs=logprobs)
 
 
-def _call(body: dict[str, Any], req: gpb.GenerateRequest, *, chat: bool) -> OpenAICall:
+def _ask_logprobs(out: gpb.SamplingParams, top: int, *, prompt: bool) -> None:
+    """Ask for each token's log-probability with ``top`` alternatives (and the prompt's too)."""
+    out.logprobs = True
+    out.top_logprobs = top
+    if prompt:
+        out.prompt_logprobs = top
+
+
+def _call(body: dict[str, Any], req: gpb.GenerateRequest, *, chat: bool,
+          logprobs: int | None = None, echo: bool = False) -> OpenAICall:
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object")
     include_usage = stream and bool(options.get("include_usage"))
-    return OpenAICall(req, chat, stream, include_usage, choices(body))
+    return OpenAICall(req, chat, stream, include_usage, choices(body), logprobs, echo)
 
 
 @dataclass(frozen=True)

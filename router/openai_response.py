@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from router.errors import DoorError
+from router.openai_logprobs import merge_logprobs
 from router.openai_request import BadRequest
 from serving.overload import RETRY_AFTER_KEY
 
@@ -70,6 +71,7 @@ class Outcome:
     cached_tokens: int = 0
     finish_reason: str | None = None
     text: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # parts, when asked for
 
 
 def total_usage(outs: list[Outcome]) -> dict[str, Any]:
@@ -100,12 +102,18 @@ class Chunks:
             kind += suffix
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, texts: list[str], outs: list[Outcome]) -> dict[str, Any]:
-        """The non-streaming response: one choice per completion."""
+    def whole(self, texts: list[str], outs: list[Outcome],
+              logprobs: bool = False) -> dict[str, Any]:
+        """The non-streaming response: one choice per completion (with its log-probabilities
+        when ``logprobs``)."""
         choices = []
         for index, (text, out) in enumerate(zip(texts, outs, strict=True)):
+            scored = merge_logprobs(out.logprobs) if logprobs else None
+            if logprobs and scored is None:  # no token at all: the object, empty
+                scored = {"content": []} if self.chat else {
+                    "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason,
-                                      "logprobs": None}
+                                      "logprobs": scored}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -114,20 +122,21 @@ class Chunks:
         return {**self._base(""), "choices": choices, "usage": total_usage(outs)}
 
     def delta(self, delta: dict[str, Any], finish_reason: str | None,
-              index: int = 0) -> dict[str, Any]:
-        """A chat stream chunk carrying ``delta``."""
+              index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A chat stream chunk carrying ``delta`` (and its tokens' ``logprobs``)."""
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         return {**self._base(".chunk"), "choices": [choice]}
 
     def piece(self, text: str, finish_reason: str | None = None,
-              index: int = 0) -> dict[str, Any]:
-        """A stream chunk of text (the last one, with ``finish_reason``, may be empty)."""
+              index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A stream chunk of text and its tokens' ``logprobs`` (the last one, with
+        ``finish_reason``, may be empty)."""
         if self.chat:
             return self.delta({"content": text} if text or not finish_reason else {},
-                              finish_reason, index)
+                              finish_reason, index, logprobs)
         choice = {"index": index, "text": text, "finish_reason": finish_reason,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         return {**self._base(".chunk"), "choices": [choice]}
 
     def usage(self, outs: list[Outcome]) -> dict[str, Any]:

@@ -115,7 +115,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             except InvalidRequestError as exc:
                 await abort_with_status(context, exc)
             detok = self.assets.tokenizer.detokenizer() if self.assets.tokenizer else None
-            out = Outgoing(rid, len(prepared.token_ids), detok, prepared.sampling.logprobs,
+            out = Outgoing(rid, prepared.token_ids, detok, prepared.sampling.logprobs,
                            prepared.sampling.stop)
             recovery = Recovery(self.config.recovery)
             step: Step | None = None
@@ -215,7 +215,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         prefill = None
         bootstrap = ""
         short = len(prepared.token_ids) < self.config.local_prefill_threshold
-        local = self.config.mode == "colocated" or short or step is Step.LOCAL
+        # prompt log-probabilities are computed where the prompt runs and a decode streams them:
+        # such a request is prefilled on its decode worker (a prefill has no way to return them)
+        scored = prepared.sampling.HasField("prompt_logprobs")
+        local = self.config.mode == "colocated" or short or scored or step is Step.LOCAL
         if not local:
             prefill = await pick_answering(self.policy, self.pool, self.pool.prefill, prompt,
                                            lambda w: w.healthy and bool(w.report.bootstrap))
@@ -236,6 +239,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         sampling = gpb.SamplingParams()
         sampling.CopyFrom(prepared.sampling)
         sampling.max_new_tokens -= len(resumed)
+        if resumed:  # the client has the prompt's log-probabilities from the first attempt
+            sampling.ClearField("prompt_logprobs")
         wreq = wpb.WorkerRequest(room=room, request_id=rid, token_ids=prompt,
                                  images=prepared.images, sampling=sampling,
                                  videos=prepared.videos, resumed_tokens=len(resumed))

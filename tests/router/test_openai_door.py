@@ -1,6 +1,7 @@
 """The router's OpenAI-compatible HTTP door, end to end: one ``pdserve decode`` worker behind
 ``pdserve router --colocated ... --http-port 0``, called with the official ``openai`` client and
-compared with the gRPC door.
+compared with the gRPC door; and a router whose worker is not there, whose ``/v1/models`` says
+503 until it is ready.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -22,7 +24,7 @@ from PIL import Image
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
-from tests.cluster.harness import Node, start_node, stop_node
+from tests.cluster.harness import Node, free_port, start_node, stop_node
 
 openai = pytest.importorskip("openai")
 
@@ -122,20 +124,54 @@ def test_streaming_completion_matches_non_streaming(door: Door) -> None:
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def get_json(url: str) -> tuple[int, dict[str, Any]]:
+    """GET ``url``: its HTTP status and JSON body, errors included."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def test_models_and_health(door: Door) -> None:
+    """``/health`` and ``/v1/models`` answer 200 once the router has polled its workers (503
+    before), and the model list names the served model."""
+    root = f"http://127.0.0.1:{door.http_port}"
+    deadline = time.monotonic() + 30
+    while (health := get_json(f"{root}/health"))[0] != 200:
+        assert health[0] == 503 and time.monotonic() < deadline, health
+        time.sleep(0.1)
+    assert health[1] == {"status": "ok"}
     models = door.client().models.list()
     assert [m.id for m in models.data] == [door.model]
-    deadline = time.monotonic() + 30  # 200 once the router has polled its workers (503 before)
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{door.http_port}/health",
-                                        timeout=10) as r:
-                assert r.status == 200
-                assert json.loads(r.read())["status"] == "ok"
-                break
-        except urllib.error.HTTPError as exc:
-            assert exc.code == 503 and time.monotonic() < deadline, exc
-            time.sleep(0.1)
+
+
+def test_models_is_503_while_no_worker_is_ready(tiny_dir: Path) -> None:
+    """A router whose only worker address has nothing listening is not ready: ``/v1/models``
+    answers 503 with an OpenAI error body carrying the readiness reason ``/health`` gives, and
+    the SDK raises it (rather than listing a model no request can reach)."""
+    nobody = free_port()
+    router = start_node(["router", "--model", str(tiny_dir), "--host", "127.0.0.1",
+                         "--colocated", f"127.0.0.1:{nobody}", "--port", "0",
+                         "--http-port", "0", "--served-model-name", "tiny-chat"])
+    try:
+        [http] = [line.split()[1] for line in router.log if line.startswith("HTTP ")]
+        root = f"http://127.0.0.1:{http}"
+        status, body = get_json(f"{root}/v1/models")
+        assert status == 503, body
+        error = body["error"]
+        assert (error["type"], error["code"]) == ("service_unavailable", "unavailable")
+        assert error["message"].startswith("not ready: no decode worker is reachable (")
+        assert f"127.0.0.1:{nobody}: GetLoad failed" in error["message"]
+        health = get_json(f"{root}/health")
+        assert health[0] == 503 and health[1]["status"] == "not ready"
+        assert health[1]["reason"].startswith("no decode worker is reachable (")
+        client = openai.OpenAI(base_url=f"{root}/v1", api_key="x", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.models.list()
+        assert err.value.status_code == 503
+    finally:
+        stop_node(router)
 
 
 def test_bad_requests_are_400(door: Door) -> None:

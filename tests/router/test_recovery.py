@@ -219,7 +219,7 @@ def test_one_outgoing_stream_across_attempts(tiny_dir: Path) -> None:
     second = _Attempt(rest, None)
 
     async def go() -> list[gpb.GenerateResponse]:
-        out = Outgoing("r", 7, tok.detokenizer(), False, ())
+        out = Outgoing("r", [0] * 7, tok.detokenizer(), False, ())
         msgs = []
         with pytest.raises(WorkerFailure):
             async for m in relay(cast(Any, first), out):
@@ -249,7 +249,7 @@ def test_speculative_counts_add_up_across_attempts() -> None:
     second = _Attempt(rest, None)
 
     async def go() -> list[gpb.GenerateResponse]:
-        out = Outgoing("r", 7, None, False, ())
+        out = Outgoing("r", [0] * 7, None, False, ())
         msgs = []
         with pytest.raises(WorkerFailure):
             async for m in relay(cast(Any, first), out):

@@ -219,7 +219,7 @@ def _relay(tok: Tokenizer, msgs: list[gpb.GenerateResponse], stops: tuple[str, .
     async def go() -> tuple[list[gpb.GenerateResponse], _Run]:
         run = _Run(5)
         feeder = asyncio.create_task(run.feed(msgs))
-        outgoing = Outgoing("r", 5, tok.detokenizer(), False, stops)
+        outgoing = Outgoing("r", [0] * 5, tok.detokenizer(), False, stops)
         out = [m async for m in relay(run, outgoing)]  # type: ignore[arg-type]
         await feeder
         return out, run

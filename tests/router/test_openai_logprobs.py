@@ -1,0 +1,165 @@
+"""Log-probabilities through the OpenAI door of a disaggregated cluster (prefill, decode and a
+router with ``--http-port``), called with the ``openai`` client and held against transformers:
+completions ``logprobs`` with ``echo`` (the prompt's, computed on the decode worker), chat
+``logprobs``/``top_logprobs`` streamed and whole (the first token's alternatives ride the aux
+row from the prefill), the 400s of bad fields, and no page or room left behind."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import generate_pb2_grpc
+from tests.cluster.harness import Node, running
+from tests.cluster.stats import assert_all_idle
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+ARGS = ["--host", "127.0.0.1", "--port", "0", "--num-pages", "128", "--page-size", "8"]
+PROMPT = "the quick brown fox jumps over the lazy dog and"
+
+
+@dataclass
+class Cluster:
+    client: openai.OpenAI
+    workers: list[Node]
+    router: Node
+
+    def grpc_ids(self, text: str, max_tokens: int) -> list[int]:
+        """The greedy output ids of ``text`` through the router's gRPC door."""
+        with grpc.insecure_channel(self.router.address) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            req = gpb.GenerateRequest(text=text, sampling=gpb.SamplingParams(
+                temperature=0, max_new_tokens=max_tokens))
+            return [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path) -> Iterator[Cluster]:
+    model = ["--model", str(tiny_dir)]
+    with running(["prefill", *model, *ARGS], ["decode", *model, *ARGS]) as workers:
+        router = ["router", *model, "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+                  "--prefill", workers[0].address, "--decode", workers[1].address]
+        with running(router) as [door]:
+            port = next(int(ln.split()[1]) for ln in door.log if ln.startswith("HTTP "))
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                                   max_retries=0, timeout=60)
+            yield Cluster(client, workers, door)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_dir: Path) -> Any:  # noqa: ANN401 - transformers model
+    from transformers import Qwen2VLForConditionalGeneration
+
+    return Qwen2VLForConditionalGeneration.from_pretrained(tiny_dir).eval()
+
+
+def reference(oracle: Any, ids: list[int]) -> torch.Tensor:  # noqa: ANN401
+    """transformers' log-probabilities of every position ``[n, V]``."""
+    with torch.no_grad():
+        logits = oracle(input_ids=torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def tokenize(tiny_dir: Path, text: str) -> list[int]:
+    from engine.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_dir)
+    assert tok is not None
+    return tok.encode(text)
+
+
+def test_completion_echo_logprobs_equal_transformers(cluster: Cluster, oracle: Any,
+                                                     tiny_dir: Path) -> None:
+    client, workers = cluster.client, cluster.workers
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=4, temperature=0,
+                                    logprobs=3, echo=True)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    prompt_ids = tokenize(tiny_dir, PROMPT)
+    n = len(prompt_ids)
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == n + out.usage.completion_tokens == len(lp.token_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == choice.text  # every token's text, the echoed prompt's too
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    ids = [*prompt_ids, *cluster.grpc_ids(PROMPT, 4)]
+    assert len(ids) == len(lp.tokens)
+    ref = reference(oracle, ids)
+    want = ref[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4, rtol=0)
+    for p, top in enumerate(lp.top_logprobs[1:]):
+        # the token itself and its 3 alternatives, keyed by text: tokens that end inside a
+        # character all read U+FFFD and share one key
+        assert 1 <= len(top) <= 4
+        best = ref[p].topk(3).values.tolist()
+        assert max(top.values()) == pytest.approx(best[0], abs=1e-4)
+        assert all(any(abs(v - b) < 1e-4 for b in [*best, want[p].item()])
+                   for v in top.values())
+    # greedy: each generated token is the most likely one
+    for top, value in zip(lp.top_logprobs[n:], lp.token_logprobs[n:], strict=True):
+        assert value == pytest.approx(max(top.values()), abs=1e-6)
+    assert_all_idle([w.address for w in workers])
+
+
+def test_chat_top_logprobs_streamed_equal_whole(cluster: Cluster) -> None:
+    client, workers = cluster.client, cluster.workers
+    messages = [{"role": "user", "content": PROMPT}]
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=6,
+                                           temperature=0, logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    # each token's own bytes join into the exact text (a token's text may end mid-character)
+    joined = bytes(b for e in content for b in e.bytes).decode("utf-8", errors="replace")
+    assert joined == whole.choices[0].message.content
+    stream = client.chat.completions.create(model="m", messages=messages, max_tokens=6,
+                                            temperature=0, logprobs=True, top_logprobs=2,
+                                            stream=True)
+    streamed = [e for chunk in stream for c in chunk.choices if c.logprobs
+                for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=6,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == whole.choices[0].message.content
+    assert_all_idle([w.address for w in workers])
+
+
+def test_sampled_logprobs_are_the_models(cluster: Cluster) -> None:
+    """At temperature 2 the sampled tokens' log-probabilities are still the model's own."""
+    client = cluster.client
+    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=2.0,
+                                    seed=7, logprobs=5)
+    lp = out.choices[0].logprobs
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert math.isfinite(value) and value <= max(top.values()) + 1e-6
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("completions", {"prompt": "a", "logprobs": True}, "logprobs"),
+    ("completions", {"prompt": "a", "echo": "yes"}, "echo"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+              "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}], "logprobs": 1}, "logprobs"),
+])
+def test_bad_logprob_fields_are_400(cluster: Cluster, path: str, body: dict[str, Any],
+                                    field: str) -> None:
+    client = cluster.client
+    call = client.completions.create if path == "completions" else client.chat.completions.create
+    with pytest.raises(openai.BadRequestError, match=field):
+        call(model="m", max_tokens=2, **body)
