@@ -7,10 +7,14 @@ directory, :func:`cli.models.cache_dir`), or a Ray instance of the launch's own 
 that fails, or is interrupted (Ctrl-C, SIGTERM), kills every actor it created and stops the head
 it started before the error, one line, reaches the user.
 
+``--http-port`` also opens the router's OpenAI-compatible HTTP door (``--served-model-name``:
+its model id); the launch prints the door's URL on an ``openai:`` line beside the ``router:``
+one, and ``status`` shows it too.
+
 Each cluster has a ``--name`` (default ``pdserve``), so several run on one Ray cluster; a detached
-launch leaves ``launch-NAME.json`` (router and Ray addresses) in the cache directory, where
-``status`` and ``stop --name NAME`` find its Ray cluster. ``stop`` also stops pdserve's head once
-no pdserve cluster is left on it.
+launch leaves ``launch-NAME.json`` (router, OpenAI and Ray addresses) in the cache directory,
+where ``status`` and ``stop --name NAME`` find its Ray cluster. ``stop`` also stops pdserve's
+head once no pdserve cluster is left on it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=positive, default=1, help="prefill workers")
     p.add_argument("--decode", type=positive, default=1, help="decode workers")
     p.add_argument("--port", type=port, default=50050, help="router port (0 picks a free one)")
+    p.add_argument("--http-port", type=port, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /metrics) on the router's "
+                        "host, port N (0 picks a free one; not --port); its URL is printed on "
+                        "the 'openai:' line; off by default")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id of the HTTP API (default: the --model directory's name)")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (HOST:PORT or 'auto'); default: the one running "
                         "on this machine, else a new one")
@@ -82,6 +93,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """Start the cluster; without ``--detach``, serve until SIGINT/SIGTERM and stop it."""
     name = _checked_name(args.name)
+    _check_http_port(args.port, args.http_port)
     from deploy import ray_launcher as rl
     from engine.device import parse_device_name
 
@@ -92,7 +104,8 @@ def run_launch(args: argparse.Namespace) -> int:
     model_dir = ensure_model(args.model)
     opts = rl.LaunchOptions(
         model=str(model_dir), name=name, prefill=args.prefill, decode=args.decode,
-        port=args.port, address=args.address, prefill_gpus=args.prefill_gpus,
+        port=args.port, http_port=args.http_port, served_model_name=args.served_model_name,
+        address=args.address, prefill_gpus=args.prefill_gpus,
         decode_gpus=args.decode_gpus, prefill_resources=_resources(args.prefill_resources),
         decode_resources=_resources(args.decode_resources),
         worker_args=args.worker_args.split(), prefill_tp=args.prefill_tp_size,
@@ -112,9 +125,12 @@ def run_launch(args: argparse.Namespace) -> int:
         _leave_ray(started_head, opts.name)
         raise
     print(f"router: {cluster.router_address}  (prefill {args.prefill}, decode {args.decode})")
+    if cluster.openai_url:
+        print(f"openai: {cluster.openai_url}")
     print(f"READY {cluster.router_address}", flush=True)
     if args.detach:
         _state_path(name).write_text(json.dumps({"router": cluster.router_address,
+                                                 "openai": cluster.openai_url,
                                                  "ray": opts.address}))
         rl.disconnect()
         return 0
@@ -173,6 +189,8 @@ def run_status(args: argparse.Namespace) -> int:
 
     alive = ray.get([a.alive.remote() for a in cluster.actors()])
     print(f"router: {cluster.router_address}")
+    if cluster.openai_url:
+        print(f"openai: {cluster.openai_url}")
     print(f"servers alive: {sum(alive)}/{len(alive)}")
     return 0 if all(alive) else 1
 
@@ -219,6 +237,15 @@ def _not_running(name: str, others: list[str], why: str = "") -> int:
     suffix = f" ({detail})" if detail else ""
     print(f"error: no pdserve cluster named {name!r} is running{suffix}", file=sys.stderr)
     return 1
+
+
+def _check_http_port(port: int, http_port: int | None) -> None:
+    """Refuse an HTTP door on the router's own gRPC port (0 for both is two free ports)."""
+    from engine.errors import InvalidRequestError
+
+    if http_port is not None and http_port != 0 and http_port == port:
+        raise InvalidRequestError(f"--http-port {http_port} is the router's --port: give the "
+                                  "HTTP door a port of its own")
 
 
 def _checked_name(name: str) -> str:

@@ -3,7 +3,9 @@
 Each actor owns one ``pdserve`` server process on the node Ray placed it on (placement follows the
 role's resources: ``--prefill-gpus``, ``--decode-gpus``, custom resources such as ``NPU``).
 Workers reach each other by the node IPs Ray reports; on a single-node cluster every server binds
-to and is reached on 127.0.0.1, so no traffic leaves the machine.
+to and is reached on 127.0.0.1, so no traffic leaves the machine. With ``http_port`` the router
+also serves the OpenAI-compatible HTTP door on its host; its actor reads the port from the
+router's ``HTTP PORT`` line (0 picks a free one), and :attr:`Cluster.openai_url` is the door's URL.
 
 Several pdserve clusters can share one Ray cluster: each has a name, and its actors are named
 ``NAME/router``, ``NAME/prefill-0``, ... in the Ray namespace ``pdserve``. A server process dies
@@ -63,12 +65,14 @@ class ServerActor:
                                      text=True, env=env, preexec_fn=_die_with_parent)
         self.advertise = advertise
         self.log_tail: list[str] = []
+        self.http_port: int | None = None  # the router's HTTP door, from its ``HTTP PORT`` line
         self.port, self.why_not = self._wait_ready()
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _wait_ready(self) -> tuple[int, str]:
-        """Read the server's output up to its ``READY PORT`` line: ``(port, "")``, or, when the
-        server ends or times out first, ``(0, its last output line)``."""
+        """Read the server's output up to its ``READY PORT`` line (noting the ``HTTP PORT`` line
+        a router with an HTTP door prints before it): ``(port, "")``, or, when the server ends
+        or times out first, ``(0, its last output line)``."""
         assert self.proc.stdout is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -76,6 +80,8 @@ class ServerActor:
             if not line:
                 break
             self.log_tail.append(line)
+            if line.startswith("HTTP "):
+                self.http_port = int(line.split()[1])
             if line.startswith("READY "):
                 return int(line.split()[1]), ""
         self.proc.kill()
@@ -94,6 +100,10 @@ class ServerActor:
     def address(self) -> str:
         """``HOST:PORT`` (``[ADDRESS]:PORT`` when the node's address is an IPv6 one)."""
         return host_port(self.advertise, self.port)
+
+    def http_address(self) -> str | None:
+        """``HOST:PORT`` of the router's OpenAI-compatible HTTP door; None when it has none."""
+        return None if self.http_port is None else host_port(self.advertise, self.http_port)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -124,6 +134,8 @@ class LaunchOptions:
     prefill: int = 1
     decode: int = 1
     port: int = 0  # the router's port; 0 picks a free one
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP door (0: a free port)
+    served_model_name: str | None = None  # the door's model id (default: the model dir's name)
     address: str | None = None  # join an existing Ray cluster ("auto" included)
     prefill_gpus: float = 0.0
     decode_gpus: float = 0.0
@@ -150,9 +162,15 @@ class Cluster:
     router: Any
     workers: list[Any]
     router_address: str
+    http_address: str | None = None  # the router's HTTP door, when it has one
 
     def actors(self) -> list[Any]:
         return [self.router, *self.workers]
+
+    @property
+    def openai_url(self) -> str | None:
+        """The base URL OpenAI clients take (``http://HOST:PORT/v1``); None without a door."""
+        return None if self.http_address is None else f"http://{self.http_address}/v1"
 
 
 # ray.remote(...) is typed as returning the class itself; it returns an actor class
@@ -238,13 +256,27 @@ def _start(opts: LaunchOptions, started: list[Any]) -> Cluster:
         _wait_started(opts.name, labels[-opts.prefill:], started[-opts.prefill:])
     addresses = dict(zip(labels, ray.get([a.address.remote() for a in started]), strict=True))
     router_args = ["--model", opts.model, "--prefill", _joined(addresses, "prefill"),
-                   "--decode", _joined(addresses, "decode")]
+                   "--decode", _joined(addresses, "decode"), *http_args(opts)]
     # the router runs on the head node, where users (and `pdserve status`) look for it
     started.append(_ACTOR.options(name=actor_name(opts.name, "router"),
                                   resources={HEAD_RESOURCE: 0.001}, **lifetime)
                    .remote("router", router_args, host, opts.port))
     _wait_started(opts.name, ["router"], started[-1:])
-    return Cluster(started[-1], started[:-1], ray.get(started[-1].address.remote()))
+    return _cluster(started[-1], started[:-1])
+
+
+def _cluster(router: Any, workers: list[Any]) -> Cluster:
+    """The :class:`Cluster` of a serving ``router`` actor and its ``workers``."""
+    address, http = ray.get([router.address.remote(), router.http_address.remote()])
+    return Cluster(router, workers, address, http)
+
+
+def http_args(opts: LaunchOptions) -> list[str]:
+    """The router's ``--http-port`` / ``--served-model-name`` flags, as far as given."""
+    port = [] if opts.http_port is None else ["--http-port", str(opts.http_port)]
+    name = [] if opts.served_model_name is None else ["--served-model-name",
+                                                      opts.served_model_name]
+    return [*port, *name]
 
 
 def _wait_started(name: str, labels: list[str], actors: list[Any]) -> None:
@@ -351,7 +383,7 @@ def find_cluster(name: str) -> Cluster | None:
     router = actors.pop("router", None)
     if router is None:
         return None
-    return Cluster(router, [actors[k] for k in sorted(actors)], ray.get(router.address.remote()))
+    return _cluster(router, [actors[k] for k in sorted(actors)])
 
 
 def local_cluster() -> str | None:

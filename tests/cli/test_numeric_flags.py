@@ -26,6 +26,7 @@ CASES = [
     (["prefill", "--metrics-port", "65536"], "argument --metrics-port: must be in [0, 65535]"),
     (["prefill", "--bootstrap-port", "-1"], "argument --bootstrap-port: must be in [0, 65535]"),
     (["launch", "--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
+    (["launch", "--http-port", "-1"], "argument --http-port: must be in [0, 65535], got -1"),
     (["launch", "--prefill", "0"], "argument --prefill: must be at least 1, got 0"),
     (["launch", "--decode", "-1"], "argument --decode: must be at least 1, got -1"),
     (["launch", "--prefill-tp-size", "0"], "argument --prefill-tp-size: must be at least 1"),
@@ -75,3 +76,11 @@ def refused_in_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> 
     assert status == 2, err
     assert err.count("\n") == 1 and err.startswith("error: "), err
     return err
+
+
+@pytest.mark.timeout(60)  # a check that regressed would start Ray and the servers here
+def test_launch_refuses_an_http_port_equal_to_its_port(capsys: pytest.CaptureFixture[str]) -> None:
+    """The HTTP door cannot share the router's gRPC port (a launch would find out only once
+    the router failed to start); 0 for both is two free ports (tests/deploy/test_launch.py)."""
+    err = refused_in_one_line(["launch", "--port", "50070", "--http-port", "50070"], capsys)
+    assert "--http-port 50070 is the router's --port" in err

@@ -4,22 +4,26 @@ Offline checks: ``kubectl kustomize`` renders the base, every overlay and every 
 model-PVC component; every built-in object validates (strict) against the schemas bundled with
 ``kubernetes-validate``; every container's command line (after ``$(VAR)`` expansion with the
 environment the manifest gives it, as the kubelet does) parses with the CLI's own parser; probes
-point at the gRPC port; the RayCluster's head runs a ``pdserve launch`` the CLI accepts.
+point at the gRPC port; the router's OpenAI-compatible HTTP port is a named container port its
+Service exposes; the RayCluster's head runs a ``pdserve launch`` the CLI accepts, HTTP door
+included.
 
 DNS discovery is tested with a fake resolver (no network).
 
 The slow test starts the base's three containers as processes on loopback: same arguments and
 environment, with these substitutions, all on 127.0.0.1: ``POD_IP=127.0.0.1`` (the downward API
 value), ``MODEL_PATH`` = a tiny model written into ``tmp_path`` (the initContainer's job), ``--host
-0.0.0.0`` -> ``127.0.0.1`` (loopback only), ports moved to free ones when the manifest's are busy,
-and the router's ``dns:pdserve-prefill:P`` / ``dns:pdserve-decode:P`` -> ``dns:localhost:P``, so
-the router's real DNS discovery path runs and resolves the name to 127.0.0.1 through the system
-resolver (``/etc/hosts``).
+0.0.0.0`` -> ``127.0.0.1`` (loopback only), ports (``--http-port`` too) moved to free ones when
+the manifest's are busy, and the router's ``dns:pdserve-prefill:P`` / ``dns:pdserve-decode:P`` ->
+``dns:localhost:P``, so the router's real DNS discovery path runs and resolves the name to
+127.0.0.1 through the system resolver (``/etc/hosts``). The router's HTTP door answers
+``/health`` and ``/v1/models`` there as its gRPC health does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shlex
 import shutil
@@ -27,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -162,8 +167,12 @@ def main_container(deploy: Obj) -> Obj:
     return container
 
 
+def named_port(container: Obj, name: str) -> int:
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == name)
+
+
 def grpc_port(container: Obj) -> int:
-    return next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    return named_port(container, "grpc")
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +221,7 @@ def test_every_command_line_parses(rendered: dict[str, list[Obj]], variant: str)
         assert args.model == env["MODEL_PATH"]
         if role == "router":
             check_router_targets(args, objs)
+            check_router_http(args, container, env, objs)
             continue
         assert args.advertise_host == POD_IP  # the downward API value, not a name
         assert args.transfer_backend == backend
@@ -236,6 +246,17 @@ def check_router_targets(args: Any, objs: Sequence[Obj]) -> None:
         assert port == grpc_port(main_container(deploys[f"pdserve-{role}"]))
     router_svc = services["pdserve-router"]["spec"]
     assert router_svc["ports"][0]["port"] == args.port
+
+
+def check_router_http(args: Any, container: Obj, env: dict[str, str],
+                      objs: Sequence[Obj]) -> None:
+    """The router serves the OpenAI-compatible HTTP API on the container port named ``http``
+    (not its gRPC one), under the ConfigMap's model id, and its Service exposes that port."""
+    assert args.http_port == named_port(container, "http") != args.port
+    assert args.served_model_name == env["SERVED_MODEL_NAME"]
+    svc = by_kind(objs, "Service")["pdserve-router"]["spec"]
+    (http,) = [p for p in svc["ports"] if p["name"] == "http"]
+    assert http["targetPort"] == "http" and http["port"] == args.http_port, http
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -323,6 +344,7 @@ def test_raycluster_head_runs_pdserve_launch(rendered: dict[str, list[Obj]]) -> 
     args = parse(words)
     assert args.command == "launch" and args.address == "auto" and args.port == 50050
     assert "pdserve" in [p["name"] for p in head["ports"] if p["containerPort"] == args.port]
+    assert args.http_port == named_port(head, "http") != args.port  # the router's OpenAI API
     groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
     for role, wanted in (("prefill", args.prefill_resources), ("decode", args.decode_resources)):
         advertised = yaml.safe_load(yaml.safe_load(groups[role]["rayStartParams"]["resources"]))
@@ -565,7 +587,7 @@ def loopback_argv(container: Obj, env: dict[str, str], ports: dict[int, int]) ->
         flag, eq, value = word.partition("=")
         if eq and flag == "--host" and value == "0.0.0.0":
             value = "127.0.0.1"
-        elif eq and flag in ("--port", "--bootstrap-port"):
+        elif eq and flag in ("--port", "--bootstrap-port", "--http-port"):
             value = str(ports[int(value)])
         elif eq and flag in ("--prefill", "--decode", "--colocated"):
             entries = []
@@ -587,7 +609,7 @@ def base_pods(rendered: dict[str, list[Obj]], tmp_path: Path,
     objs = rendered["base"]
     deploys = by_kind(objs, "Deployment")
     model = write_tiny_model(tmp_path / "models" / "tiny")  # what the initContainer writes
-    ports = {p: free_port(p) for p in (50050, 50051, 50052, 50061)}
+    ports = {p: free_port(p) for p in (50050, 50051, 50052, 50061, 8000)}
     nodes: dict[str, Node] = {}
     try:
         for role in ("prefill", "decode", "router"):
@@ -605,7 +627,8 @@ def base_pods(rendered: dict[str, list[Obj]], tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_base_pods_serve_on_loopback(base_pods: dict[str, Node]) -> None:
+def test_base_pods_serve_on_loopback(base_pods: dict[str, Node],
+                                     rendered: dict[str, list[Obj]]) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from proto.pdserve.v1 import generate_pb2 as gpb
@@ -623,6 +646,13 @@ def test_base_pods_serve_on_loopback(base_pods: dict[str, Node]) -> None:
                     != serving and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert reply.status == serving, role
+    router = main_container(by_kind(rendered["base"], "Deployment")["pdserve-router"])
+    model_id = container_env(router, rendered["base"])["SERVED_MODEL_NAME"]
+    http = next(ln.split()[1] for ln in base_pods["router"].log if ln.startswith("HTTP "))
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}  # ready, as the gRPC readiness said
+    with urllib.request.urlopen(f"http://127.0.0.1:{http}/v1/models", timeout=10) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == [model_id]
     with grpc.insecure_channel(base_pods["router"].address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         assert stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=10).mode == "disaggregated"

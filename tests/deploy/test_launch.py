@@ -2,7 +2,9 @@
 engine, and Ctrl-C leaves no server, actor or Ray process behind. Its prefill runs in two
 pipeline stages (``--prefill-pp-size 2``: the second started first, the draft on it), the whole
 launch path otherwise being that of tests/deploy/test_launch_errors.py. The hybrid built-in
-(``--model builtin:hybrid --draft mtp``) serves the same way, its MTP head drafting."""
+(``--model builtin:hybrid --draft mtp``) serves the same way, its MTP head drafting. With
+``--http-port 0`` the launch prints the router's OpenAI URL, which the ``openai`` SDK uses: the
+model list, and streamed completions and chat completions equal to the whole answers."""
 
 from __future__ import annotations
 
@@ -12,11 +14,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
+import openai
 import pytest
 
-from engine.builtin import builtin_hybrid_model_dir
+from engine.builtin import builtin_hybrid_model_dir, builtin_model_dir
 from engine.builtin.tiny_model import write_tiny_draft, write_tiny_model
 from engine.config import EngineConfig
 from engine.core.request import SamplingParams
@@ -46,6 +50,13 @@ def processes_matching(text: str) -> list[str]:
 
 def start_launch(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str]:
     """``pdserve launch --port 0 ARGS`` in a subprocess, and its router's address once READY."""
+    proc, address, _ = start_launch_logged(tmp_path, *args)
+    return proc, address
+
+
+def start_launch_logged(tmp_path: Path, *args: str
+                        ) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """:func:`start_launch`, with the launch's output lines up to READY."""
     env = {**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "cli.main", "launch", "--port", "0", *args],
@@ -67,7 +78,7 @@ def start_launch(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[str], str
         proc.wait()
         raise AssertionError("".join(log))
     assert address.startswith("127.0.0.1:")  # single node: loopback only
-    return proc, address
+    return proc, address, log
 
 
 def stream(address: str, ids: list[int], new_tokens: int) -> list[gpb.GenerateResponse]:
@@ -137,3 +148,41 @@ def test_launch_serves_the_hybrid_builtin_with_its_mtp_head(tmp_path: Path) -> N
         assert 0 < usage.accepted_tokens <= usage.drafted_tokens, usage
     finally:
         stop_launch(proc, model)
+
+
+def test_launch_serves_the_openai_api_on_its_http_port(tmp_path: Path) -> None:
+    """``pdserve launch --http-port 0 --served-model-name NAME`` on the built-in tiny model: the
+    ``openai:`` line names the router's HTTP door, the SDK lists NAME there once the workers are
+    ready, and a streamed completion and a streamed chat completion at temperature 0 each add up
+    to the whole answer; Ctrl-C then leaves nothing running."""
+    proc, _, log = start_launch_logged(tmp_path, "--model", "builtin", "--http-port", "0",
+                                       "--served-model-name", "tiny-chat")
+    try:
+        [url] = [ln.split()[1] for ln in log if ln.startswith("openai: ")]
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), url
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+        assert [m.id for m in ready_models(client)] == ["tiny-chat"]
+        kw: dict[str, Any] = {"model": "tiny-chat", "max_tokens": 12, "temperature": 0}
+        whole = client.completions.create(prompt="def add(a, b):", **kw).choices[0].text
+        pieces = [c.choices[0].text for c in client.completions.create(
+            prompt="def add(a, b):", stream=True, **kw) if c.choices]
+        assert len(pieces) > 1 and "".join(pieces) == whole and whole
+        messages: Any = [{"role": "user", "content": "say hello"}]
+        answer = client.chat.completions.create(messages=messages, **kw)
+        whole = answer.choices[0].message.content or ""
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            messages=messages, stream=True, **kw) if c.choices]
+        assert "".join(pieces) == whole and whole
+    finally:
+        stop_launch(proc, builtin_model_dir())
+
+
+def ready_models(client: openai.OpenAI, timeout_s: float = 60) -> list[Any]:
+    """The door's model list, once its router has a ready worker pair (503 before)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return list(client.models.list().data)
+        except openai.InternalServerError as exc:
+            assert exc.status_code == 503 and time.monotonic() < deadline, exc
+            time.sleep(0.2)

@@ -1,13 +1,14 @@
 """``pdserve launch`` hands its ``--device`` / ``--dtype`` / ``--no-graphs`` to every worker
 unresolved (each worker resolves ``auto`` on its own node), before ``--worker-args`` so a flag
-given there wins; the workers' own parser accepts the command line the launcher builds."""
+given there wins; the workers' own parser accepts the command line the launcher builds, and the
+router's its HTTP door flags."""
 
 from __future__ import annotations
 
 import pytest
 
 from cli.main import build_parser
-from deploy.ray_launcher import LaunchOptions, stage_label, worker_argv
+from deploy.ray_launcher import LaunchOptions, http_args, stage_label, worker_argv
 
 
 @pytest.mark.parametrize("flags", [[], ["--device", "cuda:1", "--dtype", "bfloat16",
@@ -73,3 +74,16 @@ def test_launch_pipeline_stages_get_their_flags_and_the_last_the_draft(
                                                       "prefill-0-stage-2"]
     decode = parser.parse_args(["decode", *worker_argv("decode", opts)])
     assert decode.draft == draft  # the decode is not staged
+
+
+@pytest.mark.parametrize("flags", [[], ["--http-port", "0"],
+                                   ["--http-port", "8000", "--served-model-name", "m-chat"]])
+def test_launch_http_flags_reach_the_router(flags: list[str]) -> None:
+    """``--http-port`` / ``--served-model-name`` reach the router as given (absent: no door)."""
+    parser = build_parser()
+    launch = parser.parse_args(["launch", *flags])
+    opts = LaunchOptions(model="m", http_port=launch.http_port,
+                         served_model_name=launch.served_model_name)
+    router = parser.parse_args(["router", "--model", "m", *http_args(opts)])
+    assert (router.http_port, router.served_model_name) == (launch.http_port,
+                                                            launch.served_model_name)

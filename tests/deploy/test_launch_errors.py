@@ -1,7 +1,8 @@
 """``pdserve launch`` fails cleanly: a failed or interrupted launch leaves no actor, server or Ray
 head it started; a Ray cluster already running here is reused; clusters with different
 ``--name``s run side by side, and a name already running is a one-line error; every failure is
-one ``error:`` line on stderr.
+one ``error:`` line on stderr. A detached launch with ``--http-port`` records its OpenAI URL,
+which ``status`` shows.
 
 The Ray tests after the first share one Ray head: the one the first detached launch (cluster
 ``a``) starts, which cluster ``b`` then reuses; the last test stops ``a`` (the head stays, ``b``
@@ -9,11 +10,13 @@ still runs on it) and then ``b``, the last pdserve cluster on it, which stops th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,15 +145,16 @@ def test_a_failed_detached_launch_stops_the_head_it_started(model: Path, cache: 
 
 @pytest.fixture(scope="module")
 def clusters(model: Path, cache: Path) -> Iterator[dict[str, str]]:
-    """Clusters ``a`` (whose detached launch starts the Ray head) and ``b`` (which reuses it):
-    each name's router address. ``ray stop`` after the module ends whatever is left."""
+    """Clusters ``a`` (whose detached launch starts the Ray head) and ``b`` (which reuses it,
+    with an HTTP door on a free port): each name's router address. ``ray stop`` after the module
+    ends whatever is left."""
     no_ray_here()
     try:
         a = pdserve(cache, "launch", "--detach", "--name", "a", "--model", str(model),
                     "--port", "0")
         assert "using the Ray cluster at" not in a.stdout  # none ran: it started one
         b = pdserve(cache, "launch", "--detach", "--name", "b", "--model", str(model),
-                    "--port", "0")
+                    "--port", "0", "--http-port", "0")
         assert "using the Ray cluster at" in b.stdout, b.stdout  # the running head: reused
         yield {"a": ready_address(a), "b": ready_address(b)}
     finally:
@@ -166,6 +170,14 @@ def test_two_named_clusters_run_side_by_side(clusters: dict[str, str], cache: Pa
     status = pdserve(cache, "status", "--name", "b")
     assert status.returncode == 0 and "servers alive: 3/3" in status.stdout, status
     assert clusters["b"] in status.stdout
+    # b's HTTP door: recorded by its detached launch, shown by status, and serving
+    url = json.loads((cache / "launch-b.json").read_text())["openai"]
+    assert f"openai: {url}\n" in status.stdout, status.stdout
+    with urllib.request.urlopen(f"{url.removesuffix('/v1')}/health", timeout=10) as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+    a_status = pdserve(cache, "status", "--name", "a").stdout
+    assert "openai:" not in a_status and json.loads(
+        (cache / "launch-a.json").read_text())["openai"] is None  # no --http-port, no door
     one_line_error(pdserve(cache, "launch", "--detach", "--name", "a", "--model", str(model),
                            "--port", "0"), "named 'a' is already running")
     one_line_error(pdserve(cache, "status", "--name", "zz"), "'zz'", "running: a, b")
