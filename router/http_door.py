@@ -1,6 +1,7 @@
 """The router's OpenAI-compatible HTTP door: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health`` and Prometheus ``/metrics``, served by aiohttp on the router's event
-loop.
+``/v1/models``, ``/health``, Prometheus ``/metrics`` and vLLM's tokenizer endpoints
+(``/tokenize``, ``/detokenize``, ``/tokenizer_info``: :mod:`router.openai_tokenize`), served by
+aiohttp on the router's event loop.
 
 Requests are converted into a ``GenerateRequest`` (:mod:`router.openai_request`) and run by
 :meth:`GenerationService.generate`, the very code behind the gRPC ``Generate`` (same admission,
@@ -8,14 +9,14 @@ validation, workers and relay); results and its gRPC status become OpenAI bodies
 statuses (:mod:`router.openai_response`). This module is the HTTP: routes, auth, streaming.
 
 With the router's ``--tls-cert/--tls-key`` the door serves HTTPS with the same certificate, and
-with ``--auth-token-file`` every ``/v1/*`` call must carry ``Authorization: Bearer <token>``
-(compared in constant time; 401 otherwise), as on the gRPC door; ``/health`` and ``/metrics``
-stay open, like gRPC health and the metrics port. ``/health`` mirrors the router's gRPC health:
-200 ``{"status": "ok"}`` while the worker pool is ready, else 503 ``{"status": "not ready",
-"reason": ...}`` (:func:`router.workers.readiness`). ``/v1/models`` follows the same readiness, so
-a client that lists the models before its first call learns whether one can succeed: the model
-list while ready, else 503 with an OpenAI error body (type ``service_unavailable``, the reason in
-its message).
+with ``--auth-token-file`` every call (``/v1/*``, the tokenizer's) must carry ``Authorization:
+Bearer <token>`` (compared in constant time; 401 otherwise), as on the gRPC door; ``/health``
+and ``/metrics`` stay open, like gRPC health and the metrics port. ``/health`` mirrors the
+router's gRPC health: 200 ``{"status": "ok"}`` while the worker pool is ready, else 503
+``{"status": "not ready", "reason": ...}`` (:func:`router.workers.readiness`). ``/v1/models``
+follows the same readiness, so a client that lists the models before its first call learns
+whether one can succeed: the model list while ready, else 503 with an OpenAI error body (type
+``service_unavailable``, the reason in its message).
 
 A request with ``n > 1`` runs ``n`` generations concurrently (ids ``<id>-<i>``, seed ``seed + i``
 when seeded) and answers with ``n`` choices; usage counts the prompt once and sums the
@@ -53,6 +54,8 @@ from router.openai_response import (
     error_body,
     error_reply,
 )
+from router.openai_tokenize import detokenize, tokenize, tokenizer_info
+from router.preprocess import ModelAssets
 from router.service import GenerationService
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -60,6 +63,7 @@ Part = tuple[str, dict[str, Any] | None]  # text, and its tokens' logprobs (when
 Piece = tuple[int, Part | None]  # (choice index, a part; None: that choice ended)
 
 MAX_BODY_BYTES = 64 << 20
+OPEN_PATHS = ("/health", "/metrics")  # served without the bearer token, like gRPC health
 
 
 def error_response(exc: Exception) -> web.Response:
@@ -87,6 +91,9 @@ class HttpDoor:
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
+        self.app.router.add_post("/tokenize", self._plain(tokenize))
+        self.app.router.add_post("/detokenize", self._plain(detokenize))
+        self.app.router.add_get("/tokenizer_info", self.tokenizer_info)
         if metrics is not None:
             self.app.router.add_get("/metrics", self.prometheus)
         self._runner: web.AppRunner | None = None
@@ -107,8 +114,9 @@ class HttpDoor:
 
     @web.middleware
     async def _require_token(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Refuse ``/v1/*`` calls without the bearer token (when the router has one)."""
-        if self._expected_auth is not None and request.path.startswith("/v1/"):
+        """Refuse calls without the bearer token (when the router has one), but to
+        :data:`OPEN_PATHS`."""
+        if self._expected_auth is not None and request.path not in OPEN_PATHS:
             got = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(got, self._expected_auth):
                 body = error_body(401, "missing or wrong bearer token", "unauthenticated")
@@ -139,6 +147,22 @@ class HttpDoor:
         info = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "pdserve", "max_model_len": self.service.assets.max_model_len}
         return web.json_response({"object": "list", "data": [info]})
+
+    def _plain(self, answer: Callable[[dict[str, Any], ModelAssets], dict[str, Any]]
+               ) -> Handler:
+        """A handler answering a JSON body with ``answer(body, assets)`` (BadRequest: 400)."""
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                return web.json_response(answer(await _json(request), self.service.assets))
+            except BadRequest as exc:
+                return error_response(exc)
+        return handle
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        try:
+            return web.json_response(tokenizer_info(self.service.assets))
+        except BadRequest as exc:
+            return error_response(exc)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:

@@ -293,8 +293,9 @@ def test_http_door_serves_https_and_requires_the_bearer_token(
     body = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0,
                        "ignore_eos": True}).encode()
 
-    def post(headers: dict[str, str]) -> tuple[int, dict[str, object]]:
-        req = urllib.request.Request(f"{base}/v1/completions", data=body, method="POST",
+    def post(headers: dict[str, str], path: str = "/v1/completions",
+             data: bytes = body) -> tuple[int, dict[str, object]]:
+        req = urllib.request.Request(f"{base}{path}", data=data, method="POST",
                                      headers={"Content-Type": "application/json", **headers})
         try:
             with urllib.request.urlopen(req, context=ctx, timeout=60) as resp:
@@ -308,6 +309,9 @@ def test_http_door_serves_https_and_requires_the_bearer_token(
         assert answer["error"]["type"] == "authentication_error"  # type: ignore[index]
     status, answer = post({"Authorization": f"Bearer {TOKEN}"})
     assert status == 200, answer
+    tokenize = json.dumps({"prompt": "a"}).encode()
+    assert post({}, "/tokenize", tokenize)[0] == 401  # the tokenizer's endpoints too
+    assert post({"Authorization": f"Bearer {TOKEN}"}, "/tokenize", tokenize)[0] == 200
     assert answer["usage"]["completion_tokens"] == 3  # type: ignore[index]
     with urllib.request.urlopen(f"{base}/health", context=ctx, timeout=10) as resp:
         assert resp.status == 200  # open, like gRPC health

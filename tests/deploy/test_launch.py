@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 import openai
 import pytest
+import torch
+from transformers import Qwen2VLForConditionalGeneration
 
 from engine.builtin import builtin_hybrid_model_dir, builtin_model_dir
 from engine.builtin.tiny_model import write_tiny_draft, write_tiny_model
@@ -28,6 +30,7 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.text.tokenizer import Tokenizer
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
+from tests.deploy import lm_eval_run
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,8 +176,53 @@ def test_launch_serves_the_openai_api_on_its_http_port(tmp_path: Path) -> None:
         pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
             messages=messages, stream=True, **kw) if c.choices]
         assert "".join(pieces) == whole and whole
+        check_lm_eval(client, url, tmp_path)
     finally:
         stop_launch(proc, builtin_model_dir())
+
+
+def check_lm_eval(client: openai.OpenAI, url: str, tmp_path: Path) -> None:
+    """lm-evaluation-harness's two task kinds through the door: the generation task's targets
+    are the model's own greedy answers (exact match 1), and every multiple-choice
+    log-likelihood and its greedy flag equal transformers' over lm-eval's own tokenization."""
+    questions = ["def add(a, b):", "import os", "for i in range(10):"]
+    greedy = [client.completions.create(model="tiny-chat", prompt=q, max_tokens=6, temperature=0,
+                                        stop=["\n\n"]).choices[0].text for q in questions]
+    mc = [{"question": q, "choices": [g, " pass", "\nfoo bar"], "answer": 0}
+          for q, g in zip(questions, greedy, strict=True)]
+    gen = [{"question": q, "answer": g} for q, g in zip(questions, greedy, strict=True)]
+    tasks = lm_eval_run.write_tasks(tmp_path / "tasks", mc, gen, max_tokens=6)
+    samples = lm_eval_run.run(url, "tiny-chat", tasks, tmp_path / "lm-eval")
+    assert [s["exact_match"] for s in samples["pdserve_gen"]] == [1.0] * len(questions)
+    oracle = Qwen2VLForConditionalGeneration.from_pretrained(builtin_model_dir()).eval()
+    tok = Tokenizer.from_dir(builtin_model_dir())
+    assert tok is not None
+    pairs = [(args["arg_0"], args["arg_1"], resp[0])
+             for s in samples["pdserve_mc"]
+             for args, resp in zip(s["arguments"].values(), s["resps"], strict=True)]
+    assert len(pairs) == 3 * len(questions)
+    for context, continuation, (loglikelihood, is_greedy) in pairs:
+        want, want_greedy = reference_loglikelihood(oracle, tok, context, continuation)
+        assert float(loglikelihood) == pytest.approx(want, abs=1e-3), (context, continuation)
+        assert (is_greedy == "True") == want_greedy, (context, continuation)
+
+
+def reference_loglikelihood(oracle: Any, tok: Tokenizer, context: str,  # noqa: ANN401
+                            continuation: str) -> tuple[float, bool]:
+    """transformers' log-likelihood of ``continuation`` after ``context``, and whether it is the
+    greedy one, over the tokens lm-eval sends (its pair encoding: trailing spaces of the context
+    move to the continuation, which is the whole's tokens after the context's)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    ctx = tok.encode(context)
+    ids = tok.encode(context + continuation)
+    with torch.no_grad():
+        logits = oracle(input_ids=torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    rows = range(len(ctx), len(ids))
+    total = sum(logprobs[p - 1, ids[p]].item() for p in rows)
+    return total, all(int(logits[p - 1].argmax()) == ids[p] for p in rows)
 
 
 def ready_models(client: openai.OpenAI, timeout_s: float = 60) -> list[Any]:

@@ -1,12 +1,16 @@
-"""Log-probabilities through the OpenAI door of a disaggregated cluster (prefill, decode and a
-router with ``--http-port``), called with the ``openai`` client and held against transformers:
-completions ``logprobs`` with ``echo`` (the prompt's, computed on the decode worker), chat
-``logprobs``/``top_logprobs`` streamed and whole (the first token's alternatives ride the aux
-row from the prefill), the 400s of bad fields, and no page or room left behind."""
+"""Log-probabilities and the tokenizer endpoints through the OpenAI door of a disaggregated
+cluster (prefill, decode and a router with ``--http-port``), called with the ``openai`` client
+and held against transformers: completions ``logprobs`` with ``echo`` (the prompt's, computed on
+the decode worker), chat ``logprobs``/``top_logprobs`` streamed and whole (the first token's
+alternatives ride the aux row from the prefill), vLLM's ``/tokenize``, ``/detokenize`` and
+``/tokenizer_info``, the 400s of bad fields, and no page or room left behind."""
 
 from __future__ import annotations
 
+import json
 import math
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,3 +167,39 @@ def test_bad_logprob_fields_are_400(cluster: Cluster, path: str, body: dict[str,
     call = client.completions.create if path == "completions" else client.chat.completions.create
     with pytest.raises(openai.BadRequestError, match=field):
         call(model="m", max_tokens=2, **body)
+
+
+def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_tokenizer_endpoints(cluster: Cluster, tiny_dir: Path) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info: the served tokenizer's ids, the chat
+    template's prompt (the one chat completions count), clear 400s."""
+    root = str(cluster.client.base_url).removesuffix("/v1/")
+    status, got = post(f"{root}/tokenize", {"prompt": PROMPT, "add_special_tokens": False})
+    assert status == 200 and got["tokens"] == tokenize(tiny_dir, PROMPT)
+    assert got["count"] == len(got["tokens"])
+    status, back = post(f"{root}/detokenize", {"tokens": got["tokens"]})
+    assert status == 200 and back["prompt"] == PROMPT
+    messages = [{"role": "user", "content": PROMPT}]
+    status, chat = post(f"{root}/tokenize", {"messages": messages})
+    usage = cluster.client.chat.completions.create(model="m", messages=messages, max_tokens=1,
+                                                   temperature=0).usage
+    assert status == 200 and chat["count"] == usage.prompt_tokens
+    with urllib.request.urlopen(f"{root}/tokenizer_info", timeout=30) as resp:
+        info = json.loads(resp.read())
+    assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
+    for path, body, field in (("tokenize", {"prompt": 3}, "prompt"),
+                              ("tokenize", {"prompt": "a", "add_special_tokens": "no"},
+                               "add_special_tokens"),
+                              ("detokenize", {"tokens": [-1]}, "tokens"),
+                              ("detokenize", {"tokens": [10**9]}, "tokens")):
+        status, err = post(f"{root}/{path}", body)
+        assert status == 400 and field in err["error"]["message"], (path, body, err)
