@@ -90,6 +90,29 @@ def chat_call(body: dict[str, Any], request_id: str,
     return _call(body, req, chat=True, logprobs=logprobs)
 
 
+# Fields that change what a request produces and that the door does not honour yet: refused by
+# name rather than ignored, so no client gets unconstrained output it did not ask for. Each maps
+# to the values that mean "off".
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "structured_outputs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "logit_bias": (None, {}), "suffix": (None, ""), "prompt_logprobs": (None,),
+}
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """A :class:`BadRequest` naming the first field of :data:`UNSUPPORTED` the body sets to
+    something other than "off", and for ``best_of`` above ``n``."""
+    for key, off in UNSUPPORTED.items():
+        if body.get(key) not in off:
+            raise BadRequest(f"'{key}' is not supported by this server yet")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise BadRequest("'best_of' is not supported (use 'n')")
+
+
 def _ask_logprobs(out: gpb.SamplingParams, top: int, *, prompt: bool) -> None:
     """Ask for each token's log-probability with ``top`` alternatives (and the prompt's too)."""
     out.logprobs = True
@@ -100,6 +123,7 @@ def _ask_logprobs(out: gpb.SamplingParams, top: int, *, prompt: bool) -> None:
 
 def _call(body: dict[str, Any], req: gpb.GenerateRequest, *, chat: bool,
           logprobs: int | None = None, echo: bool = False) -> OpenAICall:
+    refuse_unsupported(body)
     stream = bool(body.get("stream"))
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):

@@ -101,3 +101,19 @@ def test_any_integer_seed_is_one_the_engine_takes(seed: int, wire: int) -> None:
     assert call.request.sampling.seed == wire
     SamplingParams(seed=call.request.sampling.seed).validate(vocab_size=8)  # does not raise
     assert door_seed(wire + 1) == (0 if wire == MAX_SEED else wire + 1)  # choice i: seed + i
+
+
+@pytest.mark.parametrize("field,value", [
+    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+    ("tool_choice", "auto"), ("guided_json", {}), ("structured_outputs", {"regex": "a"}),
+    ("logit_bias", {"5": 10}), ("suffix", "end"), ("prompt_logprobs", 1), ("best_of", 3)])
+def test_fields_not_honoured_are_refused_by_name(field: str, value: object) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(BadRequest, match=field):
+        chat_call(body, "r")
+
+
+def test_off_values_of_unsupported_fields_pass() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"},
+            "tools": [], "tool_choice": "none", "logit_bias": {}, "best_of": 1}
+    assert chat_call(body, "r").n == 1
