@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from cli.arg_types import non_negative_float, port, positive
 from cli.engine_args import add_device_args, add_tree_args
 from cli.models import cache_dir, ensure_model
+from cli.router import add_http_door_args
 
 if TYPE_CHECKING:
     from deploy.ray_launcher import LaunchOptions
@@ -52,13 +53,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=positive, default=1, help="prefill workers")
     p.add_argument("--decode", type=positive, default=1, help="decode workers")
     p.add_argument("--port", type=port, default=50050, help="router port (0 picks a free one)")
-    p.add_argument("--http-port", type=port, default=None, metavar="N",
-                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
-                        "/v1/chat/completions, /v1/models, /health, /metrics) on the router's "
-                        "host, port N (0 picks a free one; not --port); its URL is printed on "
-                        "the 'openai:' line; off by default")
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model id of the HTTP API (default: the --model directory's name)")
+    add_http_door_args(p, "on the router's host, port N (0 picks a free one; not --port); its "
+                          "URL is printed on the 'openai:' line")
     p.add_argument("--address", default=None,
                    help="join this Ray cluster (HOST:PORT or 'auto'); default: the one running "
                         "on this machine, else a new one")

@@ -7,11 +7,23 @@ import asyncio
 import sys
 from typing import TYPE_CHECKING
 
+from cli.arg_types import port
 from cli.engine_args import add_server_args, internal_token
 from cli.models import ensure_model
 
 if TYPE_CHECKING:
     from serving.auth import ServerSecurity
+
+
+def add_http_door_args(p: argparse.ArgumentParser, where: str) -> None:
+    """``--http-port`` and ``--served-model-name`` (the router's and the launch's); ``where``
+    says where the door listens."""
+    p.add_argument("--http-port", type=port, default=None, metavar="N",
+                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
+                        "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, "
+                        f"/detokenize, /tokenizer_info) {where}; off by default")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id of the HTTP API (default: the --model directory's name)")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -39,13 +51,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="require 'authorization: Bearer <token>' metadata (the token is this "
                         "file's content) on every Generation and Admin call; health and "
                         "reflection stay open")
-    p.add_argument("--http-port", type=int, default=None, metavar="N",
-                   help="also serve the OpenAI-compatible HTTP API (/v1/completions, "
-                        "/v1/chat/completions, /v1/models, /health, /metrics) on --host:N (0 = "
-                        "a free port; prints 'HTTP <port>' before 'READY'); off by default; "
-                        "HTTPS with --tls-cert, and /v1/* requires the --auth-token-file token")
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model id of the HTTP API (default: the --model directory's name)")
+    add_http_door_args(p, "on --host:N (0 = a free port; prints 'HTTP <port>' before 'READY'); "
+                          "HTTPS with --tls-cert, and all but /health and /metrics require the "
+                          "--auth-token-file token")
     p.add_argument("--kv-failure-policy", choices=["retry", "recompute", "fail"],
                    default="retry",
                    help="a prompt whose KV transfer failed (or whose prefill is unusable): "
