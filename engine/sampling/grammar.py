@@ -328,7 +328,7 @@ class GrammarCompiler:
         """The model's EOS ids, allowed once the grammar is complete."""
         return self._stop_ids
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def compiled(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """``spec`` compiled for this vocabulary (cached); :class:`InvalidRequestError` if it
         cannot be served. Costs milliseconds to seconds with the vocabulary and the grammar:
         call it off the step loop."""
@@ -353,7 +353,7 @@ class GrammarCompiler:
         outside = [t for t in stop_ids if not 0 <= t < self._vocab_size]
         if outside:
             raise InvalidRequestError(f"stop token id {outside[0]} is outside the vocabulary")
-        matcher = GrammarMatcher(self.compile(spec), self._vocab_size, stop_ids)
+        matcher = GrammarMatcher(self.compiled(spec), self._vocab_size, stop_ids)
         matcher.replay(generated)
         return matcher
 

@@ -20,7 +20,6 @@ import grpc
 import openai
 import pytest
 import torch
-from transformers import Qwen2VLForConditionalGeneration
 
 from engine.builtin import builtin_hybrid_model_dir, builtin_model_dir
 from engine.builtin.tiny_model import write_tiny_draft, write_tiny_model
@@ -194,6 +193,10 @@ def check_lm_eval(client: openai.OpenAI, url: str, tmp_path: Path) -> None:
     tasks = lm_eval_run.write_tasks(tmp_path / "tasks", mc, gen, max_tokens=6)
     samples = lm_eval_run.run(url, "tiny-chat", tasks, tmp_path / "lm-eval")
     assert [s["exact_match"] for s in samples["pdserve_gen"]] == [1.0] * len(questions)
+    # imported here: transformers imports Triton, which must not happen before the Triton
+    # tests set TRITON_INTERPRET (tests/engine/attention/test_attention_triton.py)
+    from transformers import Qwen2VLForConditionalGeneration
+
     oracle = Qwen2VLForConditionalGeneration.from_pretrained(builtin_model_dir()).eval()
     tok = Tokenizer.from_dir(builtin_model_dir())
     assert tok is not None

@@ -274,7 +274,7 @@ def test_unservable_specs_raise_invalid_request_naming_the_problem(
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
         spec.validate()
     with pytest.raises(InvalidRequestError, match=re.escape(message)):
-        compiler.compile(spec)
+        compiler.compiled(spec)
 
 
 def test_unenforced_keywords_inside_property_names_and_values_are_fine(
@@ -282,7 +282,7 @@ def test_unenforced_keywords_inside_property_names_and_values_are_fine(
     """Only keywords count: a property called "not" or an enum value "if" is no refusal."""
     spec = GrammarSpec.json_schema({"type": "object", "properties": {
         "not": {"enum": ["if", "contains"]}, "contains": {"const": {"not": 1}}}})
-    compiler.compile(spec)
+    compiler.compiled(spec)
 
 
 # ---- state: rollback, replay, EOS, speculative verification ---------------------------------
@@ -494,11 +494,11 @@ def test_compile_cache_is_keyed_by_the_spec(tokenizer: tokenizers.Tokenizer) -> 
     a = GrammarSpec.json_schema('{"type": "object",\n "properties": {"x": {"type": "integer"}}}')
     same = GrammarSpec.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
     assert a == same and hash(a) == hash(same)
-    first = small.compile(a)
-    assert small.compile(same) is first
-    small.compile(GrammarSpec.regex("[0-9]+"))
-    small.compile(GrammarSpec.choice(["x", "y"]))  # evicts the least recently used: ``a``
-    assert small.compile(a) is not first
+    first = small.compiled(a)
+    assert small.compiled(same) is first
+    small.compiled(GrammarSpec.regex("[0-9]+"))
+    small.compiled(GrammarSpec.choice(["x", "y"]))  # evicts the least recently used: ``a``
+    assert small.compiled(a) is not first
 
 
 def test_whitespace_runs_are_bounded(compiler: GrammarCompiler,
