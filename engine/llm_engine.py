@@ -362,17 +362,14 @@ class LLMEngine:
         grown = [(r, 1) for r, n in zip(sampled, counts, strict=True) if r.num_output_tokens > n]
         return StepResult(grown, finished)
 
-    def forward(self, out: SchedulerOutput) -> list[tuple[int, float]]:
-        """Run the model over a scheduled step and sample: one ``(token, logprob)`` per item
-        with ``needs_sample``, in item order (the input of ``Scheduler.update``)."""
-        return self.forward_states(out)[0]
-
     def forward_states(
         self, out: SchedulerOutput
     ) -> tuple[list[tuple[int, float]], StepForward]:
-        """:meth:`forward`, also returning the forward's tensors (for a draft model) with the
-        sampled tokens' alternatives (``fwd.tops``, for ``Scheduler.update``); the prompt
-        log-probabilities of the requests that ask are recorded on them."""
+        """Run the model over a scheduled step and sample: one ``(token, logprob)`` per item
+        with ``needs_sample``, in item order (the input of ``Scheduler.update``), and the
+        forward's tensors (for a draft model) with the sampled tokens' alternatives
+        (``fwd.tops``, for ``Scheduler.update`` too); the prompt log-probabilities of the requests
+        that ask are recorded on them."""
         fwd = self.runner.run(out)
         record_prompt_logprobs(out, fwd.hidden, self.model.logits)
         logits = self.model.logits(fwd.hidden[fwd.sample_rows])

@@ -97,6 +97,7 @@ class HttpDoor:
         if metrics is not None:
             self.app.router.add_get("/metrics", self.prometheus)
         self._runner: web.AppRunner | None = None
+        self._token_texts = TokenTexts(service.assets.tokenizer)  # shared by every request
 
     async def start(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0 = a free port); returns the bound port."""
@@ -270,7 +271,7 @@ class HttpDoor:
         tokens' log-probabilities when the call asks for them (then a piece may have no text);
         with ``echo`` the prompt (and its log-probabilities) leads the first. Fills ``out``
         (text, logprobs, usage, finish reason)."""
-        texts = TokenTexts(self.service.assets.tokenizer)
+        texts = self._token_texts
         scored = CompletionLogprobs(texts) if call.logprobs is not None and not call.chat \
             else None
         lead = self._prompt_text(req) if call.echo else ""

@@ -109,9 +109,6 @@ class Chunks:
         choices = []
         for index, (text, out) in enumerate(zip(texts, outs, strict=True)):
             scored = merge_logprobs(out.logprobs) if logprobs else None
-            if logprobs and scored is None:  # no token at all: the object, empty
-                scored = {"content": []} if self.chat else {
-                    "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
             choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason,
                                       "logprobs": scored}
             if self.chat:

@@ -103,7 +103,8 @@ def test_pool_reports_each_flip_once_and_probes_on_demand() -> None:
 def test_http_health_mirrors_readiness() -> None:
     async def main() -> None:
         pool = WorkerPool([], ["127.0.0.1:2"])
-        door = HttpDoor(cast(Any, type("Service", (), {"pool": pool})()), "tiny")
+        assets = type("Assets", (), {"tokenizer": None})()
+        door = HttpDoor(cast(Any, type("Service", (), {"pool": pool, "assets": assets})()), "tiny")
         answer = await door.health(cast(web.Request, None))
         assert answer.status == 503
         body = json.loads(cast(bytes, answer.body))

@@ -89,6 +89,7 @@ def test_only_asking_requests_get_them(hf_dir: Path) -> None:
     assert [len(t.token_ids) for t in asking.top_logprobs] == [2] * len(asking.token_ids)
     assert asking.prompt_logprobs == [] and plain.top_logprobs == [] == plain.prompt_logprobs
     assert asking.token_ids == plain.token_ids
+    engine.scheduler.check_no_leaks()
 
 
 def test_top_logprobs_rows() -> None:
