@@ -48,8 +48,8 @@ def completion_call(body: dict[str, Any], request_id: str) -> OpenAICall:
     """A ``/v1/completions`` body: ``prompt`` is a string, a list of one string, or token ids."""
     req = gpb.GenerateRequest(request_id=request_id, sampling=sampling(body))
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one prompt (a one-token prompt stays token ids)
     if isinstance(prompt, str):
         req.text = prompt
     elif isinstance(prompt, list) and prompt and all(

@@ -79,10 +79,12 @@ class Outgoing:
 
     def __init__(self, request_id: str, prompt: Sequence[int],
                  detok: IncrementalDetokenizer | None, logprobs: bool,
-                 stops: Sequence[str]) -> None:
+                 stops: Sequence[str], *, prompt_logprobs: bool = False) -> None:
         self.request_id, self.detok, self.logprobs = request_id, detok, logprobs
         self.prompt = list(prompt)
         self.prompt_tokens = len(self.prompt)
+        # the prompt's ids go out once, on the first message, when its logprobs were asked for
+        self._prompt_ids_due = prompt_logprobs
         self.stops = StopMatcher(list(stops)) if stops and detok is not None else None
         self.token_ids: list[int] = []  # every token the client was sent
         self.cached_tokens = 0
@@ -110,8 +112,9 @@ class Outgoing:
             if m.usage.drafted_tokens:
                 self._spec_now = (m.usage.drafted_tokens, m.usage.accepted_tokens)
         msg = merge(msgs, self.request_id, self.detok, self.logprobs)
-        if msg.prompt_logprobs:
+        if self._prompt_ids_due:
             msg.prompt_token_ids.extend(self.prompt)
+            self._prompt_ids_due = False
         self.token_ids.extend(msg.token_ids)
         if msg.finished:
             msg.usage.CopyFrom(self.usage())
@@ -158,16 +161,17 @@ class StopMatcher:
 def merge(msgs: list[gpb.GenerateResponse], request_id: str,
           detok: IncrementalDetokenizer | None, logprobs: bool) -> gpb.GenerateResponse:
     """One client message for consecutive worker messages (the last may be the final one);
-    with ``logprobs``, their log-probabilities, alternatives and the prompt's (the first
-    message's) carry over."""
+    with ``logprobs`` their log-probabilities carry over, and so do the alternatives and the
+    prompt's log-probabilities (the first message's) of a request that asked for them."""
     out = gpb.GenerateResponse(request_id=request_id)
     for m in msgs:
         out.token_ids.extend(m.token_ids)
         if logprobs:
             out.logprobs.extend(m.logprobs)
-            out.top_logprobs.extend(m.top_logprobs)
-            out.prompt_logprobs.extend(m.prompt_logprobs)
-            out.prompt_top_logprobs.extend(m.prompt_top_logprobs)
+        # present only when the request asked for them
+        out.top_logprobs.extend(m.top_logprobs)
+        out.prompt_logprobs.extend(m.prompt_logprobs)
+        out.prompt_top_logprobs.extend(m.prompt_top_logprobs)
     last = msgs[-1]
     if detok is not None:
         text = detok.add(out.token_ids)

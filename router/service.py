@@ -116,7 +116,8 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 await abort_with_status(context, exc)
             detok = self.assets.tokenizer.detokenizer() if self.assets.tokenizer else None
             out = Outgoing(rid, prepared.token_ids, detok, prepared.sampling.logprobs,
-                           prepared.sampling.stop)
+                           prepared.sampling.stop,
+                           prompt_logprobs=prepared.sampling.HasField("prompt_logprobs"))
             recovery = Recovery(self.config.recovery)
             step: Step | None = None
             steps: list[str] = []  # the recovery steps taken, for the request's log line

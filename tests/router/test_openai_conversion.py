@@ -14,7 +14,7 @@ from engine.text.chat import IMAGE_BLOCK, chat_turn, conversation_prompt
 from engine.text.chat import chat_prompt as engine_chat_prompt
 from router.errors import DoorError
 from router.http_door import error_response
-from router.openai_request import BadRequest, chat_call, chat_prompt, door_seed
+from router.openai_request import BadRequest, chat_call, chat_prompt, completion_call, door_seed
 from router.relay import StopMatcher
 from serving.overload import retry_metadata
 
@@ -117,3 +117,14 @@ def test_off_values_of_unsupported_fields_pass() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "text"},
             "tools": [], "tool_choice": "none", "logit_bias": {}, "best_of": 1}
     assert chat_call(body, "r").n == 1
+
+
+def test_completion_prompt_forms() -> None:
+    """A string, a batch of one string or of one id list, and token ids (a single one too)."""
+    for prompt, text, ids in (("hi", "hi", []), (["hi"], "hi", []), ([[1, 2]], "", [1, 2]),
+                              ([1, 2], "", [1, 2]), ([5], "", [5])):
+        req = completion_call({"prompt": prompt}, "r").request
+        assert (req.text, list(req.token_ids.ids)) == (text, ids), prompt
+    for bad in ([], [[]], ["a", "b"], [1.5], [-1], None):
+        with pytest.raises(BadRequest, match="prompt"):
+            completion_call({"prompt": bad}, "r")

@@ -8,7 +8,6 @@ alternatives ride the aux row from the prefill), vLLM's ``/tokenize``, ``/detoke
 from __future__ import annotations
 
 import json
-import math
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -38,13 +37,18 @@ class Cluster:
     workers: list[Node]
     router: Node
 
-    def grpc_ids(self, text: str, max_tokens: int) -> list[int]:
-        """The greedy output ids of ``text`` through the router's gRPC door."""
+    def grpc_ids(self, text: str, max_tokens: int, **sampling: Any  # noqa: ANN401
+                 ) -> tuple[list[int], list[float]]:
+        """The output ids of ``text`` through the router's gRPC door, and their logprobs
+        (greedy unless ``sampling`` says otherwise)."""
         with grpc.insecure_channel(self.router.address) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            req = gpb.GenerateRequest(text=text, sampling=gpb.SamplingParams(
-                temperature=0, max_new_tokens=max_tokens))
-            return [t for msg in stub.Generate(req, timeout=60) for t in msg.token_ids]
+            params = gpb.SamplingParams(**{"temperature": 0, **sampling},
+                                        max_new_tokens=max_tokens, logprobs=True)
+            msgs = list(stub.Generate(gpb.GenerateRequest(text=text, sampling=params),
+                                      timeout=60))
+            return ([t for m in msgs for t in m.token_ids],
+                    [lp for m in msgs for lp in m.logprobs])
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +100,7 @@ def test_completion_echo_logprobs_equal_transformers(cluster: Cluster, oracle: A
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert "".join(lp.tokens) == choice.text  # every token's text, the echoed prompt's too
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    ids = [*prompt_ids, *cluster.grpc_ids(PROMPT, 4)]
+    ids = [*prompt_ids, *cluster.grpc_ids(PROMPT, 4)[0]]
     assert len(ids) == len(lp.tokens)
     ref = reference(oracle, ids)
     want = ref[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
@@ -142,14 +146,33 @@ def test_chat_top_logprobs_streamed_equal_whole(cluster: Cluster) -> None:
     assert_all_idle([w.address for w in workers])
 
 
-def test_sampled_logprobs_are_the_models(cluster: Cluster) -> None:
-    """At temperature 2 the sampled tokens' log-probabilities are still the model's own."""
-    client = cluster.client
-    out = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=2.0,
-                                    seed=7, logprobs=5)
+def test_sampled_logprobs_are_the_models(cluster: Cluster, oracle: Any,  # noqa: ANN401
+                                         tiny_dir: Path) -> None:
+    """At temperature 2 the sampled tokens' log-probabilities are still the model's own
+    (transformers' at temperature 1), and the HTTP door reports what the gRPC door does for the
+    same seed."""
+    sampling = {"temperature": 2.0, "seed": 7}
+    out_ids, lps = cluster.grpc_ids(PROMPT, 8, **sampling)
+    ids = [*tokenize(tiny_dir, PROMPT), *out_ids]
+    ref = reference(oracle, ids)[len(ids) - len(out_ids) - 1 : -1]
+    want = ref.gather(1, torch.tensor(out_ids).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(lps), want, atol=1e-4, rtol=0)
+    assert (ref.argmax(dim=-1) != torch.tensor(out_ids)).any()  # the temperature mattered
+    out = cluster.client.completions.create(model="m", prompt=PROMPT, max_tokens=8, logprobs=5,
+                                            **sampling)
+    torch.testing.assert_close(torch.tensor(out.choices[0].logprobs.token_logprobs),
+                               torch.tensor(lps), atol=1e-6, rtol=0)
+
+
+def test_echo_of_a_one_token_prompt(cluster: Cluster) -> None:
+    """A one-token prompt has no prompt log-probability, but its echo still lists the token
+    (with ``null``), then the completion's."""
+    out = cluster.client.completions.create(model="m", prompt=[5], max_tokens=2, temperature=0,
+                                            logprobs=1, echo=True)
     lp = out.choices[0].logprobs
-    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
-        assert math.isfinite(value) and value <= max(top.values()) + 1e-6
+    assert len(lp.tokens) == 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    assert_all_idle([w.address for w in cluster.workers])
 
 
 @pytest.mark.parametrize("path,body,field", [
