@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.request import FinishReason, Request, TopLogprobs
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import RequestState
 from engine.sampling.sampler import make_generator
@@ -211,10 +212,12 @@ class RemoteQueues:
             c.commit_without_aux(r.room)
         row = r.aux_client.commit(r.room)
         req, pages, sched = r.request, r.pages or [], self.engine.scheduler
-        if row.room != r.room:
+        refusal = (f"aux row names room {row.room}, expected {r.room}" if row.room != r.room
+                   else self._grammar_refusal(req, row.first_token))
+        if refusal is not None:
             sched.free_pages(r.cached + pages)
             self._free_slot(r)
-            return RoomOutcome(r, error=f"aux row names room {row.room}, expected {r.room}")
+            return RoomOutcome(r, error=refusal)
         if sched.prefix_cache is not None:
             sched.prefix_cache.take(req, r.cached, pinned=True)
         req.page_ids = r.cached + pages
@@ -241,6 +244,17 @@ class RemoteQueues:
         if self._seed is not None:
             self._seed(req, torch.tensor(row.hidden, dtype=torch.float32))
         return RoomOutcome(r)
+
+    def _grammar_refusal(self, req: Request, token: int) -> str | None:
+        """Why the prefill's first ``token`` cannot start ``req``'s constrained output (a
+        prefill that did not mask it), or None; ``req``'s grammar has then accepted it."""
+        if req.sampling.structured_output is None:
+            return None
+        try:
+            self.engine.structured.matcher(req).replay([token])
+        except InvalidRequestError as exc:
+            return f"the prefill's first token breaks the request's grammar: {exc}"
+        return None
 
     def _first_token_finishes(self, req: Request) -> FinishReason | None:
         token, params = req.output_token_ids[-1], req.sampling

@@ -48,6 +48,7 @@ from engine.runner.model_runner import ModelRunner, StepForward
 from engine.sampling.logprobs import record_prompt_logprobs, top_logprobs
 from engine.sampling.penalties import apply_penalties
 from engine.sampling.sampler import Sampler, make_generator
+from engine.sampling.structured import StructuredOutputs
 from engine.text.tokenizer import Tokenizer
 
 
@@ -205,6 +206,7 @@ class LLMEngine:
                 and self.tp is None and self.states is None):
             self.runner.decode_graphs = decode_graphs_for(self, attn, enabled=True)
         self.sampler = Sampler()
+        self.structured = StructuredOutputs(model_dir)
         self._next_id = 0
 
     def _load(self, model_dir: str | Path, config: EngineConfig, num_pages: int,
@@ -272,6 +274,7 @@ class LLMEngine:
         """A validated request, not yet queued; raises :class:`InvalidRequestError`."""
         sampling = sampling or SamplingParams()
         sampling.validate(self.model_config.text.vocab_size)
+        self.structured.check(sampling)
         state = build_state(token_ids, images, self.model_config, videos,
                             sampling.resumed_tokens)
         state.generator = make_generator(sampling.seed, self.device)
@@ -376,7 +379,7 @@ class LLMEngine:
         sampled = [it.request for it in out.items if it.needs_sample]
         params = [r.sampling for r in sampled]
         gens = [_state(r).generator for r in sampled]
-        scores = apply_penalties(logits, sampled)
+        scores = self.structured.mask(sampled, logits, apply_penalties(logits, sampled))
         tokens, logprobs = self.sampler.sample(logits, params, gens, scores)
         fwd.tops = top_logprobs(logits, [p.top_logprobs for p in params])
         return list(zip(tokens, logprobs, strict=True)), fwd

@@ -37,6 +37,8 @@ def sampling_kwargs(msg: pb.SamplingParams, default_max_new_tokens: int) -> dict
         out["top_logprobs"] = int(msg.top_logprobs)
     if msg.HasField("prompt_logprobs"):
         out["prompt_logprobs"] = int(msg.prompt_logprobs)
+    if msg.HasField("structured_output"):
+        out["structured_output"] = (msg.structured_output.kind, msg.structured_output.value)
     return out
 
 
@@ -57,6 +59,9 @@ def sampling_message(kwargs: dict[str, Any]) -> pb.SamplingParams:
             setattr(msg, name, kwargs[name])
     if kwargs.get("seed") is not None:
         msg.seed = kwargs["seed"]
+    if kwargs.get("structured_output") is not None:
+        kind, value = kwargs["structured_output"]
+        msg.structured_output.kind, msg.structured_output.value = kind, value
     return msg
 
 

@@ -1,5 +1,6 @@
-"""The router's errors that carry a gRPC status: a failed worker call, and a call that ended with a
-status on a door that is not gRPC (the HTTP door)."""
+"""The router's errors: those that carry a gRPC status (a failed worker call, a call that ended
+with a status on a door that is not gRPC: the HTTP door), and a door's request body that cannot
+be converted."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from serving.overload import retry_after_ms, retry_metadata
 from serving.status import PREFILL_SIDE_KEY
 
 Trailing = tuple[tuple[str, str], ...]
+
+
+class BadRequest(Exception):
+    """A request body that cannot be converted (HTTP 400); the message names the field."""
 
 
 class StatusError(Exception):

@@ -20,15 +20,13 @@ from engine.core.request import MAX_SEED, MAX_TOP_LOGPROBS
 from engine.errors import InvalidRequestError
 from engine.text.chat_template import ChatTemplate
 from proto.pdserve.v1 import generate_pb2 as gpb
+from router.errors import BadRequest
+from router.openai_structured import structured_output
 
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg")
 MAX_STOPS = 4
 MAX_N = 16  # completions per request
 _CHATML = ChatTemplate.builtin()
-
-
-class BadRequest(Exception):
-    """A request body that cannot be converted (HTTP 400)."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +92,8 @@ def chat_call(body: dict[str, Any], request_id: str,
 # name rather than ignored, so no client gets unconstrained output it did not ask for. Each maps
 # to the values that mean "off".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": (None, {"type": "text"}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "structured_outputs": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "function_call": (None, "none"),
     "logit_bias": (None, {}), "suffix": (None, ""), "prompt_logprobs": (None,),
 }
 
@@ -225,8 +221,9 @@ def _data_url(value: Any, where: str) -> bytes:
 
 
 def sampling(body: dict[str, Any]) -> gpb.SamplingParams:
-    """OpenAI sampling fields (and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``) ->
-    ``SamplingParams``; their ranges are the validator's. A field the body leaves out stays unset,
+    """OpenAI sampling fields (and vLLM's ``top_k``, ``min_p``, ``repetition_penalty``) and the
+    structured-output fields (:mod:`router.openai_structured`) -> ``SamplingParams``; their
+    ranges are the validator's. A field the body leaves out stays unset,
     so the checkpoint's generation_config.json default applies (the door supplies OpenAI's
     temperature 1 when the checkpoint has none). ``stop`` strings travel in the message."""
     out = gpb.SamplingParams()
@@ -251,6 +248,9 @@ def sampling(body: dict[str, Any]) -> gpb.SamplingParams:
     if body.get("ignore_eos"):
         out.ignore_eos = True
     out.stop.extend(stops(body))
+    grammar = structured_output(body)
+    if grammar is not None:
+        out.structured_output.CopyFrom(grammar)
     return out
 
 

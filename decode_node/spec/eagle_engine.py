@@ -254,7 +254,8 @@ class EagleEngine:
     def _accept(self, req: Request, drafts: list[int], qs: list[torch.Tensor | None],
                 logits: torch.Tensor) -> list[int]:
         """Tokens to commit for one request from its verify logits ``[K + 1, V]``."""
-        scores = chain_scores(req, drafts, logits)
+        scores = self.engine.structured.mask_chain(req, drafts, logits,
+                                                   chain_scores(req, drafts, logits))
         if req.sampling.is_greedy:
             return accept_greedy(drafts, scores.argmax(dim=-1).tolist())
         p = sampling_probs(scores, [req.sampling] * scores.shape[0])

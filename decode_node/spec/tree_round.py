@@ -126,7 +126,9 @@ class TreeRounds:
         paths, committed = [], []
         parents = tree.parents.tolist()
         for i, req in enumerate(rnd.reqs):
-            scores = tree_scores(req, ids[i], tree.mask[i], logits[i])  # [N, V]
+            scores = self.engine.structured.mask_tree(  # [N, V]
+                req, ids[i], tree.mask[i], logits[i],
+                tree_scores(req, ids[i], tree.mask[i], logits[i]))
             if req.sampling.is_greedy:
                 path, toks = accept_tree_greedy(ids[i], parents[i],
                                                 scores.argmax(dim=-1).tolist())

@@ -52,7 +52,11 @@ class SamplingParams:
     asks for that many alternatives with each output token's log-probability;
     ``prompt_logprobs`` (None = off, else 0 to :data:`MAX_TOP_LOGPROBS` alternatives) asks for
     the log-probability of every prompt token after the first (the prefix cache is bypassed for
-    it: cached positions have no logits). ``seed`` makes a request's samples reproducible
+    it: cached positions have no logits). ``structured_output`` (None = free text) is a grammar
+    the output must match, as ``(kind, value)`` strings
+    (:class:`engine.sampling.grammar.GrammarSpec`'s ``kind`` and ``text``): the engine checks it
+    when the request arrives and masks every sampled (and verified) token with it; the
+    log-probabilities stay the model's own. ``seed`` makes a request's samples reproducible
     and independent of its batch.
 
     ``resumed_tokens`` marks a request resubmitted after a failure (the router's failover): the
@@ -76,6 +80,7 @@ class SamplingParams:
     resumed_tokens: int = 0
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
+    structured_output: tuple[str, str] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -105,6 +110,19 @@ class SamplingParams:
             _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_TOP_LOGPROBS)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, MAX_SEED)
+        if self.structured_output is not None:
+            _check_structured_output(self.structured_output, self.ignore_eos)
+
+
+def _check_structured_output(spec: tuple[str, str], ignore_eos: bool) -> None:
+    """The shape of ``structured_output``; its content is the grammar module's to check."""
+    if (not isinstance(spec, tuple) or len(spec) != 2
+            or not all(isinstance(part, str) for part in spec)):
+        raise InvalidRequestError(
+            f"structured_output must be a (kind, value) pair of strings, got {spec!r}")
+    if ignore_eos:
+        raise InvalidRequestError("ignore_eos cannot be combined with a structured output: "
+                                  "a complete output must end")
 
 
 def _is_real(value: object) -> bool:
@@ -192,10 +210,11 @@ class Request:
 
     ``payload`` is opaque engine data (images, mrope delta, ...); the scheduler never reads it.
     ``history`` is the token history of a request with penalties (``engine.sampling.penalties``
-    makes it on first use). ``visual_keys`` are ``(first placeholder index, content digest)`` of
-    each image and video in prompt order (``engine.multimodal.visual_digest``); with
-    ``prefix_state`` (the prefix cache's cursor) they are the prefix cache's
-    (``engine.core.prefix_cache``). Requests compare by identity.
+    makes it on first use); ``grammar`` likewise the grammar matcher of a request with a
+    ``structured_output`` (``engine.sampling.structured``). ``visual_keys`` are
+    ``(first placeholder index, content digest)`` of each image and video in prompt order
+    (``engine.multimodal.visual_digest``); with ``prefix_state`` (the prefix cache's cursor)
+    they are the prefix cache's (``engine.core.prefix_cache``). Requests compare by identity.
     """
 
     request_id: str
@@ -213,6 +232,7 @@ class Request:
     batch_row: int = -1
     state_slot: int = -1
     history: object | None = None
+    grammar: object | None = None
     visual_keys: tuple[tuple[int, bytes], ...] = ()
     prefix_state: object | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache (not computed)

@@ -70,7 +70,8 @@ class FirstStageLoop(PrefillThread):
                 room=room, prompt_tokens=req.num_prompt_tokens, mrope_delta=state.delta,
                 sampling=sampling_message(dataclasses.asdict(first_only)),
                 prompt_ids=(req.prompt_token_ids
-                            if sampling.has_penalties or self._send_prompt_ids else ()),
+                            if sampling.has_penalties or self._send_prompt_ids
+                            or (sampling.structured_output and sampling.resumed_tokens) else ()),
                 resumed_tokens=sampling.resumed_tokens,
             ))
             self.lock.notify()

@@ -27,7 +27,7 @@ import torch
 from engine.attention.backend import AttentionBatch
 from engine.attention.select import make_attention
 from engine.core.page_allocator import OutOfPagesError, PageAllocator
-from engine.core.request import SamplingParams, TopLogprobs
+from engine.core.request import Request, SamplingParams, TopLogprobs
 from engine.core.state_slots import StateSlotAllocator
 from engine.errors import OutOfStateSlotsError
 from engine.models.step_extras import NO_EXTRAS, StepExtras
@@ -56,7 +56,9 @@ class _Room:
     generator: torch.Generator | None
     mrope_delta: int
     pages: list[int]
-    prompt_ids: list[int]  # for the first token's penalties and the draft's rows (or empty)
+    # for the first token's penalties and grammar (its resumed output) and the draft's rows
+    # (or empty)
+    prompt_ids: list[int]
     pages_sent: int = 0
     ready_reported: bool = False
     state_slot: int = -1  # a hybrid model's slot here, taken with its first rows
@@ -255,8 +257,12 @@ class LaterStage:
             return {}
         with torch.inference_mode():
             logits = self.share.model.logits(out[ends])
+        scores = _penalized(logits, rooms)
+        if self.share.structured is not None:  # a room's grammar, from its resumed output on
+            reqs = [Request(str(r.room), r.prompt_ids, r.sampling) for r in rooms]
+            scores = self.share.structured.mask(reqs, logits, scores)
         toks, lps = self.sampler.sample(logits, [r.sampling for r in rooms],
-                                        [r.generator for r in rooms], _penalized(logits, rooms))
+                                        [r.generator for r in rooms], scores)
         tops = top_logprobs(logits, [r.sampling.top_logprobs for r in rooms])
         for r, top in zip(rooms, tops, strict=True):
             r.first_top = top

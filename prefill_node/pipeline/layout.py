@@ -40,6 +40,7 @@ from engine.parallel.messages import StateStep
 from engine.parallel.rank import RankAttach
 from engine.parallel.shard import TextShard
 from engine.runner.draft_runner import DraftHead
+from engine.sampling.structured import StructuredOutputs
 
 DRAFT_ON_EARLY_STAGE = ("--draft goes to the last pipeline stage only (it runs the EAGLE draft; "
                         "the stages before it learn of the draft from their --pp-next)")
@@ -84,6 +85,7 @@ class LaterStageModel:
     draft: DraftHead | None = None
     tp: TPDriver | None = None
     states: LinearStates | None = None  # a hybrid model's linear-attention layers among them
+    structured: StructuredOutputs | None = None  # the last stage's grammars (its first tokens)
 
     @property
     def rank_payloads(self) -> list[bytes]:
@@ -152,4 +154,5 @@ def load_later_stage(model_dir: Path, config: EngineConfig, layout: StageLayout,
         loaded = load_draft(draft, model_config.text, dtype, device=device,
                             tp=tp.group if tp is not None else SINGLE)
         head = DraftHead(loaded, model, pool, tp)
-    return LaterStageModel(model_config, model, layers, pool, head, tp, states)
+    return LaterStageModel(model_config, model, layers, pool, head, tp, states,
+                           StructuredOutputs(model_dir))

@@ -229,3 +229,23 @@ def test_a_first_stage_without_the_deepstack_layers_is_refused(hf3_dir: Path) ->
         first_stage_runner(engine)
     first_stage_runner(LLMEngine(hf3_dir, EngineConfig(num_pages=16, page_size=8,
                                                        layers=range(0, 2))))
+
+
+def test_the_last_stage_samples_the_first_token_under_the_grammar(
+        tiny_dir: Path, tiny_pipeline: Pipeline) -> None:
+    """A constrained room: the last stage masks the first token it samples (else the decode's
+    replay of it would be refused), and the output is the in-process engine's."""
+    stages, d, bootstrap = tiny_pipeline
+    grammar = ("regex", "[a-c]{2,5}")
+    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=96, page_size=8))
+    [want] = engine.generate([Prompt(token_ids=list(range(20, 70)))],
+                             SamplingParams(max_new_tokens=12, structured_output=grammar))
+    assert engine.tokenizer is not None
+    text = engine.tokenizer.decode(want.token_ids[:-1])
+    assert want.finish_reason.value == "stop" and 2 <= len(text) <= 5 and set(text) <= set("abc")
+    req = wpb.WorkerRequest(room=900, request_id="r900", token_ids=list(range(20, 70)),
+                            sampling=gpb.SamplingParams(
+                                max_new_tokens=12, structured_output=gpb.StructuredOutput(
+                                    kind=grammar[0], value=grammar[1])))
+    assert run_room(stages[0].address, d.address, bootstrap, req) == want.token_ids
+    assert_idle(stages, d)

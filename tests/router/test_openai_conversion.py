@@ -104,8 +104,7 @@ def test_any_integer_seed_is_one_the_engine_takes(seed: int, wire: int) -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-    ("tool_choice", "auto"), ("guided_json", {}), ("structured_outputs", {"regex": "a"}),
+    ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
     ("logit_bias", {"5": 10}), ("suffix", "end"), ("prompt_logprobs", 1), ("best_of", 3)])
 def test_fields_not_honoured_are_refused_by_name(field: str, value: object) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], field: value}
