@@ -17,7 +17,7 @@ import torch
 
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
-from engine.builtin import builtin_model_dir
+from engine.builtin import builtin_hybrid_model_dir, builtin_model_dir
 from engine.config import EngineConfig
 from engine.core.request import FinishReason, SamplingParams
 from engine.errors import InvalidRequestError
@@ -212,3 +212,25 @@ def test_a_model_without_tokenizer_refuses_grammars(tiny_dir: Path, tmp_path: Pa
     with pytest.raises(InvalidRequestError, match="need the model's tokenizer.json"):
         engine.add_request([1, 2, 3], sampling=SamplingParams(
             structured_output=("json_object", "")))
+
+
+def test_a_hybrid_model_with_its_mtp_head_commits_what_plain_decoding_does() -> None:
+    """The built-in Qwen3.5-shaped model (linear-attention layers, MTP head): plain constrained
+    decoding and MTP rounds under the same grammars give the same valid outputs."""
+    model = builtin_hybrid_model_dir()
+    grammars = specs()
+    prompts = [PROMPT] * len(grammars)
+    config = EngineConfig(num_pages=512, page_size=16, max_num_seqs=32, lookahead_tokens=3)
+    plain = LLMEngine(model, config)
+    want = plain.generate(prompts, [params(s) for s in grammars.values()])
+    engine = LLMEngine(model, config, draft="mtp")
+    spec = EagleEngine(engine, engine.load_draft(), 3)
+    reqs = [engine.add_request(engine.prepare(PROMPT).token_ids, sampling=params(s))
+            for s in grammars.values()]
+    while engine.scheduler.has_unfinished():
+        spec.step()
+    for name, result, req in zip(grammars, want, reqs, strict=True):
+        check_output(name, text_of(plain, result))
+        assert req.output_token_ids == result.token_ids, name
+    assert spec.stats.accepted > 0
+    engine.scheduler.check_no_leaks()
