@@ -45,6 +45,8 @@ class PrefillThread(EngineThread[None]):
     whole-model loop and a pipeline's first stage share. Subclasses add ``submit`` and the
     thread's ``step`` (and may override ``poll`` and ``idle_wait_s``)."""
 
+    scores_prompts = False  # whether a room's prompt log-probabilities reach ``on_done``
+
     def __init__(self, engine: LLMEngine, bootstrap: PrefillBootstrapServer,
                  on_done: OnDone) -> None:
         super().__init__("prefill-loop", STEP_FAILURE)
@@ -97,6 +99,8 @@ class PrefillLoop(PrefillThread):
     """The whole-model prefill: owns an :class:`LLMEngine` and a bootstrap server and steps them
     on a background thread; with ``drafter``, the EAGLE draft's prompt KV travels too."""
 
+    scores_prompts = True
+
     def __init__(
         self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
         drafter: DraftRunner | None = None,
@@ -110,10 +114,9 @@ class PrefillLoop(PrefillThread):
         sampling: SamplingParams, *, videos: Sequence[VideoInput] = (),
     ) -> None:
         """Validate and gate a room; raises ``InvalidRequestError`` or ``TransferError``."""
-        # The prefill computes the prompt and samples exactly one token, the decode's first.
-        # Prompt log-probabilities are computed where the router has the prompt run locally
-        # (the decode node: see router.service): a prefill has no way to send them back.
-        first_only = replace(sampling, max_new_tokens=1, prompt_logprobs=None)
+        # The prefill computes the prompt and samples exactly one token, the decode's first; the
+        # prompt's log-probabilities, when asked for, go back in the Prefill call's response.
+        first_only = replace(sampling, max_new_tokens=1)
         with self.lock:
             req = self.engine.new_request(token_ids, images, first_only, request_id=str(room),
                                           videos=videos)

@@ -14,7 +14,8 @@ decode holds already (``Destination.cached_pages``).
 
 Every method runs with the owning loop's lock held. Invariant: a room ends exactly once, through
 :meth:`PrefillRooms.finish`, which releases everything it holds and calls ``on_done(room,
-error)`` (``error`` None on success).
+error, request)`` (``error`` None on success; ``request`` is the room's, finished: what it
+recorded, such as its prompt's log-probabilities, no longer changes).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from transfer.aux import AuxRow
 from transfer.bootstrap.prefill import PrefillBootstrapServer
 from transfer.status import KVPoll
 
-OnDone = Callable[[int, str | None], None]
+OnDone = Callable[[int, str | None, Request], None]
 
 
 def completed_pages(end: int, page_size: int, last: bool) -> int:
@@ -132,7 +133,7 @@ class PrefillRooms:
         if error is not None:
             self.bootstrap.abort(room, error)
         self.bootstrap.release(room)
-        self._on_done(room, error)
+        self._on_done(room, error, r.request)
         return True
 
     def finish_all(self, reason: str) -> None:

@@ -1,4 +1,5 @@
-"""The prefill node's gRPC service: ``Prefill`` returns once a room's KV is delivered.
+"""The prefill node's gRPC service: ``Prefill`` returns once a room's KV is delivered, with the
+prompt's log-probabilities when the request asked for them (and the loop computes them).
 
 Admission is bounded (:class:`serving.admission.AdmissionGate`): a new room is refused with
 ``RESOURCE_EXHAUSTED`` (and a retry hint) while ``max_waiting`` rooms already wait here (gated on
@@ -14,10 +15,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.core.request import SamplingParams
+from engine.core.request import Request, SamplingParams
 from engine.multimodal.inputs import ImageInput, VideoInput, image_from_array, video_from_array
 from prefill_node.loop import PrefillThread
 from proto.convert import patches_array, sampling_kwargs, video_patches
+from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
@@ -29,6 +31,8 @@ from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
 from transfer.faults import fault_figures
 
+Outcome = tuple[str | None, Request]  # how a room ended: its error (None: delivered), its request
+
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     """Serves ``PrefillWorker`` over a :class:`PrefillThread`: the whole-model loop or the first
@@ -39,7 +43,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                                        "prefill node: {queued} rooms wait")
         # every key exists from the start: stats() copies it from another thread
         self.counters: Counter[str] = Counter(transfers_failed=0)
-        self._pending: dict[int, asyncio.Future[str | None]] = {}
+        self._pending: dict[int, asyncio.Future[Outcome]] = {}
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: PrefillThread | None = None
         self.bootstrap_address = ""
@@ -56,15 +60,15 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         assert self._loop is not None, "PrefillService.bind() was not called"
         return self._loop
 
-    def on_done(self, room: int, error: str | None) -> None:
+    def on_done(self, room: int, error: str | None, request: Request) -> None:
         """Called on the prefill thread when a room ends."""
         if self._aio is not None:
-            self._aio.call_soon_threadsafe(self._resolve, room, error)
+            self._aio.call_soon_threadsafe(self._resolve, room, (error, request))
 
-    def _resolve(self, room: int, error: str | None) -> None:
+    def _resolve(self, room: int, outcome: Outcome) -> None:
         fut = self._pending.get(room)
         if fut is not None and not fut.done():
-            fut.set_result(error)
+            fut.set_result(outcome)
 
     async def Prefill(  # noqa: N802 - gRPC method name
         self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -80,11 +84,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         room = req.room
         if room in self._pending:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {room} is running")
-        fut: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._pending[room] = fut
         try:
             await self.admission.admit(context, lambda: self._submit(room, req, context))
-            error = await fut
+            error, done = await fut
         except asyncio.CancelledError:
             await asyncio.to_thread(self.loop.abort, room, "prefill call cancelled")
             raise
@@ -93,7 +97,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         if error is not None:
             self.counters["transfers_failed"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room} failed: {error}")
-        return wpb.PrefillResponse(room=room, prompt_tokens=len(req.token_ids))
+        return wpb.PrefillResponse(
+            room=room, prompt_tokens=len(req.token_ids), prompt_logprobs=done.prompt_logprobs,
+            prompt_top_logprobs=[gpb.TopLogprobs(token_ids=t.token_ids, logprobs=t.logprobs)
+                                 for t in done.prompt_top_logprobs])
 
     async def _submit(self, room: int, req: wpb.WorkerRequest,
                       context: grpc.aio.ServicerContext) -> None:
@@ -114,9 +121,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return load_report(self.loop.stats(), bootstrap=self.bootstrap_address,
-                           instance_id=self.instance_id,
-                           page_size=self.loop.engine.config.page_size)
+        report = load_report(self.loop.stats(), bootstrap=self.bootstrap_address,
+                             instance_id=self.instance_id,
+                             page_size=self.loop.engine.config.page_size)
+        report.scores_prompts = self.loop.scores_prompts
+        return report
 
     async def SubscribeKvEvents(  # noqa: N802
         self, request: wpb.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext

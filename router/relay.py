@@ -18,6 +18,7 @@ import grpc
 
 from engine.text.tokenizer import IncrementalDetokenizer
 from proto.pdserve.v1 import generate_pb2 as gpb
+from proto.pdserve.v1 import worker_pb2 as wpb
 from router.errors import WorkerFailure
 from router.room import END, RoomRun
 
@@ -32,22 +33,32 @@ async def relay(run: RoomRun, out: Outgoing) -> AsyncIterator[gpb.GenerateRespon
     its workers), so nothing stays held for tokens nobody will read. Text that could be the start
     of a stop string is held back until it is known not to be.
 
+    When the prompt's log-probabilities come from the prefill (``run.scores_due``), nothing goes
+    out before its response has arrived: the first message carries them.
+
     Raises :class:`WorkerFailure` when a worker call fails or the decode stream closes early
     (unless the room was aborted: then a final ``finish_reason="abort"`` message is made here).
     """
     out.begin(run)
+    waiting = run.scores_due
+    pending: list[gpb.GenerateResponse] = []
     while True:
         items = [await run.queue.get()]
         while not run.queue.empty():
             items.append(run.queue.get_nowait())
-        pending: list[gpb.GenerateResponse] = []
         for item in items:
+            if isinstance(item, wpb.PrefillResponse) and waiting:
+                out.score_prompt(item)
+                waiting = False
+        for item in items:
+            if isinstance(item, wpb.PrefillResponse):
+                continue
             if isinstance(item, gpb.GenerateResponse):
                 pending.append(item)
                 if item.finished:
                     break
                 continue
-            if pending:
+            if pending and not waiting:
                 msg = out.message(pending)
                 yield msg
                 if msg.finished:
@@ -56,17 +67,20 @@ async def relay(run: RoomRun, out: Outgoing) -> AsyncIterator[gpb.GenerateRespon
             if item is END and run.aborted:
                 yield out.message([_abort_message()])
                 return
+            if item is END and pending and pending[-1].finished:
+                break  # the stream is whole: its messages wait for the prefill's response
             if item is END:
                 raise WorkerFailure(grpc.StatusCode.UNAVAILABLE,
                                     f"decode worker {run.decode.address} closed the stream early",
                                     blame="decode")
             assert isinstance(item, WorkerFailure)
             raise item
-        if pending:
+        if pending and not waiting:
             msg = out.message(pending)
             yield msg
             if msg.finished:
                 return
+            pending = []
 
 
 class Outgoing:
@@ -85,6 +99,7 @@ class Outgoing:
         self.prompt_tokens = len(self.prompt)
         # the prompt's ids go out once, on the first message, when its logprobs were asked for
         self._prompt_ids_due = prompt_logprobs
+        self._prompt_scores: wpb.PrefillResponse | None = None  # a prefill's, until sent
         self.stops = StopMatcher(list(stops)) if stops and detok is not None else None
         self.token_ids: list[int] = []  # every token the client was sent
         self.cached_tokens = 0
@@ -105,6 +120,11 @@ class Outgoing:
                          cached_tokens=self.cached_tokens, drafted_tokens=before[0] + now[0],
                          accepted_tokens=before[1] + now[1])
 
+    def score_prompt(self, prefill: wpb.PrefillResponse) -> None:
+        """The prompt's log-probabilities as the prefill computed them: they go out on the next
+        message (the first of the request)."""
+        self._prompt_scores = prefill
+
     def message(self, msgs: list[gpb.GenerateResponse]) -> gpb.GenerateResponse:
         if not self.cached_tokens:
             self.cached_tokens = min(max(m.usage.cached_tokens for m in msgs), self.prompt_tokens)
@@ -115,6 +135,10 @@ class Outgoing:
         if self._prompt_ids_due:
             msg.prompt_token_ids.extend(self.prompt)
             self._prompt_ids_due = False
+        if self._prompt_scores is not None:
+            msg.prompt_logprobs.extend(self._prompt_scores.prompt_logprobs)
+            msg.prompt_top_logprobs.extend(self._prompt_scores.prompt_top_logprobs)
+            self._prompt_scores = None
         self.token_ids.extend(msg.token_ids)
         if msg.finished:
             msg.usage.CopyFrom(self.usage())

@@ -1,10 +1,11 @@
 """One running request on its workers: the concurrent ``Decode`` stream and ``Prefill`` call,
 and one queue that carries everything they produce, in order, to the relay.
 
-Queue items are worker stream messages (``GenerateResponse``), a :class:`WorkerFailure`, or
-:data:`END` (the decode stream closed). :meth:`RoomRun.close` is synchronous and idempotent:
-it cancels the calls still running and fires ``AbortRoom`` at both workers in the background,
-so it is safe from a ``finally`` of a cancelled or closed generator.
+Queue items are worker stream messages (``GenerateResponse``), a :class:`WorkerFailure`,
+:data:`END` (the decode stream closed), or the prefill's ``PrefillResponse`` when it carries the
+prompt's log-probabilities (:attr:`RoomRun.scores_due`). :meth:`RoomRun.close` is synchronous
+and idempotent: it cancels the calls still running and fires ``AbortRoom`` at both workers in
+the background, so it is safe from a ``finally`` of a cancelled or closed generator.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from router.workers import Worker
 log = logging.getLogger(__name__)
 END = object()
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
-QueueItem = gpb.GenerateResponse | WorkerFailure | object
+QueueItem = gpb.GenerateResponse | wpb.PrefillResponse | WorkerFailure | object
 
 
 class RoomRun:
@@ -55,6 +56,12 @@ class RoomRun:
         self._prefill_held = False
         self._closed = False
 
+    @property
+    def scores_due(self) -> bool:
+        """Whether the prompt's log-probabilities come from the prefill's response (a remote
+        prefill, and the request asks for them): the relay holds the first message for them."""
+        return self.prefill is not None and self.request.sampling.HasField("prompt_logprobs")
+
     def start(self) -> None:
         """Start ``Decode`` and (disaggregated) ``Prefill`` concurrently; charge the workers."""
         self.decode.acquire(self._prompt_tokens)
@@ -80,8 +87,11 @@ class RoomRun:
 
     async def _run_prefill(self, worker: Worker) -> None:
         try:
-            await worker.prefill_stub.Prefill(wpb.PrefillRequest(request=self.request),
-                                              timeout=self._deadline_s, metadata=worker.metadata)
+            resp = await worker.prefill_stub.Prefill(wpb.PrefillRequest(request=self.request),
+                                                     timeout=self._deadline_s,
+                                                     metadata=worker.metadata)
+            if self.scores_due:
+                self.queue.put_nowait(resp)
         except grpc.aio.AioRpcError as exc:
             if not self._closed:
                 self.queue.put_nowait(WorkerFailure.from_rpc(exc, "prefill", worker.address))

@@ -216,13 +216,16 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         prefill = None
         bootstrap = ""
         short = len(prepared.token_ids) < self.config.local_prefill_threshold
-        # prompt log-probabilities are computed where the prompt runs and a decode streams them:
-        # such a request is prefilled on its decode worker (a prefill has no way to return them)
-        scored = prepared.sampling.HasField("prompt_logprobs")
-        local = self.config.mode == "colocated" or short or scored or step is Step.LOCAL
+        # a prompt's log-probabilities come from the prefill that computes it (in its Prefill
+        # response); a pipelined prefill does not score prompts: such a request runs locally
+        scored = prepared.sampling.HasField("prompt_logprobs") and not resumed
+        local = self.config.mode == "colocated" or short or step is Step.LOCAL
         if not local:
             prefill = await pick_answering(self.policy, self.pool, self.pool.prefill, prompt,
                                            lambda w: w.healthy and bool(w.report.bootstrap))
+            if scored and prefill.healthy and not prefill.report.scores_prompts:
+                prefill, local = None, True
+        if prefill is not None:
             bootstrap = prefill.report.bootstrap if prefill.healthy else ""
             if not bootstrap:
                 cause = prefill.error or "it reports no bootstrap address"

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from engine.core.request import SamplingParams
+from engine.core.request import Request, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import ImageInput, RequestState, VideoInput
 from prefill_node.loop import IDLE_POLL_S, PrefillThread
@@ -59,7 +59,9 @@ class FirstStageLoop(PrefillThread):
     ) -> None:
         """Validate, gate and announce a room (one critical section, so an abort racing the
         submit is delivered to the next stage after the announcement)."""
-        first_only = dataclasses.replace(sampling, max_new_tokens=1)
+        # the last stage samples the first token; no stage scores the prompt (the router has
+        # requests that ask prefilled on their decode: this loop's scores_prompts is False)
+        first_only = dataclasses.replace(sampling, max_new_tokens=1, prompt_logprobs=None)
         with self.lock:
             req = self.engine.new_request(token_ids, images, first_only, request_id=str(room),
                                           videos=videos)
@@ -112,10 +114,10 @@ class FirstStageLoop(PrefillThread):
         for room, reason in failed:
             self.rooms.finish(room, f"pipeline stage failed the room: {reason}")
 
-    def _ended(self, room: int, error: str | None) -> None:
+    def _ended(self, room: int, error: str | None, request: Request) -> None:
         """A room ended here: the link forgets it, or aborts it on the next stage."""
         if error is None:
             self.link.forget(room)
         else:
             self.link.abort(room, error)
-        self._on_done(room, error)
+        self._on_done(room, error, request)

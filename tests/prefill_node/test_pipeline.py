@@ -249,3 +249,12 @@ def test_the_last_stage_samples_the_first_token_under_the_grammar(
                                     kind=grammar[0], value=grammar[1])))
     assert run_room(stages[0].address, d.address, bootstrap, req) == want.token_ids
     assert_idle(stages, d)
+
+
+def test_a_pipelined_prefill_does_not_claim_to_score_prompts(tiny_pipeline: Pipeline) -> None:
+    """Its stages compute no prompt log-probabilities, so its load report says so: the router
+    then has a request that asks for them prefilled on its decode."""
+    stages, _, _ = tiny_pipeline
+    with grpc.insecure_channel(stages[0].address) as ch:
+        load = worker_pb2_grpc.PrefillWorkerStub(ch).GetLoad(wpb.GetLoadRequest())
+    assert load.bootstrap and not load.scores_prompts

@@ -1,9 +1,10 @@
 """Log-probabilities and the tokenizer endpoints through the OpenAI door of a disaggregated
 cluster (prefill, decode and a router with ``--http-port``), called with the ``openai`` client
 and held against transformers: completions ``logprobs`` with ``echo`` (the prompt's, computed on
-the decode worker), chat ``logprobs``/``top_logprobs`` streamed and whole (the first token's
-alternatives ride the aux row from the prefill), vLLM's ``/tokenize``, ``/detokenize`` and
-``/tokenizer_info``, the 400s of bad fields, and no page or room left behind."""
+the prefill worker and returned in its ``Prefill`` response), chat ``logprobs``/``top_logprobs``
+streamed and whole (the first token's alternatives ride the aux row from the prefill), vLLM's
+``/tokenize``, ``/detokenize`` and ``/tokenizer_info``, the 400s of bad fields, and no page or
+room left behind."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import pytest
 import torch
 
 from proto.pdserve.v1 import generate_pb2 as gpb
-from proto.pdserve.v1 import generate_pb2_grpc
+from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
+from proto.pdserve.v1 import worker_pb2 as wpb
 from tests.cluster.harness import Node, running
 from tests.cluster.stats import assert_all_idle
 
@@ -226,3 +228,26 @@ def test_tokenizer_endpoints(cluster: Cluster, tiny_dir: Path) -> None:
                               ("detokenize", {"tokens": [10**9]}, "tokens")):
         status, err = post(f"{root}/{path}", body)
         assert status == 400 and field in err["error"]["message"], (path, body, err)
+
+
+def test_the_prefill_worker_scores_the_prompt(cluster: Cluster, oracle: Any,  # noqa: ANN401
+                                              tiny_dir: Path) -> None:
+    """A pipeline-free prefill reports that it scores prompts, and its ``Prefill`` response
+    carries them, equal to transformers: the door's echo above reads these."""
+    prefill, decode = (w.address for w in cluster.workers)
+    ids = tokenize(tiny_dir, PROMPT)
+    req = wpb.WorkerRequest(room=4242, request_id="scored", token_ids=ids,
+                            sampling=gpb.SamplingParams(max_new_tokens=2, prompt_logprobs=2))
+    with grpc.insecure_channel(prefill) as pch, grpc.insecure_channel(decode) as dch:
+        pstub = worker_pb2_grpc.PrefillWorkerStub(pch)
+        load = pstub.GetLoad(wpb.GetLoadRequest(), timeout=5)
+        assert load.scores_prompts
+        stream = worker_pb2_grpc.DecodeWorkerStub(dch).Decode(
+            wpb.DecodeRequest(request=req, prefill_bootstrap=load.bootstrap), timeout=60)
+        resp = pstub.Prefill(wpb.PrefillRequest(request=req), timeout=60)
+        msgs = list(stream)
+    assert not any(m.prompt_logprobs for m in msgs)  # the decode never computed the prompt
+    want = reference(oracle, ids)[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(list(resp.prompt_logprobs)), want, atol=1e-4, rtol=0)
+    assert [len(t.token_ids) for t in resp.prompt_top_logprobs] == [2] * (len(ids) - 1)
+    assert_all_idle([prefill, decode])

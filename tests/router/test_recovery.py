@@ -195,6 +195,7 @@ class _Attempt:
     def __init__(self, msgs: list[gpb.GenerateResponse], failure: WorkerFailure | None) -> None:
         self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.aborted = False
+        self.scores_due = False  # the prompt's log-probabilities are not asked for
         self.decode = SimpleNamespace(address="d")
         for m in msgs:
             self.queue.put_nowait(m)

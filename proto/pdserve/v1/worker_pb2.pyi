@@ -32,12 +32,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("room", "prompt_tokens")
+    __slots__ = ("room", "prompt_tokens", "prompt_logprobs", "prompt_top_logprobs")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     room: int
     prompt_tokens: int
-    def __init__(self, room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TopLogprobs]
+    def __init__(self, room: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_generate_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request", "prefill_bootstrap", "local_prefill")
@@ -68,7 +72,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("waiting_requests", "running_requests", "waiting_tokens", "kv_pages_used", "kv_pages_total", "rooms_active", "aux_slots_used", "bootstrap", "instance_id", "page_size")
+    __slots__ = ("waiting_requests", "running_requests", "waiting_tokens", "kv_pages_used", "kv_pages_total", "rooms_active", "aux_slots_used", "bootstrap", "instance_id", "page_size", "scores_prompts")
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +83,7 @@ class LoadReport(_message.Message):
     BOOTSTRAP_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SCORES_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     waiting_requests: int
     running_requests: int
     waiting_tokens: int
@@ -89,7 +94,8 @@ class LoadReport(_message.Message):
     bootstrap: str
     instance_id: str
     page_size: int
-    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., bootstrap: _Optional[str] = ..., instance_id: _Optional[str] = ..., page_size: _Optional[int] = ...) -> None: ...
+    scores_prompts: bool
+    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_tokens: _Optional[int] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., rooms_active: _Optional[int] = ..., aux_slots_used: _Optional[int] = ..., bootstrap: _Optional[str] = ..., instance_id: _Optional[str] = ..., page_size: _Optional[int] = ..., scores_prompts: _Optional[bool] = ...) -> None: ...
 
 class SubscribeKvEventsRequest(_message.Message):
     __slots__ = ()
