@@ -27,12 +27,17 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")  # engine.device.DTYP
 
 
 def add_device_args(p: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype`` and ``--no-graphs`` (also on ``pdserve launch``, for workers)."""
+    """``--device``, ``--dtype``, ``--no-graphs`` and ``--cuda-graph-sizes`` (also on ``pdserve
+    launch``, for workers)."""
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights and KV cache; auto: bfloat16 on cuda/npu, float32 on cpu")
     p.add_argument("--no-graphs", action="store_true",
                    help="CUDA: run decode steps eagerly instead of through captured CUDA graphs")
+    p.add_argument("--cuda-graph-sizes", type=positive, nargs="+", default=None, metavar="N",
+                   help="CUDA: the padded batch sizes whose decode (and EAGLE verify and draft "
+                        "extend) graphs are captured at start-up; --max-num-seqs is always "
+                        "one (default: 1 2 4 8 16 24 32 48 ... up to --max-num-seqs)")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -96,6 +101,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dtype=dtype_name(dtype), device=str(device),
         graphs=not args.no_graphs, enable_prefix_cache=not args.no_prefix_cache,
+        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         tp_size=getattr(args, "tp_size", 1),  # only commands with add_tp_args have the flag
         state_slots=args.state_slots, state_checkpoints=args.state_checkpoints,
         state_checkpoint_interval=args.state_checkpoint_interval,

@@ -110,6 +110,7 @@ def run_launch(args: argparse.Namespace) -> int:
         draft=_draft_dir(args.draft, model_dir), num_draft_tokens=args.num_draft_tokens,
         draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         device=args.device, dtype=args.dtype, graphs=not args.no_graphs,
+        cuda_graph_sizes=tuple(args.cuda_graph_sizes or ()),
     )
     _interrupt_on_sigterm()
     started_head = _choose_ray(opts)

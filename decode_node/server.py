@@ -13,6 +13,7 @@ from decode_node.service import DecodeService
 from decode_node.spec.eagle_engine import EagleEngine, spec_refusal
 from decode_node.spec.tree import TreeShape
 from decode_node.tp_ranks import RankTransfer, landing_agents, rank_registrations
+from decode_node.warmup import warm_up
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
@@ -45,11 +46,12 @@ async def serve_decode(
     the target's (``config.lookahead_tokens`` must cover a round: ``TreeShape.lookahead``).
     ``max_waiting`` bounds the admission queue (see :mod:`decode_node.service`);
     ``bootstrap_config`` sets the handshake timeouts of its connections to prefill nodes.
-    With ``config.tp_size`` above 1 the engine's other ranks run in their own processes, ended
-    at shutdown. Each registers its key/value heads of every page with a transfer engine of its
-    own (:mod:`decode_node.tp_ranks`); rank 0 registers them all with each prefill, which writes
-    every rank its heads (:mod:`transfer.plan.heads`), into a rank's landing slots when several
-    prefill ranks hold slices of its heads (:mod:`decode_node.landing`).
+    Its CUDA graphs are captured first (:mod:`decode_node.warmup`), the line saying what was
+    printed. With ``config.tp_size`` above 1 the engine's other ranks run in their own
+    processes, ended at shutdown. Each registers its key/value heads of every page with a
+    transfer engine of its own (:mod:`decode_node.tp_ranks`); rank 0 registers them all with
+    each prefill, which writes every rank its heads (:mod:`transfer.plan.heads`), into a rank's
+    landing slots when several prefill ranks hold slices of its heads (:mod:`decode_node.landing`).
     """
     text = ModelConfig.from_dir(model_dir).text
     if draft is not None:  # a hybrid model's refusals, before anything loads
@@ -65,6 +67,8 @@ async def serve_decode(
         spec = EagleEngine(engine, engine.load_draft(), num_draft_tokens, draft_topk,
                            draft_steps)
         pools = spec.drafter.pools()
+    # every graph serving replays, captured before any other thread (transfer, loop, gRPC) runs
+    print(warm_up(engine, spec).line(), flush=True)
     state_pool = engine.states.pool if engine.states is not None else None
     manager = make_kv_manager(
         transfer_backend, [b for pool in pools for b in pool.buffer_infos()],

@@ -154,6 +154,7 @@ class LaunchOptions:
     device: str = "auto"  # --device of both worker roles, resolved by each worker on its node
     dtype: str = "auto"
     graphs: bool = True  # False: --no-graphs
+    cuda_graph_sizes: tuple[int, ...] = ()  # --cuda-graph-sizes of the decode workers (): default
     detached: bool = False
 
 
@@ -326,10 +327,12 @@ def worker_argv(role: str, opts: LaunchOptions, stage: int = 0,
 
 
 def device_args(opts: LaunchOptions) -> list[str]:
-    """``--device`` / ``--dtype`` / ``--no-graphs`` as given: each worker resolves ``auto`` on
-    the node Ray placed it on."""
+    """``--device`` / ``--dtype`` / ``--no-graphs`` / ``--cuda-graph-sizes`` as given: each
+    worker resolves ``auto`` on the node Ray placed it on."""
+    sizes = ["--cuda-graph-sizes", *map(str, opts.cuda_graph_sizes)] if opts.cuda_graph_sizes \
+        else []
     return ["--device", opts.device, "--dtype", opts.dtype,
-            *([] if opts.graphs else ["--no-graphs"])]
+            *([] if opts.graphs else ["--no-graphs"]), *sizes]
 
 
 def draft_args(role: str, opts: LaunchOptions) -> list[str]:

@@ -479,6 +479,10 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     graphs: bool = True  # on CUDA, run decode steps through captured CUDA graphs
+    # the padded batch sizes captured (at start-up, engine.runner.warmup); None: the defaults
+    # up to max_num_seqs (engine.runner.cuda_graph.DEFAULT_CAPTURE_SIZES). max_num_seqs is
+    # always one: every batch fits a captured size
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # the decoder layers this engine holds (weights and KV pool): None for all; a pipeline's
     # first stage holds its share only and runs through prefill_node.pipeline.first_runner
     layers: range | None = None

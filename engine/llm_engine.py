@@ -43,6 +43,7 @@ from engine.parallel.driver import TPDriver
 from engine.parallel.group import SINGLE
 from engine.parallel.rank import RankAttach
 from engine.parallel.shard import TextShard
+from engine.runner.cuda_graph import DEFAULT_CAPTURE_SIZES, capture_sizes_for
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.model_runner import ModelRunner, StepForward
 from engine.sampling.logprobs import record_prompt_logprobs, top_logprobs
@@ -111,6 +112,12 @@ def hybrid_states(text: TextConfig, layers: range, num_slots: int, dtype: torch.
     return LinearStates(pool, verify_states=verify_states)
 
 
+def graph_sizes(config: EngineConfig, max_bs: int) -> list[int]:
+    """The padded batch sizes graphs are captured at: ``config.cuda_graph_sizes`` (default
+    :data:`~engine.runner.cuda_graph.DEFAULT_CAPTURE_SIZES`) below ``max_bs``, and ``max_bs``."""
+    return capture_sizes_for(max_bs, config.cuda_graph_sizes or DEFAULT_CAPTURE_SIZES)
+
+
 def decode_graphs_for(engine: LLMEngine, attn: AttentionBackend, *, enabled: bool
                       ) -> DecodeGraphs:
     """Static decode buffers sized for ``engine``: its batch limit, its longest request, its
@@ -118,7 +125,8 @@ def decode_graphs_for(engine: LLMEngine, attn: AttentionBackend, *, enabled: boo
     sched = engine.scheduler.config
     return DecodeGraphs(engine.model, attn, max_bs=sched.max_num_seqs,
                         max_pages=-(-sched.max_model_len // sched.page_size),
-                        pad_page=engine.scratch_page, enabled=enabled)
+                        pad_page=engine.scratch_page, enabled=enabled,
+                        sizes=graph_sizes(engine.config, sched.max_num_seqs))
 
 
 class LLMEngine:

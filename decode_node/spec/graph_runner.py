@@ -24,7 +24,6 @@ the buffers' device in one copy; the verify and the draft extend of the round sh
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,10 +34,10 @@ from decode_node.spec.graph_buffers import SpecGraphBuffers
 from engine.attention.backend import AttentionBatch
 from engine.attention.select import backend_name
 from engine.core.request import Request
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, graph_sizes
 from engine.models.step_extras import NO_EXTRAS, StepExtras
 from engine.parallel.messages import StateStep
-from engine.runner.cuda_graph import DEFAULT_CAPTURE_SIZES, GraphCache, capture_sizes_for
+from engine.runner.cuda_graph import GraphCache
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
 
@@ -61,15 +60,17 @@ class RoundInputs:
 
 
 class SpecGraphRunner:
-    def __init__(self, engine: LLMEngine, drafter: DraftRunner, k: int,
-                 capture_sizes: Sequence[int] = DEFAULT_CAPTURE_SIZES) -> None:
+    """The static verify and draft-extend forwards of one engine's EAGLE rounds (see the module
+    docstring), captured at the engine's graph sizes (``EngineConfig.cuda_graph_sizes``)."""
+
+    def __init__(self, engine: LLMEngine, drafter: DraftRunner, k: int) -> None:
         n = k + 1
         page_size = engine.config.page_size
         if n > page_size:
             raise ValueError(f"num_draft_tokens + 1 = {n} must fit one page ({page_size} tokens)")
         self.engine, self.drafter, self.n = engine, drafter, n
         max_bs = engine.scheduler.config.max_num_seqs
-        self.capture_sizes = capture_sizes_for(max_bs, capture_sizes)
+        self.capture_sizes = graph_sizes(engine.config, max_bs)
         self.bufs = SpecGraphBuffers.allocate(max_bs, n, engine.model_config.text.hidden_size,
                                               engine.pool.device, engine.model.dtype)
         self.pad_slot = engine.scratch_page * page_size
@@ -166,6 +167,32 @@ class SpecGraphRunner:
 
         feats = self.graphs.run("draft_extend", self.bs, forward)
         return feats[b.select_index[: len(rnd.reqs)]]
+
+    def capture_all(self, tree: bool) -> list[str]:
+        """Capture the verify (a tree's when ``tree``) and draft-extend forwards of every size
+        now, over rows of padding only (they write the scratch page and nothing else), so that
+        serving only replays; the graphs captured, as ``name:size`` (none unless
+        :attr:`GraphCache.captures`)."""
+        if not self.graphs.captures:
+            return []
+        device, n, hidden = self.bufs.device, self.n, self.bufs.hidden_size
+        ids = torch.zeros(0, dtype=torch.int64, device=device)
+        features = torch.zeros(0, hidden, dtype=self.bufs.hidden_states.dtype, device=device)
+        mask = torch.zeros(0, n, n, dtype=torch.bool, device=device) if tree else None
+        for bs in self.capture_sizes:
+            rnd = self._padding_round(bs)
+            self.verify(rnd, ids, mask)
+            self.draft_extend(rnd, ids, features, [])
+        kind = "verify_tree" if tree else "verify"
+        return [f"{name}:{bs}" for bs in self.capture_sizes for name in (kind, "draft_extend")]
+
+    def _padding_round(self, bs: int) -> RoundInputs:
+        """A round of no request padded to ``bs`` rows (what :meth:`capture_all` runs)."""
+        device = self.bufs.device
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        table = torch.full((bs, 1), self.engine.scratch_page, dtype=torch.int32, device=device)
+        return RoundInputs([], [], np.zeros(0, dtype=np.int64), bs, none, table, none, none, none,
+                           torch.zeros(0, dtype=torch.float32, device=device))
 
     def positions(self, raw_bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """1-D and mrope positions of the real rows of the last fill (for audits)."""

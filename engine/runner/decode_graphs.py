@@ -5,6 +5,8 @@ next captured size ``bs``: padded rows are token 0 at position 0 whose K/V go to
 scratch page (``pad_page``, never handed to a request) and attend to that one key; their outputs
 are dropped. The forward reads only the buffers, so on CUDA it is captured once per size
 (:class:`~engine.runner.cuda_graph.GraphCache`) and replayed with new lengths, pages and positions.
+:meth:`DecodeGraphs.capture_all` captures every size up front (a batch of padded rows only), so
+serving never captures.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend, AttentionBatch
 from engine.models.qwen2_vl.model import Qwen2VLModel
-from engine.runner.cuda_graph import GraphCache, capture_sizes_for
+from engine.runner.cuda_graph import GraphCache, StaticForward, capture_sizes_for
 
 
 class DecodeGraphs:
@@ -63,14 +65,33 @@ class DecodeGraphs:
         self.slots[:b].copy_(slots)
         self.kv_lens[:b].copy_(kv_lens)
         self.page_table[:b, :width].copy_(page_table)
-        if bs > b:  # padded rows: one key on the scratch page
+        self._pad(b, bs)
+        # a captured graph keeps the capacity as its bound; an eager run uses the batch's own
+        bound = self.max_pages * self.page_size if self.graphs.captures else max_kv
+        return self.graphs.run("decode", bs, self._forward(bs, bound))[:b]
+
+    def capture_all(self) -> list[str]:
+        """Capture the forward of every size now (rows of padding only: nothing but the scratch
+        page is written), so that serving only replays; the graphs captured, as ``name:size``
+        (none unless :attr:`GraphCache.captures`)."""
+        if not self.graphs.captures:
+            return []
+        for bs in self.graphs.sizes:
+            self._pad(0, bs)
+            self.graphs.run("decode", bs, self._forward(bs, self.max_pages * self.page_size))
+        return [f"decode:{bs}" for bs in self.graphs.sizes]
+
+    def _pad(self, b: int, bs: int) -> None:
+        """Rows ``b..bs`` become padding: token 0 at position 0, one key on the scratch page."""
+        if bs > b:
             self.input_ids[b:bs].zero_()
             self.mrope[:, b:bs].zero_()
             self.slots[b:bs].fill_(self.pad_page * self.page_size)
             self.kv_lens[b:bs].fill_(1)
             self.page_table[b:bs, 0].fill_(self.pad_page)
-        # a captured graph keeps the capacity as its bound; an eager run uses the batch's own
-        bound = self.max_pages * self.page_size if self.graphs.captures else max_kv
+
+    def _forward(self, bs: int, bound: int) -> StaticForward:
+        """The static forward of ``bs`` rows, attention keys bounded by ``bound``."""
 
         def forward() -> torch.Tensor:
             batch = AttentionBatch(self.q_lens[:bs], self.kv_lens[:bs], self.q_starts[: bs + 1],
@@ -79,4 +100,4 @@ class DecodeGraphs:
             embeds = self.model.embed(self.input_ids[:bs])
             return self.model(embeds, self.mrope[:, :bs], self.attn)
 
-        return self.graphs.run("decode", bs, forward)[:b]
+        return forward
