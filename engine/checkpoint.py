@@ -91,11 +91,16 @@ def read_state_dict(
     """The tensors of a checkpoint under their canonical names, read straight onto ``device``
     (no host copy of the whole checkpoint first); with ``layers``, the decoder layers outside it
     are not read at all (a pipeline stage's share); with ``shard``, only a tensor-parallel
-    rank's part of each split tensor is read (:meth:`TextShard.part_of`)."""
+    rank's part of each split tensor is read (:meth:`TextShard.part_of`). On the ``meta``
+    device nothing is read: each tensor is an empty one of its file's shape and dtype (what
+    tracing a forward without its weights needs)."""
     state: dict[str, torch.Tensor] = {}
+    meta = torch.device(device).type == "meta"
     for path in weight_files(model_dir):
         try:
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
+            with safe_open(str(path), framework="pt", device="cpu" if meta else str(device)) as f:
+                if meta:
+                    f = _MetaReader(f)
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     canonical = canonical_name(name)
                     if canonical.startswith(_NOT_TARGET):
@@ -130,6 +135,30 @@ def read_module(model_dir: Path, prefix: str, device: str | torch.device = "cpu"
         except Exception as exc:  # safetensors raises several unrelated types on bad files
             raise CheckpointError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
     return state
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
+
+
+class _MetaReader:
+    """A safetensors file seen as ``meta`` tensors: its names, shapes and dtypes, no data."""
+
+    def __init__(self, f: Any) -> None:  # noqa: ANN401 - safetensors' file handle
+        self._f = f
+
+    def keys(self) -> list[str]:
+        return list(self._f.keys())
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        sl = self._f.get_slice(name)
+        return torch.empty(sl.get_shape(), dtype=_SAFETENSORS_DTYPES[sl.get_dtype()],
+                           device="meta")
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        return self.get_tensor(name)
 
 
 def _read_part(tensor: Any, part: TensorPart) -> torch.Tensor:

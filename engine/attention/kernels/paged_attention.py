@@ -24,6 +24,12 @@ Scores and the online softmax are float32 (base-2 exponentials, the scale folded
 ``log2(e)``); K/V stay in the pool's dtype. ``D`` is padded to a power of two >= 16 with masks.
 The kernels are built when this module is imported: with ``TRITON_INTERPRET=1`` set then, they
 run on CPU tensors through the interpreter.
+
+Both entry points are torch custom ops (``pdserve::extend_attention``,
+``pdserve::decode_attention``) that write ``out`` in place, with a fake implementation that does
+nothing: so traced forwards (meta or fake tensors, and the compiler) see them as opaque calls
+with known effects, and the GPU-readiness suite can trace a whole captured forward on ``meta``
+tensors without a GPU (``tests/gpu_readiness/test_capture_regions.py``).
 """
 
 from __future__ import annotations
@@ -227,6 +233,7 @@ def _kv_strides(k_buf: torch.Tensor, v_buf: torch.Tensor) -> tuple[int, int]:
     return k_buf.stride(1), k_buf.stride(2)
 
 
+@torch.library.custom_op("pdserve::extend_attention", mutates_args=("out",))
 def extend_attention(
     q: torch.Tensor,  # [T, heads, D], pool dtype, last dim contiguous
     k_buf: torch.Tensor,  # [num_pages, page_size, kv_heads, D]
@@ -266,6 +273,15 @@ def extend_attention(
     )
 
 
+@extend_attention.register_fake
+def _extend_attention_fake(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                           out: torch.Tensor, q_starts: torch.Tensor, kv_lens: torch.Tensor,
+                           page_table: torch.Tensor, max_q: int,
+                           tree_mask: torch.Tensor | None = None) -> None:
+    """Traced: ``out`` is written in place, nothing is returned."""
+
+
+@torch.library.custom_op("pdserve::decode_attention", mutates_args=("out",))
 def decode_attention(
     q: torch.Tensor,  # [B, heads, D], pool dtype, last dim contiguous
     k_buf: torch.Tensor,  # [num_pages, page_size, kv_heads, D]
@@ -305,3 +321,10 @@ def decode_attention(
             NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits),
             D=dim, D_PAD=d_pad,
         )
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                           out: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
+                           num_splits: int) -> None:
+    """Traced: ``out`` is written in place, nothing is returned."""

@@ -92,8 +92,8 @@ class Eagle3Draft(nn.Module):
         """Fuse projections and derive the draft -> target id table; call once loaded."""
         self.layer.self_attn.fuse()
         self.layer.mlp.fuse()
-        self.target_ids = vocab_map(self.d2t, self.cfg.text.vocab_size)
-        self.ids_increasing = bool((self.target_ids[1:] > self.target_ids[:-1]).all())
+        self.target_ids = ids = vocab_map(self.d2t, self.cfg.text.vocab_size)
+        self.ids_increasing = not ids.is_meta and bool((ids[1:] > ids[:-1]).all())
 
     def target_feature(self, hidden: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """The feature a target row hands the draft: ``fc`` over the outputs ``aux``
@@ -150,8 +150,11 @@ class Eagle3Draft(nn.Module):
 
 def vocab_map(d2t: torch.Tensor, target_vocab: int) -> torch.Tensor:
     """The target id of every draft id, ``arange(Vd) + d2t`` ``[Vd]``; ``CheckpointError``
-    unless they are distinct ids of the target's vocabulary."""
+    unless they are distinct ids of the target's vocabulary (unchecked on ``meta``: no
+    values)."""
     ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    if ids.is_meta:
+        return ids
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= target_vocab):
         raise CheckpointError(f"d2t maps draft ids outside the target's vocabulary of "
                               f"{target_vocab} (ids {int(ids.min())}..{int(ids.max())})")
