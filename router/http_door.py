@@ -22,6 +22,9 @@ A request with ``n > 1`` runs ``n`` generations concurrently (ids ``<id>-<i>``, 
 when seeded) and answers with ``n`` choices; usage counts the prompt once and sums the
 completions. Stop strings travel in the request and are cut by the router's relay.
 
+A chat call with tools has its text parsed into tool calls (:mod:`router.openai_tools`): the
+whole message, or content and ``tool_calls`` deltas as the text streams.
+
 Streams use server-sent events (``data: {...}`` chunks, then ``data: [DONE]``). The first message
 is awaited before the response starts, so refusals (400, 429, ...) keep their HTTP status; a
 failure later in a stream is sent as a ``data: {"error": ...}`` event. A client that goes away
@@ -185,7 +188,7 @@ class HttpDoor:
 
     async def _run(self, request: web.Request, call: OpenAICall) -> web.StreamResponse:
         reqs = self._completions(call)
-        outs = [Outcome() for _ in reqs]
+        outs = [Outcome(tools=call.tools.parser() if call.tools else None) for _ in reqs]
         chunk = Chunks(call.request.request_id, self.model_name, call.chat)
         async with aclosing(self._pieces(call, reqs, outs)) as pieces:
             first = await anext(pieces, None)  # refusals raise here, before any byte is sent
@@ -204,9 +207,9 @@ class HttpDoor:
                                                   index))
             try:
                 if first is not None:
-                    await _send(resp, _piece(chunk, first, outs))
+                    await _send_all(resp, _piece(chunk, first, outs))
                 async for piece in pieces:
-                    await _send(resp, _piece(chunk, piece, outs))
+                    await _send_all(resp, _piece(chunk, piece, outs))
                 if call.include_usage:
                     await _send(resp, chunk.usage(outs))
             except DoorError as exc:
@@ -305,16 +308,30 @@ class HttpDoor:
         return tok.decode(req.token_ids.ids, skip_special_tokens=False) if tok else ""
 
 
-def _piece(chunk: Chunks, piece: Piece, outs: list[Outcome]) -> dict[str, Any]:
-    """The stream chunk of one piece: its text (and logprobs), or the finish of its choice."""
+def _piece(chunk: Chunks, piece: Piece, outs: list[Outcome]) -> list[dict[str, Any]]:
+    """The stream chunks of one piece: its text (and logprobs), or the finish of its choice;
+    with tools, the piece's content and tool-call deltas (none while text is held back)."""
     index, part = piece
+    tools = outs[index].tools
+    if tools is None:
+        if part is None:
+            return [chunk.piece("", outs[index].finish_reason, index)]
+        return [chunk.piece(part[0], None, index, part[1])]
     if part is None:
-        return chunk.piece("", outs[index].finish_reason, index)
-    return chunk.piece(part[0], None, index, part[1])
+        held = tools.finish()
+        end = chunk.delta({}, tools.finish_reason(outs[index].finish_reason), index)
+        return [chunk.delta(held, None, index), end] if held else [end]
+    delta = tools.feed(part[0])
+    return [chunk.delta(delta, None, index, part[1])] if delta or part[1] is not None else []
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
     await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _send_all(resp: web.StreamResponse, objs: list[dict[str, Any]]) -> None:
+    for obj in objs:
+        await _send(resp, obj)
 
 
 async def _json(request: web.Request) -> dict[str, Any]:

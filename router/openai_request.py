@@ -1,11 +1,11 @@
 """OpenAI request bodies -> ``GenerateRequest``: the HTTP door's input conversion.
 
 Only the conversion is checked here (JSON types, roles, content parts, image data URLs, ``n``,
-``stop``, ``stream_options``, ``logprobs``/``top_logprobs``/``echo``); the ranges of the
-sampling values are the shared validator's, behind :meth:`GenerationService.generate`. Anything
-unusable raises :class:`BadRequest` (HTTP 400). Chat messages are rendered with the served
-checkpoint's chat template (:mod:`engine.text.chat_template`; the built-in ChatML when it has
-none).
+``stop``, ``stream_options``, ``logprobs``/``top_logprobs``/``echo``, ``tools``/``tool_choice``:
+:mod:`router.openai_tools`); the ranges of the sampling values are the shared validator's,
+behind :meth:`GenerationService.generate`. Anything unusable raises :class:`BadRequest` (HTTP
+400). Chat messages are rendered with the served checkpoint's chat template
+(:mod:`engine.text.chat_template`; the built-in ChatML when it has none).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.core.request import MAX_SEED, MAX_TOP_LOGPROBS
@@ -22,6 +22,7 @@ from engine.text.chat_template import ChatTemplate
 from proto.pdserve.v1 import generate_pb2 as gpb
 from router.errors import BadRequest
 from router.openai_structured import structured_output
+from router.openai_tools import ToolUse, history_calls, refuse_tools, tool_use
 
 IMAGE_MIME = ("image/png", "image/jpeg", "image/jpg")
 MAX_STOPS = 4
@@ -40,10 +41,12 @@ class OpenAICall:
     n: int  # completions to generate (OpenAI ``n``)
     logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
     echo: bool = False  # completions: the prompt comes first in the text (and the logprobs)
+    tools: ToolUse | None = None  # chat: the tools offered and how their calls are parsed
 
 
 def completion_call(body: dict[str, Any], request_id: str) -> OpenAICall:
     """A ``/v1/completions`` body: ``prompt`` is a string, a list of one string, or token ids."""
+    refuse_tools(body)
     req = gpb.GenerateRequest(request_id=request_id, sampling=sampling(body))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -69,11 +72,17 @@ def completion_call(body: dict[str, Any], request_id: str) -> OpenAICall:
 def chat_call(body: dict[str, Any], request_id: str,
               template: ChatTemplate | None = None) -> OpenAICall:
     """A ``/v1/chat/completions`` body: ``messages`` rendered with ``template`` (the served
-    checkpoint's; None means the built-in ChatML), with their images and videos."""
-    chat = chat_prompt(body.get("messages"), template)
+    checkpoint's; None means the built-in ChatML), with their images and videos, offering the
+    body's ``tools`` (:mod:`router.openai_tools`); ``tool_choice`` ``required`` or a named
+    function sets the grammar that enforces it."""
+    tools = tool_use(body)
+    chat = chat_prompt(body.get("messages"), template, tools.tools)
     req = gpb.GenerateRequest(request_id=request_id, text=chat.text,
                               images=[gpb.Image(encoded=im) for im in chat.images],
                               videos=chat.videos, sampling=sampling(body))
+    grammar = tools.grammar()
+    if grammar is not None:
+        req.sampling.structured_output.CopyFrom(grammar)
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
         raise BadRequest("'logprobs' must be a boolean")
@@ -85,15 +94,15 @@ def chat_call(body: dict[str, Any], request_id: str,
     logprobs = (top or 0) if wanted else None
     if logprobs is not None:
         _ask_logprobs(req.sampling, logprobs, prompt=False)
-    return _call(body, req, chat=True, logprobs=logprobs)
+    return replace(_call(body, req, chat=True, logprobs=logprobs), tools=tools)
 
 
 # Fields that change what a request produces and that the door does not honour yet: refused by
 # name rather than ignored, so no client gets unconstrained output it did not ask for. Each maps
-# to the values that mean "off".
+# to the values that mean "off". (OpenAI's legacy ``functions``/``function_call`` stay refused:
+# chat takes ``tools``/``tool_choice``, :mod:`router.openai_tools`.)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"),
     "logit_bias": (None, {}), "suffix": (None, ""), "prompt_logprobs": (None,),
 }
 
@@ -138,14 +147,18 @@ class ChatPrompt:
     videos: list[gpb.Video]
 
 
-def chat_prompt(messages: Any, template: ChatTemplate | None = None) -> ChatPrompt:
-    """``messages`` rendered with ``template`` (None: the built-in ChatML).
+def chat_prompt(messages: Any, template: ChatTemplate | None = None,
+                tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+    """``messages`` rendered with ``template`` (None: the built-in ChatML), offering ``tools``
+    (checked ones: :func:`router.openai_tools.tool_use`; None for none).
 
     Every message needs a string ``role`` (passed through as written, as are its other keys);
     its ``content`` is a string, null, or a list of parts: ``text``, ``image_url`` (a data URL)
     and ``video`` (``{"type": "video", "video": [frame data URLs, in time order], "fps": ...}``,
     ``fps`` optional). The template sees ``{"type": "image"}`` and ``{"type": "video"}`` parts
-    and places their placeholders; a template that refuses the messages is a BadRequest.
+    and places their placeholders; an assistant message's ``tool_calls`` reach it with each
+    call's ``arguments`` as a JSON value rather than its text (:func:`history_calls`). A template
+    that refuses the messages is a BadRequest.
     """
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
@@ -156,9 +169,13 @@ def chat_prompt(messages: Any, template: ChatTemplate | None = None) -> ChatProm
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
         content = _content(msg.get("content"), f"messages[{i}]", images, videos)
-        turns.append({**msg, "content": content})
+        turn = {**msg, "content": content}
+        if msg.get("tool_calls") is not None:  # past calls, as vLLM hands them to templates
+            turn["tool_calls"] = history_calls(msg["tool_calls"], f"messages[{i}]") or None
+            turn["content"] = "" if content is None else content
+        turns.append(turn)
     try:
-        text = (template or _CHATML).render(turns)
+        text = (template or _CHATML).render(turns, tools=tools)
     except InvalidRequestError as exc:
         raise BadRequest(str(exc)) from exc
     return ChatPrompt(text, images, videos)

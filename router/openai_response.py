@@ -17,6 +17,7 @@ import grpc
 from router.errors import DoorError
 from router.openai_logprobs import merge_logprobs
 from router.openai_request import BadRequest
+from router.openai_tools import ToolCallParser
 from serving.overload import RETRY_AFTER_KEY
 
 HTTP_STATUS = {
@@ -72,6 +73,7 @@ class Outcome:
     finish_reason: str | None = None
     text: list[str] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)  # parts, when asked for
+    tools: ToolCallParser | None = None  # chat with tools: parses the text into tool calls
 
 
 def total_usage(outs: list[Outcome]) -> dict[str, Any]:
@@ -105,13 +107,16 @@ class Chunks:
     def whole(self, texts: list[str], outs: list[Outcome],
               logprobs: bool = False) -> dict[str, Any]:
         """The non-streaming response: one choice per completion (with its log-probabilities
-        when ``logprobs``)."""
+        when ``logprobs``; a chat message with its tool calls when the call has tools)."""
         choices = []
         for index, (text, out) in enumerate(zip(texts, outs, strict=True)):
             scored = merge_logprobs(out.logprobs) if logprobs else None
             choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason,
                                       "logprobs": scored}
-            if self.chat:
+            if self.chat and out.tools is not None:
+                choice["message"] = out.tools.whole(text)
+                choice["finish_reason"] = out.tools.finish_reason(out.finish_reason)
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text

@@ -15,14 +15,18 @@ attribute that starts with ``_`` or a mutating method is an error, so a template
 cannot reach Python's internals) with the conventions templates are written for: ``trim_blocks`` and
 ``lstrip_blocks``, ``{% break %}``/``{% continue %}``, the globals ``raise_exception(message)`` and
 ``strftime_now(format)``, and a ``tojson`` filter that does not escape HTML. A render sees
-``messages``, ``add_generation_prompt``, ``tools`` and ``documents`` (both ``None``: neither is
-served) and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ... as
-``tokenizer_config.json`` spells them).
+``messages``, ``add_generation_prompt``, ``tools`` (the request's tool definitions, or ``None``),
+``documents`` (``None``: not served) and the tokenizer's named special tokens (``bos_token``,
+``eos_token``, ... as ``tokenizer_config.json`` spells them).
 
 A message is a JSON object with a ``role`` and a ``content`` that is a string or a list of parts:
 ``{"type": "text", "text": ...}``, ``{"type": "image"}``, ``{"type": "video"}``; the template
 decides where each image and video placeholder goes. Keys whose value is ``None`` are dropped
-before rendering (OpenAI clients send ``"content": null``), as transformers does.
+before rendering (OpenAI clients send ``"content": null``), as transformers does. Other keys
+pass through as given: an assistant message's ``tool_calls`` and a ``tool`` message's
+``tool_call_id`` are the template's to render (Qwen2.5's and Qwen3's templates want each call's
+``function.arguments`` as a JSON object, which the OpenAI door makes of the JSON text clients send,
+as vLLM does).
 
 A template that does not compile is a :class:`ConfigError` at load; one that fails or raises on
 a request's messages is that request's :class:`InvalidRequestError`.
@@ -107,20 +111,18 @@ class ChatTemplate:
                        PROCESSOR_TEMPLATE_FILE, special)
         return cls(CHATML_TEMPLATE, BUILTIN_SOURCE, special)
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Message], *, tools: Sequence[Message] | None = None,
+               add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` (ending where the assistant's reply begins when
-        ``add_generation_prompt``); raises InvalidRequestError when the messages are not JSON
-        objects or the template fails or raises on them."""
-        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-            raise InvalidRequestError("chat messages must be a list of objects")
-        plain = []
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, Mapping):
-                raise InvalidRequestError(f"messages[{i}] must be an object")
-            plain.append({str(k): _plain(v, f"messages[{i}].{k}")
-                          for k, v in msg.items() if v is not None})
+        ``add_generation_prompt``), offering ``tools`` (OpenAI's ``{"type": "function",
+        "function": {"name", "description", "parameters"}}`` objects, passed to the template as
+        transformers' ``apply_chat_template(tools=...)`` passes them; None: no tools); raises
+        InvalidRequestError when the messages or tools are not JSON objects or the template fails
+        or raises on them."""
+        plain = _objects(messages, "messages", drop_none=True)
+        offered = None if tools is None else _objects(tools, "tools", drop_none=False)
         try:
-            return self._compiled.render(**self.special_tokens, messages=plain, tools=None,
+            return self._compiled.render(**self.special_tokens, messages=plain, tools=offered,
                                          documents=None,
                                          add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # whatever a template raises over these messages is theirs
@@ -174,6 +176,20 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     """JSON text of ``value``, without Jinja's HTML escaping (templates write JSON for models)."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
+
+
+def _objects(items: Sequence[Message], where: str, *, drop_none: bool) -> list[dict[str, Any]]:
+    """``items`` (a list of JSON objects) rebuilt from plain JSON types, without their ``None``
+    values when ``drop_none``."""
+    if isinstance(items, str | bytes) or not isinstance(items, Sequence):
+        raise InvalidRequestError(f"chat {where} must be a list of objects")
+    plain = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise InvalidRequestError(f"{where}[{i}] must be an object")
+        plain.append({str(k): _plain(v, f"{where}[{i}].{k}")
+                      for k, v in item.items() if v is not None or not drop_none})
+    return plain
 
 
 def _plain(value: Any, where: str) -> Any:
