@@ -2,8 +2,8 @@
 the server (lm-evaluation-harness's ``remote`` tokenizer, load generators):
 
 - ``POST /tokenize`` ``{"prompt": str, "add_special_tokens": bool}`` or ``{"messages": [...]}``
-  (rendered with the served chat template, as ``/v1/chat/completions`` does) -> ``{"tokens",
-  "count", "max_model_len"}``;
+  (rendered with the served chat template and the body's ``tools``/``tool_choice``, as
+  ``/v1/chat/completions`` does) -> ``{"tokens", "count", "max_model_len"}``;
 - ``POST /detokenize`` ``{"tokens": [ids]}`` -> ``{"prompt": str}`` (special tokens kept);
 - ``GET /tokenizer_info`` -> the special tokens (``eos_token``, ``bos_token``, ``pad_token``),
   the chat template and the vocabulary size.
@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.text.tokenizer import Tokenizer
 from router.openai_request import BadRequest, chat_prompt
+from router.openai_tools import tool_use
 from router.preprocess import ModelAssets
 
 
@@ -28,7 +29,8 @@ def tokenize(body: dict[str, Any], assets: ModelAssets) -> dict[str, Any]:
     if not isinstance(special, bool):
         raise BadRequest("'add_special_tokens' must be a boolean")
     if "messages" in body:
-        text = chat_prompt(body["messages"], assets.chat_template).text
+        tools = tool_use(body).tools
+        text = chat_prompt(body["messages"], assets.chat_template, tools).text
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
     else:

@@ -206,7 +206,7 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 def test_tokenizer_endpoints(cluster: Cluster, tiny_dir: Path) -> None:
     """vLLM's /tokenize, /detokenize and /tokenizer_info: the served tokenizer's ids, the chat
-    template's prompt (the one chat completions count), clear 400s."""
+    template's prompt (the one chat completions count, tools included), clear 400s."""
     root = str(cluster.client.base_url).removesuffix("/v1/")
     status, got = post(f"{root}/tokenize", {"prompt": PROMPT, "add_special_tokens": False})
     assert status == 200 and got["tokens"] == tokenize(tiny_dir, PROMPT)
@@ -218,6 +218,12 @@ def test_tokenizer_endpoints(cluster: Cluster, tiny_dir: Path) -> None:
     usage = cluster.client.chat.completions.create(model="m", messages=messages, max_tokens=1,
                                                    temperature=0).usage
     assert status == 200 and chat["count"] == usage.prompt_tokens
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    status, offered = post(f"{root}/tokenize", {"messages": messages, "tools": tools})
+    usage = cluster.client.chat.completions.create(model="m", messages=messages, max_tokens=1,
+                                                   temperature=0, tools=tools).usage
+    assert status == 200 and offered["count"] == usage.prompt_tokens > chat["count"]
     with urllib.request.urlopen(f"{root}/tokenizer_info", timeout=30) as resp:
         info = json.loads(resp.read())
     assert info["eos_token"] == "<|im_end|>" and "im_start" in info["chat_template"]
