@@ -14,20 +14,24 @@ call. With ``"auto"`` the model decides, and ``strict`` is not enforced. Legacy 
 ``function_call`` are not taken (:data:`router.openai_request.UNSUPPORTED`).
 
 Output (:class:`ToolCallParser`): the Qwen family's format (Qwen2.5, Qwen3, and the built-in
-template's), one or more ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
-blocks. Text outside the blocks is the message's ``content`` (``null`` when only whitespace is
-left beside the calls); a block whose JSON is malformed stays in the content as text, as vLLM
-leaves it. Each call gets an id ``call_<hex>`` and ``function.arguments`` as JSON text, and a
-choice that made calls ends with ``finish_reason: "tool_calls"`` instead of ``"stop"``. Streamed,
-text goes out as ``content`` deltas until a block opens (a trailing ``<tool`` that may open one
-is held back), and each call as one ``tool_calls`` delta once its block closes (a named
-function's arguments stream as they are generated). The whole response is what the stream's
-deltas add up to, for any split of the text.
+template's), one or more ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks;
+a block may instead hold the XML form of Qwen3-Coder and Qwen3.5, ``<function=NAME>`` with one
+``<parameter=KEY>VALUE</parameter>`` per argument, each value typed by the function's
+``parameters`` schema (a string property stays text; any other is read as JSON, and stays text when
+it is not JSON). Text outside the blocks is the message's ``content`` (``null`` when only
+whitespace is left beside the calls); a block whose JSON (or XML) is malformed stays in the content
+as text, as vLLM leaves it. Each call gets an id ``call_<hex>`` and ``function.arguments`` as JSON
+text, and a choice that made calls ends with ``finish_reason: "tool_calls"`` instead of ``"stop"``.
+Streamed, text goes out as ``content`` deltas until a block opens (a trailing ``<tool`` that may
+open one is held back), and each call as one ``tool_calls`` delta once its block closes (a named
+function's arguments stream as they are generated). The whole response is what the stream's deltas
+add up to, for any split of the text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +75,7 @@ class ToolUse:
         if self.choice == "required":
             return ListedCallParser()
         if self.choice == "auto":
-            return TaggedCallParser()
+            return TaggedCallParser(self.tools)
         return None
 
     def _named(self) -> dict[str, Any]:
@@ -212,8 +216,11 @@ class TaggedCallParser(ToolCallParser):
     before a block is dropped (kept if the block turns out malformed), and after the last call
     trailing whitespace too. Without any call the content is the text exactly."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__()
+        # each function's parameter properties: how an XML call's values are typed
+        self._properties = {t["function"]["name"]: _parameters(t["function"]).get("properties")
+                            for t in tools or []}
         self._pending = ""  # outside a block: text not sent yet
         self._gap = ""  # the whitespace before the open block
         self._block: str | None = None  # inside a block: its text so far
@@ -248,7 +255,7 @@ class TaggedCallParser(ToolCallParser):
         if end < 0:
             self._block = text
             return ""
-        call = _parse_call(text[:end])
+        call = _parse_call(text[:end]) or _parse_xml_call(text[:end], self._properties)
         if call is None:
             content.append(self._gap + START + text[:end + len(END)])
         else:
@@ -450,6 +457,50 @@ def _parse_call(block: str) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     return call["name"], json.dumps(args, ensure_ascii=False)
+
+
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def _parse_xml_call(block: str, properties: dict[str, Any]) -> tuple[str, str] | None:
+    """A block's ``(name, arguments JSON)`` in the XML form (``<function=NAME>`` holding
+    ``<parameter=KEY>VALUE</parameter>`` tags and whitespace only), or None. A value loses one
+    newline at each end; it is typed by ``properties[NAME][KEY]``'s ``type``."""
+    found = _XML_FUNCTION.fullmatch(block)
+    if found is None:
+        return None
+    name, body = found.group(1).strip(), found.group(2)
+    schema = properties.get(name)
+    args: dict[str, Any] = {}
+    at = 0
+    for param in _XML_PARAMETER.finditer(body):
+        if body[at:param.start()].strip():
+            return None  # text between the parameters: not a call
+        key = param.group(1).strip()
+        args[key] = _xml_value(_trim_newline(param.group(2)),
+                               schema.get(key) if isinstance(schema, dict) else None)
+        at = param.end()
+    if body[at:].strip():
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def _trim_newline(value: str) -> str:
+    value = value[1:] if value.startswith("\n") else value
+    return value[:-1] if value.endswith("\n") else value
+
+
+def _xml_value(text: str, schema: Any) -> Any:  # noqa: ANN401 - JSON
+    """An XML parameter's value: text for a string property (or one without a schema or
+    type), else its JSON value (text when it is not JSON)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind is None or kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _listed_call(item: Any) -> tuple[str, str] | None:  # noqa: ANN401 - JSON

@@ -102,6 +102,46 @@ def test_malformed_block_beside_a_call() -> None:
     assert calls(message) == [("get_weather", {"city": "Paris", "days": 2})]
 
 
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}, "filters": {"type": "object"},
+                                     "exact": {"type": "boolean"}, "n": {"type": "integer"}}}}}
+
+
+@pytest.mark.parametrize("text,content,found", [
+    (XML_CALL, None, [("get_weather", {"city": "Paris", "days": 3})]),
+    ("Checking.\n" + XML_CALL + "\n" + CALL2, "Checking.",
+     [("get_weather", {"city": "Paris", "days": 3}), ("clock", {"zone": "CET"})]),
+    ('<tool_call>\n<function=lookup>\n<parameter=q>\n42\n</parameter>\n<parameter=filters>\n'
+     '{"lang": "en"}\n</parameter>\n<parameter=exact>\ntrue\n</parameter>\n<parameter=n>\n'
+     'many\n</parameter>\n</function>\n</tool_call>', None,
+     [("lookup", {"q": "42", "filters": {"lang": "en"}, "exact": True, "n": "many"})]),
+    ("<tool_call>\n<function=clock>\n</function>\n</tool_call>", None, [("clock", {})]),
+    ("<tool_call>\n<function=unknown>\n<parameter=a>\n[1, 2]\n</parameter>\n</function>\n"
+     "</tool_call>", None, [("unknown", {"a": "[1, 2]"})]),  # no schema: text
+])
+def test_parses_the_xml_calls_of_qwen3_coder_and_qwen3_5(text: str, content: str | None,
+                                                         found: list[tuple[str, Any]]) -> None:
+    """The XML form, each value typed by the function's schema (string properties stay text,
+    others are read as JSON when they are JSON)."""
+    message = TaggedCallParser([*TOOLS, LOOKUP]).whole(text)
+    assert (message["content"], calls(message)) == (content, found)
+    for cut in range(len(text) + 1):  # and streamed, split anywhere
+        got, _ = stream(TaggedCallParser([*TOOLS, LOOKUP]), [text[:cut], text[cut:]])
+        assert (got["content"], calls(got)) == (content, found), cut
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=clock>\nnow\n<parameter=zone>\nCET\n</parameter>\n</function>\n"
+    "</tool_call>",  # text beside the parameters
+    "<tool_call>\n<function=clock>\n<parameter=zone>\nCET\n</function>\n</tool_call>",
+    "<tool_call>\n<function=clock>\n</tool_call>",  # the function never closes
+])
+def test_malformed_xml_calls_stay_content(text: str) -> None:
+    assert TaggedCallParser(TOOLS).whole(text) == {"role": "assistant", "content": text}
+
+
 def stream(parser: ToolCallParser, pieces: list[str]) -> tuple[dict[str, Any], list[Any]]:
     """Feed ``pieces`` and finish; returns the message the deltas add up to (as an openai SDK
     user accumulates them) and the deltas."""
