@@ -4,7 +4,8 @@ pipeline stages (``--prefill-pp-size 2``: the second started first, the draft on
 launch path otherwise being that of tests/deploy/test_launch_errors.py. The hybrid built-in
 (``--model builtin:hybrid --draft mtp``) serves the same way, its MTP head drafting. With
 ``--http-port 0`` the launch prints the router's OpenAI URL, which the ``openai`` SDK uses: the
-model list, and streamed completions and chat completions equal to the whole answers."""
+model list, and streamed completions and chat completions equal to the whole answers;
+lm-evaluation-harness and AIPerf then run against the same launched cluster."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,8 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.text.tokenizer import Tokenizer
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
-from tests.deploy import lm_eval_run
+from tests.cluster.stats import assert_all_idle, get_stats
+from tests.deploy import aiperf_run, lm_eval_run
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -152,32 +156,98 @@ def test_launch_serves_the_hybrid_builtin_with_its_mtp_head(tmp_path: Path) -> N
         stop_launch(proc, model)
 
 
-def test_launch_serves_the_openai_api_on_its_http_port(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class OpenAILaunch:
+    url: str  # the door's OpenAI base URL, from the launch's ``openai:`` line
+    router: str  # the router's gRPC address, from its READY line
+    workers: list[str]  # the prefill and decode servers' addresses
+
+
+@pytest.fixture(scope="module")
+def openai_launch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAILaunch]:
+    """``pdserve launch --model builtin --http-port 0 --served-model-name tiny-chat``, shared by
+    the module's last tests (it runs until the module ends: no launch may come after them); Ctrl-C
+    then leaves nothing running."""
+    tmp_path = tmp_path_factory.mktemp("openai-launch")
+    proc, router, log = start_launch_logged(tmp_path, "--model", "builtin", "--http-port", "0",
+                                            "--served-model-name", "tiny-chat")
+    try:
+        [url] = [ln.split()[1] for ln in log if ln.startswith("openai: ")]
+        yield OpenAILaunch(url, router, router_workers(tmp_path / "cache"))
+    finally:
+        stop_launch(proc, builtin_model_dir())
+
+
+def router_workers(cache: Path) -> list[str]:
+    """The server addresses a launch gave its router (``--prefill A --decode B``), read from the
+    command line of the router process that has the launch's ``PDSERVE_CACHE`` (``cache``: the
+    launch's own Ray head passes it on)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            env = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if cmd[1:4] == ["-m", "cli.main", "router"] and f"PDSERVE_CACHE={cache}" in env:
+            return [a for flag in ("--prefill", "--decode")
+                    for a in cmd[cmd.index(flag) + 1].split(",")]
+    raise AssertionError(f"no router process has PDSERVE_CACHE={cache}")
+
+
+def test_launch_serves_the_openai_api_on_its_http_port(openai_launch: OpenAILaunch,
+                                                       tmp_path: Path) -> None:
     """``pdserve launch --http-port 0 --served-model-name NAME`` on the built-in tiny model: the
     ``openai:`` line names the router's HTTP door, the SDK lists NAME there once the workers are
     ready, and a streamed completion and a streamed chat completion at temperature 0 each add up
-    to the whole answer; Ctrl-C then leaves nothing running."""
-    proc, _, log = start_launch_logged(tmp_path, "--model", "builtin", "--http-port", "0",
-                                       "--served-model-name", "tiny-chat")
-    try:
-        [url] = [ln.split()[1] for ln in log if ln.startswith("openai: ")]
-        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), url
-        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
-        assert [m.id for m in ready_models(client)] == ["tiny-chat"]
-        kw: dict[str, Any] = {"model": "tiny-chat", "max_tokens": 12, "temperature": 0}
-        whole = client.completions.create(prompt="def add(a, b):", **kw).choices[0].text
-        pieces = [c.choices[0].text for c in client.completions.create(
-            prompt="def add(a, b):", stream=True, **kw) if c.choices]
-        assert len(pieces) > 1 and "".join(pieces) == whole and whole
-        messages: Any = [{"role": "user", "content": "say hello"}]
-        answer = client.chat.completions.create(messages=messages, **kw)
-        whole = answer.choices[0].message.content or ""
-        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            messages=messages, stream=True, **kw) if c.choices]
-        assert "".join(pieces) == whole and whole
-        check_lm_eval(client, url, tmp_path)
-    finally:
-        stop_launch(proc, builtin_model_dir())
+    to the whole answer."""
+    url = openai_launch.url
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), url
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
+    assert [m.id for m in ready_models(client)] == ["tiny-chat"]
+    kw: dict[str, Any] = {"model": "tiny-chat", "max_tokens": 12, "temperature": 0}
+    whole = client.completions.create(prompt="def add(a, b):", **kw).choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(
+        prompt="def add(a, b):", stream=True, **kw) if c.choices]
+    assert len(pieces) > 1 and "".join(pieces) == whole and whole
+    messages: Any = [{"role": "user", "content": "say hello"}]
+    answer = client.chat.completions.create(messages=messages, **kw)
+    whole = answer.choices[0].message.content or ""
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        messages=messages, stream=True, **kw) if c.choices]
+    assert "".join(pieces) == whole and whole
+    check_lm_eval(client, url, tmp_path)
+
+
+@pytest.mark.skipif(not aiperf_run.AIPERF.exists() and not os.environ.get("CI"),
+                    reason="AIPerf is not installed (.ci/run installs it into .venv/aiperf)")
+def test_aiperf_loads_the_openai_door(openai_launch: OpenAILaunch, tmp_path: Path) -> None:
+    """AIPerf, a load generator of the ecosystem, through the door as a user runs it: 24 streamed
+    chat completions, 4 at a time, of 16-token prompts asking for 8 tokens with ``ignore_eos``.
+    Its exports show every request completed without error with exactly 8 output tokens, and a
+    TTFT and an ITL for each; the router admitted exactly those 24, and afterwards no node holds
+    a page, slot, room or request."""
+    client = openai.OpenAI(base_url=openai_launch.url, api_key="x", max_retries=0, timeout=60)
+    ready_models(client)
+    admitted = get_stats(openai_launch.router).requests_total
+    result = aiperf_run.profile(openai_launch.url.removesuffix("/v1"), "tiny-chat",
+                                builtin_model_dir(), tmp_path / "aiperf", requests=24,
+                                concurrency=4, input_tokens=16, output_tokens=8)
+    summary = result.summary
+    assert summary["error_summary"] == [] and not summary["was_cancelled"], summary
+    assert summary["completed_request_count"]["avg"] == 24, summary["completed_request_count"]
+    assert summary["request_error_rate"]["avg"] == 0
+    for name in ("time_to_first_token", "inter_token_latency"):
+        assert summary[name]["unit"] == "ms" and summary[name]["count"] == 24, summary[name]
+    assert len(result.records) == 24
+    for record in result.records:
+        metrics = record["metrics"]
+        assert record.get("error") is None, record
+        assert metrics["output_sequence_length"]["value"] == 8, metrics
+        assert metrics["usage_completion_tokens"]["value"] == 8, metrics
+        assert metrics["time_to_first_token"]["value"] > 0, metrics
+        assert metrics["inter_token_latency"]["value"] > 0, metrics
+    assert get_stats(openai_launch.router).requests_total - admitted == 24
+    assert_all_idle([openai_launch.router, *openai_launch.workers])
 
 
 def check_lm_eval(client: openai.OpenAI, url: str, tmp_path: Path) -> None:
