@@ -39,6 +39,8 @@ def sampling_kwargs(msg: pb.SamplingParams, default_max_new_tokens: int) -> dict
         out["prompt_logprobs"] = int(msg.prompt_logprobs)
     if msg.HasField("structured_output"):
         out["structured_output"] = (msg.structured_output.kind, msg.structured_output.value)
+    if msg.logit_bias:
+        out["logit_bias"] = tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items()))
     return out
 
 
@@ -62,6 +64,7 @@ def sampling_message(kwargs: dict[str, Any]) -> pb.SamplingParams:
     if kwargs.get("structured_output") is not None:
         kind, value = kwargs["structured_output"]
         msg.structured_output.kind, msg.structured_output.value = kind, value
+    msg.logit_bias.update(dict(kwargs.get("logit_bias", ())))
     return msg
 
 

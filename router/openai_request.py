@@ -103,7 +103,7 @@ def chat_call(body: dict[str, Any], request_id: str,
 # chat takes ``tools``/``tool_choice``, :mod:`router.openai_tools`.)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
-    "logit_bias": (None, {}), "suffix": (None, ""), "prompt_logprobs": (None,),
+    "suffix": (None, ""), "prompt_logprobs": (None,),
 }
 
 
@@ -265,9 +265,29 @@ def sampling(body: dict[str, Any]) -> gpb.SamplingParams:
     if body.get("ignore_eos"):
         out.ignore_eos = True
     out.stop.extend(stops(body))
+    out.logit_bias.update(logit_bias(body))
     grammar = structured_output(body)
     if grammar is not None:
         out.structured_output.CopyFrom(grammar)
+    return out
+
+
+def logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """``logit_bias``: an object from token ids (JSON keys: strings of integers) to numbers; the
+    ranges (ids in the vocabulary, biases in [-100, 100]) are the validator's."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest("'logit_bias' must be an object from token ids to biases")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < 1 << 32:
+            raise BadRequest(f"'logit_bias' keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise BadRequest(f"'logit_bias' of token {key} must be a number")
+        out[token] = float(bias)
     return out
 
 

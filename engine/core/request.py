@@ -21,6 +21,8 @@ MAX_SEED = 2**63 - 1
 MAX_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| at most this (OpenAI's range)
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default)
+MAX_LOGIT_BIAS = 100.0  # |bias| at most this (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # tokens one request may bias
 
 
 class TopLogprobs(NamedTuple):
@@ -41,7 +43,8 @@ class SamplingParams:
        token seen so far (prompt and output): a positive logit is divided by ``r``, a negative
        one multiplied by it; then ``frequency_penalty`` ``f`` and ``presence_penalty`` ``p``
        (each in [-2, 2], 0 = off) over output tokens only:
-       ``logit -= f * count + p * (count > 0)``;
+       ``logit -= f * count + p * (count > 0)``; then ``logit_bias`` (``(token, bias)`` pairs,
+       each bias in [-100, 100], OpenAI's): ``logit += bias``;
     2. ``temperature`` (0 = greedy: the argmax of the penalized logits, no filter applies);
     3. ``top_k`` (0 = off), then ``top_p`` (1 = off) on what top-k kept, then ``min_p``
        (0 = off): keep the tokens whose probability is at least ``min_p`` times the most
@@ -81,6 +84,7 @@ class SamplingParams:
     top_logprobs: int = 0
     prompt_logprobs: int | None = None
     structured_output: tuple[str, str] | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -88,9 +92,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """True when any penalty changes the logits (each needs the token history)."""
+        """True when any penalty (or a logit bias) changes the logits: they are applied together
+        (:mod:`engine.sampling.penalties`, where each request with them has a token history)."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
-                or self.presence_penalty != 0.0)
+                or self.presence_penalty != 0.0 or bool(self.logit_bias))
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise :class:`InvalidRequestError` naming the first bad value, if any."""
@@ -112,6 +117,24 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, MAX_SEED)
         if self.structured_output is not None:
             _check_structured_output(self.structured_output, self.ignore_eos)
+        _check_logit_bias(self.logit_bias, vocab_size)
+
+
+def _check_logit_bias(bias: tuple[tuple[int, float], ...], vocab_size: int | None) -> None:
+    if not isinstance(bias, tuple) or not all(isinstance(p, tuple) and len(p) == 2
+                                              for p in bias):
+        raise InvalidRequestError(f"logit_bias must be (token, bias) pairs, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidRequestError(f"logit_bias biases {len(bias)} tokens, more than the limit "
+                                  f"of {MAX_LOGIT_BIAS_TOKENS}")
+    for token, value in bias:
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0 or (
+                vocab_size is not None and token >= vocab_size):
+            raise InvalidRequestError(f"logit_bias has a token id outside the vocabulary: "
+                                      f"{token!r}")
+        _check_range(f"logit_bias of token {token}", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    if len({token for token, _ in bias}) != len(bias):
+        raise InvalidRequestError("logit_bias names a token twice")
 
 
 def _check_structured_output(spec: tuple[str, str], ignore_eos: bool) -> None:

@@ -1,4 +1,5 @@
-"""Repetition, frequency and presence penalties on raw logits (rules: ``SamplingParams``).
+"""Repetition, frequency and presence penalties, and logit biases, on raw logits (rules:
+``SamplingParams``).
 
 A request with penalties gets a :class:`TokenHistory` on the logits' device the first time it is
 sampled: which tokens its prompt holds (``[V]`` bool) and how often each token occurs in its
@@ -58,7 +59,7 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], seen: torch
              counts: torch.Tensor) -> torch.Tensor:
     """Penalized copy of ``logits`` ``[n, V]``: ``seen`` ``[n, V]`` bool marks the tokens of
     prompt and output (repetition penalty), ``counts`` ``[n, V]`` the output counts (frequency
-    and presence penalties); one ``params`` per row."""
+    and presence penalties); one ``params`` per row, whose ``logit_bias`` is added last."""
     device = logits.device
     rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
     freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
@@ -66,7 +67,24 @@ def penalize(logits: torch.Tensor, params: Sequence[SamplingParams], seen: torch
     x = logits.float()
     scaled = torch.where(x > 0, x / rep, x * rep)  # [n, V]
     x = torch.where(seen, scaled, x)
-    return x - freq * counts - pres * (counts > 0).float()
+    x = x - freq * counts - pres * (counts > 0).float()
+    if any(p.logit_bias for p in params):
+        x = x + _biases(params, x.shape[1], device)
+    return x
+
+
+def _biases(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[n, V]``: each row's ``logit_bias`` at its tokens, 0 elsewhere."""
+    rows, tokens, values = [], [], []
+    for i, p in enumerate(params):
+        for token, value in p.logit_bias:
+            rows.append(i)
+            tokens.append(token)
+            values.append(value)
+    out = torch.zeros(len(params), vocab, device=device)
+    out[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = torch.tensor(
+        values, device=device)
+    return out
 
 
 def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:

@@ -257,3 +257,29 @@ def test_the_prefill_worker_scores_the_prompt(cluster: Cluster, oracle: Any,  # 
     torch.testing.assert_close(torch.tensor(list(resp.prompt_logprobs)), want, atol=1e-4, rtol=0)
     assert [len(t.token_ids) for t in resp.prompt_top_logprobs] == [2] * (len(ids) - 1)
     assert_all_idle([prefill, decode])
+
+
+def test_logit_bias_steers_the_output(cluster: Cluster) -> None:
+    """OpenAI's ``logit_bias`` through the disaggregated door: -100 on the greedy first token
+    (from the prefill) and on the next one (from the decode) takes the second choice each
+    time, as the alternatives of an unbiased request say; the log-probabilities stay the
+    model's; bad biases are 400s naming the field."""
+    client = cluster.client
+    free = client.completions.create(model="m", prompt=PROMPT, max_tokens=1, temperature=0,
+                                     logprobs=2)
+    top = free.choices[0].logprobs.top_logprobs[0]
+    ids, _ = cluster.grpc_ids(PROMPT, 1)
+    second = sorted(top.items(), key=lambda kv: -kv[1])[1]
+    biased = client.completions.create(model="m", prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logprobs=0, logit_bias={str(ids[0]): -100})
+    lp = biased.choices[0].logprobs
+    assert (lp.tokens[0], lp.token_logprobs[0]) == (second[0], pytest.approx(second[1], abs=1e-5))
+    got, _ = cluster.grpc_ids(PROMPT, 4, logit_bias={ids[0]: -100.0})
+    plain, _ = cluster.grpc_ids(PROMPT, 4)
+    assert got[0] != plain[0] and ids[0] not in got
+    for bias, word in (({"5": 101}, "logit_bias of token 5"), ({"x": 1}, "'logit_bias' keys"),
+                       ({"10000000": 1}, "outside the vocabulary"), ([1], "'logit_bias' must")):
+        with pytest.raises(openai.BadRequestError, match=word):
+            client.completions.create(model="m", prompt=PROMPT, max_tokens=1,
+                                      logit_bias=bias)  # type: ignore[arg-type]
+    assert_all_idle([w.address for w in cluster.workers])

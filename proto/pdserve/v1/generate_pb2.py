@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12!\n\x06images\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Image\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12!\n\x06videos\x18\x06 \x03(\x0b\x32\x11.pdserve.v1.VideoB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12+\n\x07patches\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ImagePatchesH\x00\x42\x08\n\x06source\"\x82\x01\n\x05Video\x12)\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.VideoFramesH\x00\x12+\n\x07patches\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ImagePatchesH\x00\x12\x17\n\x0fsecond_per_grid\x18\x03 \x01(\x02\x42\x08\n\x06source\"*\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"=\n\x0cImagePatches\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\"\xb7\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x12\x37\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x12\n\x10_prompt_logprobs\"/\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xa9\x02\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x1c\n\x14\x63hat_template_source\x18\x07 \x01(\t\x12I\n\x13\x63hat_special_tokens\x18\x08 \x03(\x0b\x32,.pdserve.v1.ModelInfo.ChatSpecialTokensEntry\x1a\x38\n\x16\x43hatSpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\"\xdd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12!\n\x06images\x18\x04 \x03(\x0b\x32\x11.pdserve.v1.Image\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12!\n\x06videos\x18\x06 \x03(\x0b\x32\x11.pdserve.v1.VideoB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x05Image\x12\x11\n\x07\x65ncoded\x18\x01 \x01(\x0cH\x00\x12+\n\x07patches\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ImagePatchesH\x00\x42\x08\n\x06source\"\x82\x01\n\x05Video\x12)\n\x06\x66rames\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.VideoFramesH\x00\x12+\n\x07patches\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.ImagePatchesH\x00\x12\x17\n\x0fsecond_per_grid\x18\x03 \x01(\x02\x42\x08\n\x06source\"*\n\x0bVideoFrames\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"=\n\x0cImagePatches\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x10\n\x08grid_thw\x18\x03 \x03(\r\"\xa8\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x12\x37\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12=\n\nlogit_bias\x18\x11 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x12\n\x10_prompt_logprobs\"/\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xbc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\t \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\n \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\x12\x18\n\x10prompt_token_ids\x18\x0b \x03(\r\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xa9\x02\n\tModelInfo\x12\x12\n\nmodel_type\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x1c\n\x14\x63hat_template_source\x18\x07 \x01(\t\x12I\n\x13\x63hat_special_tokens\x18\x08 \x03(\x0b\x32,.pdserve.v1.ModelInfo.ChatSpecialTokensEntry\x1a\x38\n\x16\x43hatSpecialTokensEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse2\xdb\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_MODELINFO_CHATSPECIALTOKENSENTRY']._loaded_options = None
   _globals['_MODELINFO_CHATSPECIALTOKENSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=42
@@ -46,25 +48,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IMAGEPATCHES']._serialized_start=550
   _globals['_IMAGEPATCHES']._serialized_end=611
   _globals['_SAMPLINGPARAMS']._serialized_start=614
-  _globals['_SAMPLINGPARAMS']._serialized_end=1181
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1183
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1230
-  _globals['_TOPLOGPROBS']._serialized_start=1232
-  _globals['_TOPLOGPROBS']._serialized_end=1282
-  _globals['_GENERATERESPONSE']._serialized_start=1285
-  _globals['_GENERATERESPONSE']._serialized_end=1601
-  _globals['_USAGE']._serialized_start=1604
-  _globals['_USAGE']._serialized_end=1733
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1735
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1756
-  _globals['_MODELINFO']._serialized_start=1759
-  _globals['_MODELINFO']._serialized_end=2056
-  _globals['_MODELINFO_CHATSPECIALTOKENSENTRY']._serialized_start=2000
-  _globals['_MODELINFO_CHATSPECIALTOKENSENTRY']._serialized_end=2056
-  _globals['_ABORTREQUEST']._serialized_start=2058
-  _globals['_ABORTREQUEST']._serialized_end=2092
-  _globals['_ABORTRESPONSE']._serialized_start=2094
-  _globals['_ABORTRESPONSE']._serialized_end=2109
-  _globals['_GENERATION']._serialized_start=2112
-  _globals['_GENERATION']._serialized_end=2331
+  _globals['_SAMPLINGPARAMS']._serialized_end=1294
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1105
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1153
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1296
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1343
+  _globals['_TOPLOGPROBS']._serialized_start=1345
+  _globals['_TOPLOGPROBS']._serialized_end=1395
+  _globals['_GENERATERESPONSE']._serialized_start=1398
+  _globals['_GENERATERESPONSE']._serialized_end=1714
+  _globals['_USAGE']._serialized_start=1717
+  _globals['_USAGE']._serialized_end=1846
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1848
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1869
+  _globals['_MODELINFO']._serialized_start=1872
+  _globals['_MODELINFO']._serialized_end=2169
+  _globals['_MODELINFO_CHATSPECIALTOKENSENTRY']._serialized_start=2113
+  _globals['_MODELINFO_CHATSPECIALTOKENSENTRY']._serialized_end=2169
+  _globals['_ABORTREQUEST']._serialized_start=2171
+  _globals['_ABORTREQUEST']._serialized_end=2205
+  _globals['_ABORTRESPONSE']._serialized_start=2207
+  _globals['_ABORTRESPONSE']._serialized_end=2222
+  _globals['_GENERATION']._serialized_start=2225
+  _globals['_GENERATION']._serialized_end=2444
 # @@protoc_insertion_point(module_scope)

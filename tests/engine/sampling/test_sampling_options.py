@@ -43,6 +43,8 @@ def ref_penalize(row: torch.Tensor, prompt: list[int], output: list[int],
         out[tok] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
     for tok, count in Counter(output).items():
         out[tok] -= p.frequency_penalty * count + p.presence_penalty
+    for tok, bias in p.logit_bias:
+        out[tok] += bias
     return out
 
 
@@ -71,7 +73,9 @@ def _request(prompt: list[int], output: list[int], p: SamplingParams) -> Request
 
 PENALTIES = [SamplingParams(repetition_penalty=1.7), SamplingParams(repetition_penalty=0.6),
              SamplingParams(frequency_penalty=0.9), SamplingParams(presence_penalty=-1.3),
-             SamplingParams(repetition_penalty=1.3, frequency_penalty=-0.4, presence_penalty=2.0)]
+             SamplingParams(repetition_penalty=1.3, frequency_penalty=-0.4, presence_penalty=2.0),
+             SamplingParams(logit_bias=((3, 5.0), (9, -100.0), (11, 100.0))),
+             SamplingParams(repetition_penalty=1.4, logit_bias=((4, -2.5),))]
 
 
 @pytest.mark.parametrize("params", PENALTIES)
@@ -139,6 +143,10 @@ def test_sampler_draws_from_the_penalized_min_p_distribution() -> None:
     ("repetition_penalty", float("inf")), ("frequency_penalty", 2.5),
     ("presence_penalty", -2.01), ("presence_penalty", True), ("stop", ("",)),
     ("stop", ["x"]), ("stop", tuple("abcdefghijklmnopq")),
+    ("logit_bias", ((1, 100.5),)), ("logit_bias", ((-1, 1.0),)), ("logit_bias", ((1, 1.0),
+                                                                                  (1, -1.0))),
+    ("logit_bias", ((1, float("nan")),)), ("logit_bias", {1: 1.0}),
+    ("logit_bias", tuple((t, 1.0) for t in range(1025))),
 ])
 def test_out_of_range_values_are_refused(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError, match=field):
@@ -148,7 +156,7 @@ def test_out_of_range_values_are_refused(field: str, value: Any) -> None:
 def test_wire_round_trip_keeps_every_field() -> None:
     p = SamplingParams(temperature=0.5, top_p=0.25, top_k=3, max_new_tokens=7, seed=9,
                        min_p=0.125, repetition_penalty=1.25, frequency_penalty=-0.5,
-                       presence_penalty=0.75, stop=("a", "bc"))
+                       presence_penalty=0.75, stop=("a", "bc"), logit_bias=((3, 1.5), (7, -2.0)))
     assert SamplingParams(**sampling_kwargs(sampling_message(dataclasses.asdict(p)), 1)) == p
     assert SamplingParams(**sampling_kwargs(gpb.SamplingParams(), 5)) == SamplingParams(
         max_new_tokens=5)
@@ -198,6 +206,7 @@ class _Run:
     def __init__(self, prompt_len: int) -> None:
         self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.aborted = False
+        self.scores_due = False  # no prompt log-probabilities asked for
         self.decode = SimpleNamespace(address="d")
         self.request = SimpleNamespace(token_ids=[0] * prompt_len)
         self.closed = 0
@@ -332,3 +341,36 @@ def test_eagle_greedy_with_penalties_equals_plain_decoding(tiny_dir: Path,
     got = spec.generate(prompts, params)
     assert got[0].token_ids == want[0].token_ids
     assert spec.stats.rounds > 0
+
+
+def test_logit_bias_steers_greedy_and_eagle_alike(tiny_dir: Path, tmp_path: Path) -> None:
+    """A bias of -100 on the model's greedy token moves greedy decoding off it, +100 on a token
+    makes every step take it; the log-probabilities stay the model's own; EAGLE's greedy verify
+    under the same biases commits exactly those tokens; a token outside the vocabulary is
+    refused by name."""
+    from decode_node.spec.eagle_engine import EagleEngine
+    from engine.builtin.tiny_model import write_tiny_draft
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine, Prompt
+    from engine.models.eagle.loader import load_draft
+
+    prompts = [Prompt(token_ids=[5, 6, 7, 5, 6, 7, 5, 6])]
+    engine = LLMEngine(tiny_dir, EngineConfig(num_pages=32, page_size=8, lookahead_tokens=3))
+    [free] = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                     top_logprobs=2))
+    first, second = free.top_logprobs[0].token_ids
+    banned = SamplingParams(max_new_tokens=12, ignore_eos=True, logit_bias=((first, -100.0),))
+    [steered] = engine.generate(prompts, banned)
+    assert steered.token_ids[0] == second and first not in steered.token_ids
+    assert steered.logprobs[0] == pytest.approx(free.top_logprobs[0].logprobs[1], abs=1e-5)
+    [forced] = engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True,
+                                                       logit_bias=((42, 100.0),)))
+    assert forced.token_ids == [42] * 6
+    draft = load_draft(write_tiny_draft(tmp_path / "draft"), engine.model_config.text,
+                       torch.float32)
+    spec = EagleEngine(engine, draft, 3)
+    assert spec.generate(prompts, banned)[0].token_ids == steered.token_ids
+    assert spec.stats.rounds > 0
+    with pytest.raises(InvalidRequestError, match="logit_bias has a token id outside"):
+        engine.add_request([1, 2], sampling=SamplingParams(logit_bias=((10**6, 1.0),)))
+    engine.scheduler.check_no_leaks()
