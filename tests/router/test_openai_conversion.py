@@ -104,9 +104,9 @@ def test_any_integer_seed_is_one_the_engine_takes(seed: int, wire: int) -> None:
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-    ("logit_bias", {"5": 10}), ("suffix", "end"), ("prompt_logprobs", 1), ("best_of", 3)])
-def test_fields_not_honoured_are_refused_by_name(field: str, value: object) -> None:
+    ("tools", [{"type": "function"}]), ("tool_choice", "auto"),  # malformed: no function
+    ("suffix", "end"), ("prompt_logprobs", 1), ("best_of", 3)])  # not honoured yet
+def test_fields_refused_are_named(field: str, value: object) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], field: value}
     with pytest.raises(BadRequest, match=field):
         chat_call(body, "r")
