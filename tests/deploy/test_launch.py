@@ -9,6 +9,7 @@ lm-evaluation-harness and AIPerf then run against the same launched cluster."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -199,7 +200,8 @@ def test_launch_serves_the_openai_api_on_its_http_port(openai_launch: OpenAILaun
     """``pdserve launch --http-port 0 --served-model-name NAME`` on the built-in tiny model: the
     ``openai:`` line names the router's HTTP door, the SDK lists NAME there once the workers are
     ready, and a streamed completion and a streamed chat completion at temperature 0 each add up
-    to the whole answer."""
+    to the whole answer; a JSON-schema reply and a named tool call validate against their
+    schema; lm-evaluation-harness runs its two task kinds."""
     url = openai_launch.url
     assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), url
     client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60)
@@ -215,11 +217,35 @@ def test_launch_serves_the_openai_api_on_its_http_port(openai_launch: OpenAILaun
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         messages=messages, stream=True, **kw) if c.choices]
     assert "".join(pieces) == whole and whole
+    check_structured_and_tools(client, messages)
     check_lm_eval(client, url, tmp_path)
 
 
+def check_structured_and_tools(client: openai.OpenAI, messages: Any) -> None:  # noqa: ANN401
+    """``response_format`` with a JSON schema, and a named tool, through the SDK."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    kw: dict[str, Any] = {"model": "tiny-chat", "max_tokens": 256, "temperature": 0,
+                          "messages": messages}
+    reply = client.chat.completions.create(
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        **kw)
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), schema)
+    tools: Any = [{"type": "function", "function": {"name": "pick", "parameters": schema}}]
+    called = client.chat.completions.create(
+        tools=tools, tool_choice={"type": "function", "function": {"name": "pick"}}, **kw)
+    [call] = called.choices[0].message.tool_calls or []
+    assert call.function.name == "pick"
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 @pytest.mark.skipif(not aiperf_run.AIPERF.exists() and not os.environ.get("CI"),
-                    reason="AIPerf is not installed (.ci/run installs it into .venv/aiperf)")
+                    reason="AIPerf is not installed (scripts/test.sh installs it into "
+                           ".venv/aiperf)")
 def test_aiperf_loads_the_openai_door(openai_launch: OpenAILaunch, tmp_path: Path) -> None:
     """AIPerf, a load generator of the ecosystem, through the door as a user runs it: 24 streamed
     chat completions, 4 at a time, of 16-token prompts asking for 8 tokens with ``ignore_eos``.
