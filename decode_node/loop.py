@@ -69,6 +69,7 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
         videos: Sequence[VideoInput] = (),
     ) -> Request:
         """Validate and queue a request; raises ``InvalidRequestError`` on bad input."""
+        self.engine.structured.check(sampling)  # a grammar compiles here, not under the lock
         with self.lock:
             req = self.engine.add_request(token_ids, images, sampling, request_id=request_id,
                                           videos=videos)

@@ -117,6 +117,7 @@ class PrefillLoop(PrefillThread):
         # The prefill computes the prompt and samples exactly one token, the decode's first; the
         # prompt's log-probabilities, when asked for, go back in the Prefill call's response.
         first_only = replace(sampling, max_new_tokens=1)
+        self.engine.structured.check(sampling)  # a grammar compiles here, not under the lock
         with self.lock:
             req = self.engine.new_request(token_ids, images, first_only, request_id=str(room),
                                           videos=videos)

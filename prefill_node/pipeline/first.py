@@ -62,6 +62,7 @@ class FirstStageLoop(PrefillThread):
         # the last stage samples the first token; no stage scores the prompt (the router has
         # requests that ask prefilled on their decode: this loop's scores_prompts is False)
         first_only = dataclasses.replace(sampling, max_new_tokens=1, prompt_logprobs=None)
+        self.engine.structured.check(sampling)  # a grammar compiles here, not under the lock
         with self.lock:
             req = self.engine.new_request(token_ids, images, first_only, request_id=str(room),
                                           videos=videos)
