@@ -25,11 +25,22 @@ Every forward's mrope positions come from :func:`engine.multimodal.mrope.mrope_f
 that forward's final 1-D positions (the prompt's rope table for prompt rows), so their column count
 always equals the forward's token count.
 
+Host reads: a round reads the device once. Each draft step's tokens (argmax, or drawn with the
+request's generator) stay on the device and feed the next draft forward; the verify input is
+the bonus (known on the host) before them; acceptance runs for the whole batch on the device
+(:mod:`decode_node.spec.accept`); then :func:`read_outcome` brings back, in one copy, each
+request's ``A``, its committed tokens, their log-probabilities, a tree's accepted path, and the
+alternatives of the requests that ask for ``top_logprobs``. The hybrid state keep and the draft
+extend take ``A`` from that copy, and the draft's pick of the next round's ``d_1`` from the
+extend's seeds stays on the device (:class:`DraftState`). Only a request with a grammar reads
+more (its drafts, to mask its verify rows on the host: :mod:`engine.sampling.structured`).
+
 Draft trees (EAGLE-2, ``topk > 1`` or ``steps != K``): the round drafts a tree instead of the
 chain and verifies it in one forward under a tree mask (:mod:`decode_node.spec.tree_round`); the
 chain (``topk == 1``, ``steps == K``) runs exactly the path above. A tree's drafts are the
 draft's top-``k`` tokens whatever the request's sampling; a sampled request's tree is verified
-losslessly with the drafts as point masses (:func:`~decode_node.spec.accept.accept_tree_sampled`).
+losslessly with the drafts as point masses (:func:`~decode_node.spec.accept.accept_tree`). A
+tree round drafts from the seed feature itself, so its requests' states hold no ``d_1``.
 
 A hybrid target (linear-attention layers, Qwen3.5): the verify reads each request's state slot
 without writing it and keeps the state after every window row; once ``A`` is known the slot takes
@@ -54,7 +65,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from decode_node.spec.accept import accept_greedy, accept_sampled
+from decode_node.spec.accept import (
+    Accepted,
+    chain_greedy,
+    chain_outcome,
+    chain_sampled,
+    draw,
+    generator_of,
+    row_probs,
+    rows_of,
+)
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import TreeShape
 from decode_node.spec.tree_round import TreeRounds
@@ -65,13 +85,10 @@ from engine.core.scheduler import SchedulerOutput
 from engine.errors import ConfigError
 from engine.llm_engine import GenerationResult, LLMEngine, Prompt, StepResult
 from engine.models.eagle.eagle3 import Draft
-from engine.multimodal.inputs import RequestState
 from engine.multimodal.mrope import mrope_from_1d
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
-from engine.sampling.logprobs import top_logprobs
 from engine.sampling.penalties import chain_scores
-from engine.sampling.sampler import sampling_probs
 
 # (phase, request ids per row, 1-D positions [T], mrope positions [3, T]) of every forward
 PositionLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]
@@ -90,11 +107,39 @@ def spec_refusal(text: TextConfig, shape: TreeShape) -> str | None:
 
 @dataclass
 class DraftState:
-    """The draft's seed for a request's next round."""
+    """The draft's seed for a request's next round, on the device (nothing of it is read on
+    the host)."""
 
-    token: int  # d_1: the draft's guess for index S + 1
-    feature: torch.Tensor  # [H] the draft output that predicted it
-    q: torch.Tensor | None  # [V] the distribution d_1 was drawn from (None when greedy)
+    feature: torch.Tensor  # [H] the draft output that predicts d_1
+    token: torch.Tensor | None  # [] int64 d_1 (None in tree rounds: they draft from the feature)
+    q: torch.Tensor | None  # [V] the distribution d_1 was drawn from (None when greedy, or a tree)
+
+
+@dataclass(frozen=True)
+class Picked:
+    """The draft's token per row, and the distributions the sampled rows' were drawn from."""
+
+    tokens: torch.Tensor  # [B] int64
+    q: torch.Tensor | None  # [m, V], one row per sampled request in batch order; None if none
+    rows: list[int]  # the batch indices of the sampled requests
+
+    def dists(self) -> list[torch.Tensor | None]:
+        """Each row's distribution ``[V]`` (None where it was greedy)."""
+        out: list[torch.Tensor | None] = [None] * self.tokens.shape[0]
+        if self.q is not None:
+            for j, i in enumerate(self.rows):
+                out[i] = self.q[j]
+        return out
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a round commits, per request in batch order, on the host (:func:`read_outcome`)."""
+
+    tokens: list[list[int]]  # the A tokens to commit
+    logprobs: list[list[float]]  # each one's log-probability under its verify row
+    tops: list[list[TopLogprobs | None]]  # their alternatives ([] unless the request asks)
+    paths: list[list[int]]  # a tree's accepted path (node indices from the root); [] for chains
 
 
 @dataclass
@@ -178,9 +223,12 @@ class EagleEngine:
     def seed(self, req: Request, feature: torch.Tensor) -> None:
         """Start ``req``'s rounds from the draft feature that predicts its first draft token
         (the draft prefill's last row, here or on the prefill node)."""
-        feature = feature.to(self.engine.model.dtype)
-        tokens, qs = self._pick(feature.unsqueeze(0), [req])
-        self.states[req.request_id] = DraftState(tokens[0], feature, qs[0])
+        feature = feature.to(self.graph.bufs.device, self.engine.model.dtype)
+        if self.trees is not None:  # a tree drafts from the feature itself
+            self.states[req.request_id] = DraftState(feature, None, None)
+            return
+        pick = self._pick(feature.unsqueeze(0), [req])
+        self.states[req.request_id] = DraftState(feature, pick.tokens[0], pick.dists()[0])
 
     # ---- one speculative round -------------------------------------------------------------
 
@@ -188,91 +236,127 @@ class EagleEngine:
         if self.trees is not None:
             return self._tree_round(self.trees, reqs)
         n = self.k + 1
-        sched = self.engine.scheduler
-        starts = [r.num_computed_tokens for r in reqs]
-        for r, s in zip(reqs, starts, strict=True):
-            sched.grow(r, s + n)
+        starts = self._grow(reqs, n)
         rnd = self.graph.round_inputs(reqs, starts)
-        drafts, qs = self._draft_decode(rnd)
+        device = self.graph.bufs.device
+        drafts, q = self._draft_decode(rnd)
+        # a no-op on the drafts' tensor; host lists also pass (tests that force the drafts)
+        drafts = torch.as_tensor(drafts, dtype=torch.int64, device=device)
         rows = [r.request_id for r in reqs for _ in range(n)]
         # verify: [b, d_1..d_K] at S..S+K, through the static buffers
-        device = self.graph.bufs.device
-        ids = torch.tensor([[r.output_token_ids[-1], *d] for r, d in zip(reqs, drafts,
-                                                                         strict=True)],
-                           device=device).flatten()
-        hidden, features = self.graph.verify(rnd, ids)
+        (bonus,) = to_device([np.array([r.output_token_ids[-1] for r in reqs], dtype=np.int64)],
+                             device)
+        hidden, features = self.graph.verify(rnd, torch.cat([bonus.unsqueeze(1), drafts],
+                                                            dim=1).flatten())
         self._log_graph("verify", rows)
         logits = self.engine.model.logits(hidden).view(len(reqs), n, -1)
-        committed = [self._accept(r, d, q, lg) for r, d, q, lg in zip(reqs, drafts, qs, logits,
-                                                                       strict=True)]
-        self.graph.keep_states([len(c) for c in committed])  # a hybrid model's accepted states
+        accepted = chain_outcome(drafts, *self._accept(reqs, drafts, q, logits))
+        out = read_outcome(accepted, logits, [r.sampling.top_logprobs for r in reqs])
+        lengths = [len(c) for c in out.tokens]
+        self.graph.keep_states(lengths)  # a hybrid model's accepted states
         # draft extend over the verified window, at the same positions; select_index rows
-        ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed],
-                           device=device).flatten()
-        seeds = self.graph.draft_extend(rnd, ext, features, [len(c) - 1 for c in committed])
+        seeds = self.graph.draft_extend(rnd, accepted.tokens.flatten(), features,
+                                        [a - 1 for a in lengths])
         self._log_graph("draft_extend", rows)
-        tokens, seed_qs = self._pick(seeds, reqs)
-        return self._commit(reqs, starts, committed, logits, tokens, seed_qs, seeds)
+        return self._commit(reqs, starts, out, seeds)
 
     def _tree_round(self, trees: TreeRounds, reqs: list[Request]
                     ) -> tuple[list[tuple[Request, int]], list[Request]]:
-        sched = self.engine.scheduler
-        starts = [r.num_computed_tokens for r in reqs]
         reach = max(self.k + 1, self.shape.scratch)  # verify window or draft scratch
-        for r, s in zip(reqs, starts, strict=True):
-            sched.grow(r, s + reach)
+        starts = self._grow(reqs, reach)
         rnd = self.graph.round_inputs(reqs, starts)
-        out = trees.run(rnd, torch.stack([self.states[r.request_id].feature for r in reqs]))
-        tokens, seed_qs = self._pick(out.seeds, reqs)
-        return self._commit(reqs, starts, out.committed, out.logits, tokens, seed_qs, out.seeds)
+        verdict = trees.verify(rnd, torch.stack([self.states[r.request_id].feature
+                                                 for r in reqs]))
+        out = read_outcome(verdict.accepted, verdict.logits,
+                           [r.sampling.top_logprobs for r in reqs])
+        seeds = trees.extend(rnd, verdict, out.paths)
+        return self._commit(reqs, starts, out, seeds)
 
-    def _draft_decode(
-        self, rnd: RoundInputs
-    ) -> tuple[list[list[int]], list[list[torch.Tensor | None]]]:
-        """``K - 1`` draft forwards; returns each request's drafts ``d_1..d_K`` and their
-        distributions."""
+    def _grow(self, reqs: list[Request], reach: int) -> list[int]:
+        """Give each request the pages of ``reach`` tokens past its ``S``; the ``S``s."""
+        starts = [r.num_computed_tokens for r in reqs]
+        for r, s in zip(reqs, starts, strict=True):
+            self.engine.scheduler.grow(r, s + reach)
+        return starts
+
+    def _draft_decode(self, rnd: RoundInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``K - 1`` draft forwards from each request's seed; returns the drafts ``d_1..d_K``
+        ``[B, K]`` and, for the sampled requests (batch order), the distributions they were drawn
+        from ``[m, K, V]`` (None when every request is greedy). All on the device: each step's
+        tokens feed the next forward directly."""
         reqs = rnd.reqs
         states = [self.states[r.request_id] for r in reqs]
-        drafts = [[st.token] for st in states]
-        qs: list[list[torch.Tensor | None]] = [[st.q] for st in states]
+        firsts = [st.token for st in states if st.token is not None]
+        assert len(firsts) == len(states), "a chain round starts from every request's d_1"
+        tokens = [torch.stack(firsts)]  # [B] per step
+        dists = [st.q for st in states if st.q is not None]  # the sampled requests'
+        qs = [torch.stack(dists)] if dists else []  # [m, V] per step
         feats = torch.stack([st.feature for st in states])  # [B, H]
         starts = np.array(rnd.starts, dtype=np.int64)
         for i in range(self.k - 1):
             pos_np = starts + i  # [B]: step i runs at S + i
             batch = self._batch(rnd, pos_np)
-            cur, pos = to_device([np.array([d[-1] for d in drafts], dtype=np.int64), pos_np],
-                                 batch.slot_mapping.device)
+            (pos,) = to_device([pos_np], batch.slot_mapping.device)
             mrope = mrope_from_1d(pos, rnd.deltas)  # derived from the final positions of this step
-            feats = self._draft_forward(cur, feats, mrope, batch)
+            feats = self._draft_forward(tokens[-1], feats, mrope, batch)
             self._log_rows("draft_decode", [r.request_id for r in reqs], mrope, pos)
-            tokens, step_qs = self._pick(feats, reqs)
-            for d, q_list, tok, q in zip(drafts, qs, tokens, step_qs, strict=True):
-                d.append(tok)
-                q_list.append(q)
-        return drafts, qs
+            pick = self._pick(feats, reqs)
+            tokens.append(pick.tokens)
+            if pick.q is not None:
+                qs.append(pick.q)
+        return torch.stack(tokens, dim=1), torch.stack(qs, dim=1) if qs else None
 
-    def _accept(self, req: Request, drafts: list[int], qs: list[torch.Tensor | None],
-                logits: torch.Tensor) -> list[int]:
-        """Tokens to commit for one request from its verify logits ``[K + 1, V]``."""
-        scores = self.engine.structured.mask_chain(req, drafts, logits,
-                                                   chain_scores(req, drafts, logits))
-        if req.sampling.is_greedy:
-            return accept_greedy(drafts, scores.argmax(dim=-1).tolist())
-        p = sampling_probs(scores, [req.sampling] * scores.shape[0])
-        q = torch.stack([x for x in qs if x is not None])
-        return accept_sampled(drafts, p, q, _state(req).generator)
+    def _accept(self, reqs: list[Request], drafts: torch.Tensor, q: torch.Tensor | None,
+                logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The accepted drafts per request ``[B]`` and the token after them ``[B]``, from the
+        verify logits ``[B, K + 1, V]`` (greedy, or rejection sampling against ``q``
+        ``[m, K, V]`` for the sampled requests), on the device."""
+        scores = self._scores(reqs, drafts, logits)
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        if not sampled:
+            return chain_greedy(drafts, scores.argmax(dim=-1))
+        assert q is not None
+        n, vocab = scores.shape[1], scores.shape[2]
+        p = row_probs(rows_of(scores, sampled).reshape(-1, vocab),
+                      [reqs[i].sampling for i in sampled for _ in range(n)])
+        drawn = chain_sampled(rows_of(drafts, sampled), p.view(len(sampled), n, vocab), q,
+                              [generator_of(reqs[i]) for i in sampled])
+        if len(sampled) == len(reqs):
+            return drawn
+        accepted, last = chain_greedy(drafts, scores.argmax(dim=-1))
+        accepted[sampled], last[sampled] = drawn
+        return accepted, last
 
-    def _commit(self, reqs: list[Request], starts: list[int], committed: list[list[int]],
-                logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor | None],
+    def _scores(self, reqs: list[Request], drafts: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor:
+        """The verify logits ``[B, K + 1, V]`` with each request's penalties and grammar
+        applied row by row (:func:`chain_scores`); ``logits`` itself when no request has
+        either."""
+        rows = [i for i, r in enumerate(reqs)
+                if r.sampling.has_penalties or r.sampling.structured_output is not None]
+        if not rows:
+            return logits
+        scores = logits.clone()
+        for i in rows:
+            req, raw = reqs[i], logits[i]
+            row = chain_scores(req, drafts[i], raw)
+            if req.sampling.structured_output is not None:  # host-side: reads the drafts
+                row = self.engine.structured.mask_chain(req, drafts[i].tolist(), raw, row)
+            scores[i] = row
+        return scores
+
+    def _commit(self, reqs: list[Request], starts: list[int], out: Outcome,
                 seeds: torch.Tensor) -> tuple[list[tuple[Request, int]], list[Request]]:
+        """Hand the scheduler each request's committed tokens and seed its next round from
+        ``seeds`` ``[B, H]`` (a chain's ``d_1`` is picked here, on the device)."""
         new, finished = [], []
-        logprobs = committed_logprobs(logits, committed)
-        tops = committed_tops(logits, committed, [r.sampling.top_logprobs for r in reqs])
-        for i, (r, c) in enumerate(zip(reqs, committed, strict=True)):
-            lps = logprobs[i]
+        pick = self._pick(seeds, reqs) if self.trees is None else None
+        dists = pick.dists() if pick is not None else []
+        for i, (r, c) in enumerate(zip(reqs, out.tokens, strict=True)):
             before = r.num_output_tokens
             done = self.engine.scheduler.commit(r, starts[i] + len(c),
-                                                list(zip(c, lps, strict=True)), tops[i])
+                                                list(zip(c, out.logprobs[i], strict=True)),
+                                                out.tops[i])
             new.append((r, r.num_output_tokens - before))
             stats = self.request_stats.setdefault(r.request_id, SpecStats())
             for s in (stats, self.stats):
@@ -281,8 +365,10 @@ class EagleEngine:
                 s.rounds += 1
             if done:
                 finished.append(r)
+            elif pick is None:
+                self.states[r.request_id] = DraftState(seeds[i], None, None)
             else:
-                self.states[r.request_id] = DraftState(tokens[i], seeds[i], qs[i])
+                self.states[r.request_id] = DraftState(seeds[i], pick.tokens[i], dists[i])
         return new, finished
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -291,21 +377,21 @@ class EagleEngine:
                        batch: AttentionBatch) -> torch.Tensor:
         return self.drafter.forward(ids, features, mrope, batch)
 
-    def _pick(self, feats: torch.Tensor, reqs: list[Request]
-              ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """The draft's token per row (argmax, or sampled with the request's settings) and the
-        distribution it came from."""
-        if all(r.sampling.is_greedy for r in reqs):
-            return self.drafter.greedy_tokens(feats).tolist(), [None] * len(reqs)
+    def _pick(self, feats: torch.Tensor, reqs: list[Request]) -> Picked:
+        """The draft's token per row of ``feats`` ``[B, H]`` (argmax, or drawn with the
+        request's settings and generator) and the distributions of the drawn ones, on the
+        device."""
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        if not sampled:
+            return Picked(self.drafter.greedy_tokens(feats), None, [])
         logits = self.drafter.logits(feats)
-        tokens = logits.argmax(dim=-1).tolist()
-        qs: list[torch.Tensor | None] = [None] * len(reqs)
-        for i, r in enumerate(reqs):
-            if not r.sampling.is_greedy:
-                q = sampling_probs(logits[i : i + 1], [r.sampling])[0]
-                tokens[i] = int(torch.multinomial(q, 1, generator=_state(r).generator).item())
-                qs[i] = q
-        return tokens, qs
+        q = row_probs(rows_of(logits, sampled), [reqs[i].sampling for i in sampled])  # [m, V]
+        drawn = draw(q, [generator_of(reqs[i]) for i in sampled])
+        if len(sampled) == len(reqs):
+            return Picked(drawn, q, sampled)
+        tokens = logits.argmax(dim=-1)
+        tokens[sampled] = drawn
+        return Picked(tokens, q, sampled)
 
     def _batch(self, rnd: RoundInputs, pos: np.ndarray) -> AttentionBatch:
         """Attention inputs for one draft token per request at absolute index ``pos`` ``[B]``:
@@ -333,37 +419,49 @@ class EagleEngine:
             self.position_log(phase, rows, pos.clone(), mrope.clone())
 
 
-def _state(req: Request) -> RequestState:
-    assert isinstance(req.payload, RequestState)
-    return req.payload
+def read_outcome(accepted: Accepted, logits: torch.Tensor, ks: list[int]) -> Outcome:
+    """A round's outcome on the host, from its one device -> host copy: each request's ``A``
+    tokens, their log-probabilities under their verify rows (``logits`` ``[B, N, V]``, row
+    ``j`` scoring committed token ``j``: the model's own distribution, as the sampler reports),
+    a tree's accepted path, and for each request ``i`` that asks (``ks[i] > 0``) its committed
+    tokens' ``ks[i]`` alternatives. Log-probabilities travel as their float32 bit patterns in the
+    int64 copy (as :func:`engine.sampling.sampler._to_host` does), so they come back exactly."""
+    bsz, n = accepted.tokens.shape
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, N, V]
+    picked = logprobs.gather(2, accepted.tokens.unsqueeze(2)).squeeze(2)  # [B, N]
+    parts = [accepted.lengths, accepted.tokens.flatten(), _bits(picked)]
+    if accepted.path is not None:
+        parts.append(accepted.path.flatten())
+    asking = [i for i, k in enumerate(ks) if k > 0]
+    width = max(ks, default=0)
+    if asking:
+        values, ids = logprobs[asking].topk(width, dim=-1)  # [m, N, width]
+        parts += [ids.flatten(), _bits(values)]
+    host = torch.cat(parts).cpu().numpy()  # the round's one read
+    fields = iter(np.split(host, np.cumsum([p.numel() for p in parts])[:-1]))
+    lengths = next(fields).tolist()
+    tokens, lps = next(fields).reshape(bsz, n), _floats(next(fields)).reshape(bsz, n)
+    paths = next(fields).reshape(bsz, n) if accepted.path is not None else None
+    tops: list[list[TopLogprobs | None]] = [[] for _ in range(bsz)]
+    if asking:
+        top_ids = next(fields).reshape(len(asking), n, width)
+        top_lps = _floats(next(fields)).reshape(len(asking), n, width)
+        for j, i in enumerate(asking):
+            k = ks[i]
+            tops[i] = [TopLogprobs(tuple(top_ids[j, r, :k].tolist()),
+                                   tuple(top_lps[j, r, :k].tolist()))
+                       for r in range(lengths[i])]
+    return Outcome([tokens[i, :a].tolist() for i, a in enumerate(lengths)],
+                   [lps[i, :a].tolist() for i, a in enumerate(lengths)], tops,
+                   [paths[i, :a].tolist() if paths is not None else [] for i, a in
+                    enumerate(lengths)])
 
 
-def committed_tops(logits: torch.Tensor, committed: list[list[int]],
-                   ks: list[int]) -> list[list[TopLogprobs | None]]:
-    """The ``ks[i]`` alternatives of request ``i``'s committed tokens, under the same verify rows
-    as :func:`committed_logprobs` (empty lists where ``ks[i]`` is 0; no work when none asks)."""
-    out: list[list[TopLogprobs | None]] = [[] for _ in committed]
-    asking = [(i, j) for i, c in enumerate(committed) if ks[i] for j in range(len(c))]
-    if not asking:
-        return out
-    ii, jj = (torch.tensor(x, device=logits.device) for x in zip(*asking, strict=True))
-    for (i, _), top in zip(asking, top_logprobs(logits[ii, jj], [ks[i] for i, _ in asking]),
-                           strict=True):
-        out[i].append(top)
-    return out
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """Float32 ``values`` as their bit patterns, flat int64 (exact through an int64 copy)."""
+    return values.float().contiguous().view(torch.int32).to(torch.int64).flatten()
 
 
-def committed_logprobs(logits: torch.Tensor, committed: list[list[int]]) -> list[list[float]]:
-    """Each committed token's log-probability under its verify row: request ``i``'s ``j``-th
-    token ``committed[i][j]`` under row ``logits[i, j]`` (``[B, N, V]``). Only the committed
-    rows are normalized, in one call."""
-    lens = [len(c) for c in committed]
-    index = torch.tensor([[i, j, tok] for i, c in enumerate(committed) for j, tok in enumerate(c)],
-                         dtype=torch.int64, device=logits.device)  # [M, 3]
-    rows = torch.log_softmax(logits[index[:, 0], index[:, 1]], dim=-1)  # [M, V]
-    flat = rows.gather(1, index[:, 2:]).squeeze(1).tolist()
-    out, at = [], 0
-    for n in lens:
-        out.append(flat[at : at + n])
-        at += n
-    return out
+def _floats(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of :func:`_bits`' patterns, on the host."""
+    return bits.astype(np.int32).view(np.float32)

@@ -11,15 +11,22 @@ root ``b``; see :mod:`decode_node.spec.tree` for the tree itself):
   earlier forwards and itself. The draft extend overwrites the scratch before anything reads it.
 * **Verify**: the target over the ``N`` nodes, node ``j`` at slot ``S + j`` and position
   ``S + depth(j)``, under the tree mask (the prefix, its ancestors and itself).
-* **Accept** (:func:`~decode_node.spec.accept.accept_tree_greedy`, or
-  :func:`~decode_node.spec.accept.accept_tree_sampled` against the target's sampling
-  distributions, penalties included): the path ``0 = p_0, p_1, .. p_{A-1}`` and ``A`` tokens to
-  commit. The target KV of ``p_j`` moves from slot ``S + p_j`` to
-  ``S + j`` (every layer), so the committed KV is contiguous again.
+* **Accept** (:func:`~decode_node.spec.accept.accept_tree`, the whole batch on the device): the
+  target's token at every node (its argmax, or one draw from its sampling distribution,
+  penalties included), then the path ``0 = p_0, p_1, .. p_{A-1}`` and the ``A`` tokens to
+  commit. Everything up to here stays on the device (:meth:`TreeRounds.verify`); the round reads
+  the path with the rest of its outcome in one copy
+  (:func:`~decode_node.spec.eagle_engine.read_outcome`), then :meth:`TreeRounds.extend` moves the
+  target KV of ``p_j`` from slot ``S + p_j`` to ``S + j`` (every layer), so the committed KV is
+  contiguous again.
 * **Draft extend**: the draft over rows ``j = 0 .. N - 1`` at ``S + j`` (the chain's window):
   row ``j < A`` pairs the verify's feature of ``p_j`` with committed token ``j``, so the
   draft KV lands at its committed slots directly; rows ``>= A`` repeat the last one and write
   past ``S + A``. Row ``A - 1`` seeds the next round.
+
+Requests with a grammar (``structured_output``) read their tree's tokens and mask on the host to
+mask their verify rows (:meth:`engine.sampling.structured.StructuredOutputs.mask_tree`); no other
+request reads anything before the outcome.
 """
 
 from __future__ import annotations
@@ -30,29 +37,35 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
+from decode_node.spec.accept import (
+    Accepted,
+    accept_tree,
+    draw,
+    generator_of,
+    row_probs,
+    rows_of,
+)
 from decode_node.spec.graph_runner import RoundInputs, SpecGraphRunner
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
 from engine.attention.backend import AttentionBatch
+from engine.core.request import Request
 from engine.llm_engine import LLMEngine
-from engine.multimodal.inputs import RequestState
 from engine.multimodal.mrope import mrope_from_1d
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.input_batch import to_device
 from engine.sampling.penalties import tree_scores
-from engine.sampling.sampler import sampling_probs
 
 # (phase, request ids per row, mrope positions [3, T], 1-D positions [T])
 RowLog = Callable[[str, list[str], torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
-class TreeOutcome:
-    """What a tree round commits, per request in batch order."""
+class TreeVerdict:
+    """A tree round up to its acceptance, on the device, per request in batch order."""
 
-    committed: list[list[int]]  # the A tokens to commit
+    accepted: Accepted  # the lengths, the tokens to commit and the path
     logits: torch.Tensor  # [B, N, V] verify logits along the path (row j: before token j)
-    seeds: torch.Tensor  # [B, H] the draft feature that seeds the next round
+    features: torch.Tensor  # [B*N, H] the verify's features of every node
 
 
 class TreeRounds:
@@ -63,13 +76,15 @@ class TreeRounds:
         self.engine, self.drafter, self.graph, self.shape, self.log = (
             engine, drafter, graph, shape, log)
 
-    def run(self, rnd: RoundInputs, features: torch.Tensor) -> TreeOutcome:
-        """One round for the requests of ``rnd`` (each holding pages up to ``S + N`` and
-        ``S + scratch``), seeded by their draft features ``[B, H]``."""
+    def verify(self, rnd: RoundInputs, features: torch.Tensor) -> TreeVerdict:
+        """Draft, verify and accept for the requests of ``rnd`` (each holding pages up to
+        ``S + N`` and ``S + scratch``), seeded by their draft features ``[B, H]``; reads
+        nothing back but a grammar's tokens."""
         bsz, n = len(rnd.reqs), self.shape.num_draft_tokens + 1
         tree = self._draft(rnd, features)
         device = self.graph.bufs.device
-        bonus = torch.tensor([r.output_token_ids[-1] for r in rnd.reqs], device=device)
+        (bonus,) = to_device([np.array([r.output_token_ids[-1] for r in rnd.reqs],
+                                       dtype=np.int64)], device)
         ids = torch.cat([bonus.unsqueeze(1), tree.tokens.to(device)], dim=1)  # [B, N]
         starts = torch.tensor(rnd.starts, device=device)
         positions = (starts.unsqueeze(1) + tree.depths.to(device)).flatten()  # [B*N]: S + depth
@@ -77,18 +92,27 @@ class TreeRounds:
                                              tree.mask.to(device))
         self._log_graph("verify", rnd)
         logits = self.engine.model.logits(hidden).view(bsz, n, -1)  # [B, N, V]
-        paths, committed = self._accept(rnd, ids.tolist(), tree, logits)
+        accepted = accept_tree(ids, tree, self._targets(rnd.reqs, ids, tree, logits))
+        assert accepted.path is not None
+        path_logits = logits.gather(1, accepted.path.unsqueeze(2).expand(-1, -1,
+                                                                         logits.shape[2]))
+        return TreeVerdict(accepted, path_logits, features)
+
+    def extend(self, rnd: RoundInputs, verdict: TreeVerdict, paths: list[list[int]]
+               ) -> torch.Tensor:
+        """Move the accepted nodes' target KV (``paths``: each request's accepted path, read
+        on the host) and draft-extend over the committed window; returns the features that
+        seed the next round ``[B, H]``."""
         self._move_target_kv(rnd, paths)
-        pad = [p + [p[-1]] * (n - len(p)) for p in paths]
-        nodes = torch.tensor(pad, device=device)  # [B, N] node of each draft-extend row
-        ext = torch.tensor([c + [c[-1]] * (n - len(c)) for c in committed], device=device)
+        acc, features = verdict.accepted, verdict.features
+        assert acc.path is not None
+        bsz, n = acc.path.shape
         path_features = features.reshape(bsz, n, -1).gather(
-            1, nodes.unsqueeze(2).expand(-1, -1, features.shape[1])).flatten(0, 1)  # [B*N, H]
-        seeds = self.graph.draft_extend(rnd, ext.flatten(), path_features,
-                                        [len(c) - 1 for c in committed])
+            1, acc.path.unsqueeze(2).expand(-1, -1, features.shape[1])).flatten(0, 1)  # [B*N, H]
+        seeds = self.graph.draft_extend(rnd, acc.tokens.flatten(), path_features,
+                                        [len(p) - 1 for p in paths])
         self._log_graph("draft_extend", rnd)
-        path_logits = logits.gather(1, nodes.unsqueeze(2).expand(-1, -1, logits.shape[2]))
-        return TreeOutcome(committed, path_logits, seeds)
+        return seeds
 
     def _draft(self, rnd: RoundInputs, features: torch.Tensor) -> DraftTree:
         """``steps - 1`` draft forwards growing each request's tree; the kept nodes."""
@@ -120,26 +144,42 @@ class TreeRounds:
                 feats = out.view(bsz, k, -1).gather(1, index).flatten(0, 1)  # [B*k, H]
         return draft.select(self.shape.num_draft_tokens)
 
-    def _accept(self, rnd: RoundInputs, ids: list[list[int]], tree: DraftTree,
-                logits: torch.Tensor) -> tuple[list[list[int]], list[list[int]]]:
-        """Each request's accepted path (node indices) and tokens to commit."""
-        paths, committed = [], []
-        parents = tree.parents.tolist()
-        for i, req in enumerate(rnd.reqs):
-            scores = self.engine.structured.mask_tree(  # [N, V]
-                req, ids[i], tree.mask[i], logits[i],
-                tree_scores(req, ids[i], tree.mask[i], logits[i]))
-            if req.sampling.is_greedy:
-                path, toks = accept_tree_greedy(ids[i], parents[i],
-                                                scores.argmax(dim=-1).tolist())
-            else:
-                assert isinstance(req.payload, RequestState)
-                probs = sampling_probs(scores, [req.sampling] * scores.shape[0])
-                path, toks = accept_tree_sampled(ids[i], parents[i], probs,
-                                                 req.payload.generator)
-            paths.append(path)
-            committed.append(toks)
-        return paths, committed
+    def _targets(self, reqs: list[Request], ids: torch.Tensor, tree: DraftTree,
+                 logits: torch.Tensor) -> torch.Tensor:
+        """The target's token at every node ``[B, N]``: the argmax of its scores (the logits
+        with the request's penalties and grammar along the node's path), or for a sampled
+        request one draw from its sampling distribution there, with its generator."""
+        scores = self._scores(reqs, ids, tree, logits)
+        sampled = [i for i, r in enumerate(reqs) if not r.sampling.is_greedy]
+        if not sampled:
+            return scores.argmax(dim=-1)
+        n, vocab = scores.shape[1], scores.shape[2]
+        probs = row_probs(rows_of(scores, sampled).reshape(-1, vocab),
+                          [reqs[i].sampling for i in sampled for _ in range(n)])
+        drawn = draw(probs.view(len(sampled), n, vocab), [generator_of(reqs[i]) for i in sampled])
+        if len(sampled) == len(reqs):
+            return drawn
+        target = scores.argmax(dim=-1)  # [B, N]
+        target[sampled] = drawn
+        return target
+
+    def _scores(self, reqs: list[Request], ids: torch.Tensor, tree: DraftTree,
+                logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[B, N, V]`` with each request's penalties and grammar applied along its
+        nodes' paths; ``logits`` itself when no request has either."""
+        rows = [i for i, r in enumerate(reqs)
+                if r.sampling.has_penalties or r.sampling.structured_output is not None]
+        if not rows:
+            return logits
+        scores = logits.clone()
+        mask = tree.mask.to(logits.device)
+        for i in rows:
+            req, raw = reqs[i], logits[i]
+            row = tree_scores(req, ids[i], mask[i], raw)
+            if req.sampling.structured_output is not None:  # host-side: reads the tree
+                row = self.engine.structured.mask_tree(req, ids[i].tolist(), mask[i], raw, row)
+            scores[i] = row
+        return scores
 
     def _move_target_kv(self, rnd: RoundInputs, paths: list[list[int]]) -> None:
         """Move each accepted node's target KV from slot ``S + p_j`` to ``S + j``."""
@@ -159,4 +199,3 @@ class TreeRounds:
         rows = [r.request_id for r in rnd.reqs for _ in range(self.shape.num_draft_tokens + 1)]
         pos, mrope = self.graph.positions(len(rnd.reqs))
         self.log(phase, rows, mrope.clone(), pos.clone())
-

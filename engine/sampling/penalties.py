@@ -103,44 +103,52 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[Request]) -> torch.Tens
     return out
 
 
-def chain_scores(req: Request, drafts: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+def chain_scores(req: Request, drafts: Sequence[int] | torch.Tensor,
+                 logits: torch.Tensor) -> torch.Tensor:
     """The verify logits ``[K + 1, V]`` of ``[b, d_1..d_K]`` that the target picks from: row
     ``j`` penalized with ``req``'s history plus ``d_1..d_j`` (what sampling right after ``d_j``
     would see), so speculative acceptance stays lossless under penalties; ``logits`` itself when
-    ``req`` has none."""
+    ``req`` has none. ``drafts`` may be a tensor on the logits' device (nothing is read back)."""
     if not req.sampling.has_penalties:
         return logits
     seen, counts = _chain_rows(history_of(req, logits.shape[-1], logits.device), drafts)
     return penalize(logits, [req.sampling] * logits.shape[0], seen, counts)
 
 
-def tree_scores(req: Request, tokens: Sequence[int], mask: torch.Tensor,
+def tree_scores(req: Request, tokens: Sequence[int] | torch.Tensor, mask: torch.Tensor,
                 logits: torch.Tensor) -> torch.Tensor:
     """The verify logits ``[N, V]`` of a draft tree's nodes (node 0 the root, ``tokens[j]``
     node ``j``'s token, ``mask`` ``[N, N]`` bool its ancestors and itself): row ``j`` penalized
     with ``req``'s history plus the drafted tokens on node ``j``'s path; ``logits`` itself when
-    ``req`` has none."""
+    ``req`` has none. ``tokens`` may be a tensor on the logits' device (nothing is read back)."""
     if not req.sampling.has_penalties:
         return logits
     hist = history_of(req, logits.shape[-1], logits.device)
     path = mask[:, 1:].float()  # [N, N - 1] the drafted nodes on each node's path
     dev, n = logits.device, len(tokens) - 1
     drafted = torch.zeros(n, logits.shape[-1], device=dev)  # [N - 1, V] one-hot node tokens
-    drafted[torch.arange(n, device=dev), torch.tensor(list(tokens[1:]), device=dev)] = 1.0
+    drafted[torch.arange(n, device=dev), _ids(tokens, dev)[1:]] = 1.0
     counts = hist.counts.unsqueeze(0) + path.to(dev) @ drafted  # [N, V]
     seen = hist.prompt_seen.unsqueeze(0) | (counts > 0)
     return penalize(logits, [req.sampling] * logits.shape[0], seen, counts)
 
 
-def _chain_rows(hist: TokenHistory, drafts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _chain_rows(hist: TokenHistory, drafts: Sequence[int] | torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(seen, counts)`` ``[K + 1, V]``: ``hist`` plus ``d_1..d_j`` on row ``j``."""
     device = hist.counts.device
     k = len(drafts)
     added = torch.zeros(k + 1, hist.counts.shape[0], device=device)  # [K + 1, V]
     if k:
         rows = torch.arange(1, k + 1, device=device)
-        added[rows, torch.tensor(list(drafts), device=device)] = 1.0
+        added[rows, _ids(drafts, device)] = 1.0
         added = added.cumsum(dim=0)
     counts = hist.counts.unsqueeze(0) + added
     seen = hist.prompt_seen.unsqueeze(0) | (counts > 0)
     return seen, counts
+
+
+def _ids(tokens: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tokens`` as an int64 tensor on ``device`` (a tensor there already is used as is)."""
+    return torch.as_tensor(tokens if isinstance(tokens, torch.Tensor) else list(tokens),
+                           dtype=torch.int64, device=device)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from decode_node.spec.accept import accept_sampled
+from decode_node.spec.accept import accept_sampled, chain_sampled, draw, row_probs
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import TreeShape
 from engine.builtin.tiny_model import (
@@ -28,6 +28,7 @@ from engine.models.eagle.loader import load_draft
 from engine.models.qwen2_vl.model import Qwen2VLModel
 from engine.multimodal.inputs import ImageInput
 from engine.multimodal.mrope import rope_index
+from engine.sampling.sampler import make_generator
 
 SPECIAL = tiny_config_dict()
 IMG, VS, VE = SPECIAL["image_token_id"], SPECIAL["vision_start_token_id"], SPECIAL[
@@ -210,12 +211,12 @@ def test_worked_example_of_the_notes(model_dir: Path, monkeypatch: pytest.Monkey
     forced = {"round": 0}
     real_accept = spec._accept
 
-    def accept_two(req, drafts, qs, logits):  # noqa: ANN001, ANN202
+    def accept_two(reqs, drafts, q, logits):  # noqa: ANN001, ANN202
         forced["round"] += 1
-        committed = real_accept(req, drafts, qs, logits)
+        accepted, last = real_accept(reqs, drafts, q, logits)
         if forced["round"] == 1:
-            return [*drafts[:2], int(logits[2].argmax())]
-        return committed
+            return torch.tensor([2]), logits[:, 2].argmax(dim=-1)
+        return accepted, last
 
     monkeypatch.setattr(spec, "_accept", accept_two)
     prompt = image_prompt([7], (1, 4, 6), [8], 5)
@@ -255,6 +256,36 @@ def test_speculative_sampling_keeps_the_target_distribution() -> None:
     p = torch.softmax(torch.randn(3, vocab, generator=gen), dim=-1)
     q = torch.softmax(torch.randn(2, vocab, generator=gen), dim=-1)
     assert first_token_chi2(p, q, gen) < 20.5  # p = 0.0004 at 4 degrees of freedom
+
+
+def test_a_seeded_request_draws_the_same_in_any_batch() -> None:
+    """The batched draws of a round (draft distributions with and without filters, rejection
+    sampling, one draw per row) give a seeded request the same result alone and beside other
+    requests, seeded or not."""
+    gen = torch.Generator().manual_seed(0)
+    bsz, k, vocab = 4, 3, 7
+    logits = torch.randn(bsz, k + 1, vocab, generator=gen)
+    params = [SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=1.0, top_k=3, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.2), SamplingParams(temperature=0.7, min_p=0.1, seed=3)]
+    p = row_probs(logits.flatten(0, 1), [x for x in params for _ in range(k + 1)])
+    p = p.view(bsz, k + 1, vocab)
+    q = torch.softmax(torch.randn(bsz, k, vocab, generator=gen), dim=-1)
+    drafts = torch.multinomial(q.flatten(0, 1), 1, generator=gen).view(bsz, k)
+
+    def run(rows: list[int]) -> list[list[int]]:
+        gens = [make_generator(params[i].seed) for i in rows]
+        probs = row_probs(logits[rows, 0], [params[i] for i in rows])  # alone or together
+        picked = draw(probs, gens)
+        accepted, last = chain_sampled(drafts[rows], p[rows], q[rows], gens)
+        return [[int(a), int(b), int(c)] for a, b, c in zip(picked, accepted, last, strict=True)]
+
+    together = run([0, 1, 2, 3])
+    for i in (0, 1, 3):  # the seeded ones
+        assert run([i]) == [together[i]]
+        alone = row_probs(logits[i, :1], [params[i]])
+        torch.testing.assert_close(alone, row_probs(logits[:, 0], params)[i : i + 1],
+                                   atol=0, rtol=0)
 
 
 def test_sampling_with_eagle_runs_and_frees_everything(model_dir: Path) -> None:

@@ -12,7 +12,7 @@ import torch
 from test_eagle import GREEDY, IMG, PROMPTS, assert_same_logprobs, image_prompt, write_oracle_pair
 
 import decode_node.spec.tree_round as tree_round
-from decode_node.spec.accept import accept_tree_greedy, accept_tree_sampled
+from decode_node.spec.accept import Accepted, accept_tree, draw
 from decode_node.spec.eagle_engine import EagleEngine
 from decode_node.spec.tree import DraftTree, TreeDraft, TreeShape
 from engine.attention.backend import tree_key_mask
@@ -25,6 +25,11 @@ from engine.runner.cuda_graph import GraphCache
 from engine.sampling.penalties import chain_scores, tree_scores
 
 SHAPES = [(4, 2, 3), (6, 3, 2), (3, 1, 5)]  # (num_draft_tokens, topk, steps)
+# root -> {1, 2}, 1 -> 3, 3 -> 4 (the worked example's tree)
+EXAMPLE = DraftTree(torch.zeros(1, 4, dtype=torch.int64), torch.tensor([[-1, 0, 0, 1, 3]]),
+                    torch.tensor([[0, 1, 1, 2, 3]]),
+                    torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
+                                   [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]], dtype=torch.bool))
 
 
 @pytest.fixture(scope="module")
@@ -225,31 +230,31 @@ def test_worked_example_of_the_docs(pair_dir: Path, monkeypatch: pytest.MonkeyPa
     seen: list[tuple[str, list[int], list[int]]] = []
     spec.position_log = lambda phase, rows, pos, mrope: seen.append(
         (phase, pos.tolist(), mrope[0].tolist()))
-    parents = torch.tensor([[-1, 0, 0, 1, 3]])
-    depths = torch.tensor([[0, 1, 1, 2, 3]])
-    mask = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
-                          [1, 1, 0, 1, 1]]], dtype=torch.bool)
-    real_select, real_accept = TreeDraft.select, tree_round.accept_tree_greedy
+    real_select, real_accept = TreeDraft.select, tree_round.accept_tree
     moves: list[tuple[list[int], list[int]]] = []
     real_move = spec.engine.runner.move_kv
 
     def select(self, num):  # noqa: ANN001, ANN202
-        return DraftTree(real_select(self, num).tokens, parents, depths, mask)
+        return DraftTree(real_select(self, num).tokens, EXAMPLE.parents, EXAMPLE.depths,
+                         EXAMPLE.mask)
 
     forced: list[bool] = []
 
-    def accept(tokens, par, argmax):  # noqa: ANN001, ANN202
+    def accept(ids, tree, target):  # noqa: ANN001, ANN202
         if not forced:  # round 1 takes a and c
             forced.append(True)
-            return [0, 1, 3], [tokens[1], tokens[3], argmax[3]]
-        return real_accept(tokens, par, argmax)
+            path = torch.tensor([[0, 1, 3, 3, 3]])
+            last = target[:, 3:4]
+            return Accepted(torch.tensor([3]), torch.cat([ids[:, [1, 3]], last.expand(-1, 3)],
+                                                         dim=1), path)
+        return real_accept(ids, tree, target)
 
     def move(src, dst):  # noqa: ANN001, ANN202
         moves.append((src.tolist(), dst.tolist()))
         real_move(src, dst)
 
     monkeypatch.setattr(TreeDraft, "select", select)
-    monkeypatch.setattr(tree_round, "accept_tree_greedy", accept)
+    monkeypatch.setattr(tree_round, "accept_tree", accept)
     monkeypatch.setattr(spec.engine.runner, "move_kv", move)
     prepared = spec.engine.prepare(image_prompt([7], (1, 4, 6), [8], 5))
     assert len(prepared.token_ids) == 10
@@ -313,12 +318,35 @@ def test_tree_draft_keeps_the_best_nodes_as_a_tree() -> None:
                                          [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]]
 
 
+def accepted_paths(ids: torch.Tensor, tree: DraftTree, target: torch.Tensor
+                   ) -> list[tuple[list[int], list[int]]]:
+    """:func:`accept_tree` of a batch, read back: each request's path and tokens to commit."""
+    acc = accept_tree(ids, tree, target)
+    assert acc.path is not None
+    return [(path[:a], tokens[:a]) for path, tokens, a in
+            zip(acc.path.tolist(), acc.tokens.tolist(), acc.lengths.tolist(), strict=True)]
+
+
 def test_greedy_tree_acceptance_follows_the_target() -> None:
-    tokens, parents = [9, 3, 1, 4, 5], [-1, 0, 0, 1, 3]
-    assert accept_tree_greedy(tokens, parents, [3, 4, 0, 7, 0]) == ([0, 1, 3], [3, 4, 7])
-    assert accept_tree_greedy(tokens, parents, [1, 0, 9, 0, 0]) == ([0, 2], [1, 9])
-    assert accept_tree_greedy(tokens, parents, [3, 4, 0, 5, 8]) == ([0, 1, 3, 4], [3, 4, 5, 8])
-    assert accept_tree_greedy(tokens, parents, [6, 0, 0, 0, 0]) == ([0], [6])
+    tokens = torch.tensor([[9, 3, 1, 4, 5]])
+
+    def accept(argmax: list[int]) -> tuple[list[int], list[int]]:
+        [got] = accepted_paths(tokens, EXAMPLE, torch.tensor([argmax]))
+        return got
+
+    assert accept([3, 4, 0, 7, 0]) == ([0, 1, 3], [3, 4, 7])
+    assert accept([1, 0, 9, 0, 0]) == ([0, 2], [1, 9])
+    assert accept([3, 4, 0, 5, 8]) == ([0, 1, 3, 4], [3, 4, 5, 8])
+    assert accept([6, 0, 0, 0, 0]) == ([0], [6])
+    # two siblings with the target's token (never drafted: a node's children are distinct):
+    # the first in index order, as a walk from the root would take, though the second's child
+    # would go deeper (root -> {1, 2}, 2 -> 3)
+    twins = DraftTree(torch.tensor([[3, 3, 4]]), torch.tensor([[-1, 0, 0, 2]]),
+                      torch.tensor([[0, 1, 1, 2]]),
+                      torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]],
+                                   dtype=torch.bool))
+    assert accepted_paths(torch.tensor([[9, 3, 3, 4]]), twins, torch.tensor([[3, 0, 4, 0]])) == [
+        ([0, 1], [3, 0])]
 
 
 def test_tree_key_mask_admits_the_prefix_and_the_window_rows() -> None:
@@ -342,10 +370,16 @@ def test_tree_sampling_keeps_the_target_distribution() -> None:
     gen = torch.Generator().manual_seed(0)
     vocab, trials = 4, 8000
     p = torch.softmax(torch.randn(4, vocab, generator=gen), dim=-1)  # [N, V]
-    tokens, parents = [3, 0, 2, 1], [-1, 0, 0, 1]
+    tokens = [3, 0, 2, 1]  # parents -1, 0, 0, 1
+    tree = DraftTree(torch.tensor([tokens[1:]]), torch.tensor([[-1, 0, 0, 1]]),
+                     torch.tensor([[0, 1, 1, 2]]),
+                     torch.tensor([[[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]],
+                                  dtype=torch.bool))
+    trees = DraftTree(*(t.expand(trials, *t.shape[1:]) for t in (tree.tokens, tree.parents,
+                                                                 tree.depths, tree.mask)))
+    target = draw(p.expand(trials, -1, -1), [gen] * trials)  # [trials, N]: a draw at each node
     first, second = torch.zeros(vocab), torch.zeros(vocab)
-    for _ in range(trials):
-        path, out = accept_tree_sampled(tokens, parents, p, gen)
+    for path, out in accepted_paths(torch.tensor([tokens]).expand(trials, -1), trees, target):
         assert len(path) == len(out) and out[: len(path) - 1] == [tokens[c] for c in path[1:]]
         first[out[0]] += 1
         if out[0] == 0:
