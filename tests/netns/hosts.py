@@ -6,7 +6,7 @@ them too, and no room may import ``tests``); this module adds what the tests nee
 - :func:`netns_skip_reason`: why hosts cannot be made here (checked once per session, which
   also deletes the namespaces a crashed earlier run left behind);
 - :class:`HostPeer`: one side of ``tests/transfer/xfer_peer.py`` (a node, a prefill bootstrap
-  server or a decode bootstrap client, built by its ``_build``) in a process inside a host's
+  server or a decode bootstrap client, built by its ``serve``) in a process inside a host's
   namespace, its Mooncake engine and bootstrap endpoint on the host's address; calls go over a
   pipe, keyword arguments too, and a call may be started and its answer awaited later (a
   transfer in flight while the test cuts the link);
@@ -26,10 +26,9 @@ from typing import Any
 import torch
 
 from bench.netns_transfer import Host, cleanup_leftovers, unavailable
-from serving.process_exit import exit_process
 from tests.transfer import xfer_peer
 from tests.transfer.bootstrap.test_xfer_handshake import ROW, wait_for
-from tests.transfer.xfer_peer import Spec, _build
+from tests.transfer.xfer_peer import Spec
 from transfer.bootstrap.handshake import BootstrapConfig
 from transfer.status import KVPoll
 
@@ -47,20 +46,7 @@ def _serve(conn: Any, address: str, role: str, spec: Spec, arg: Any) -> None:
     """The peer process (inside the host's namespace): build ``role`` on ``address``, then
     answer ``(name, args, kwargs)`` calls until ``stop``."""
     xfer_peer.HOST = address  # every engine and endpoint xfer_peer builds binds the host's
-    obj = _build(role, spec, arg)
-    conn.send(obj.registration() if role in ("node", "ranks") else getattr(obj, "address", None))
-    while True:
-        name, args, kwargs = conn.recv()
-        if name == "stop":  # leave without the engines' one-second destructors
-            exit_process(0)
-            return
-        try:
-            target = obj
-            for part in name.split("."):
-                target = getattr(target, part)
-            conn.send(("ok", target(*args, **kwargs) if callable(target) else target))
-        except Exception as exc:  # report to the test, keep serving
-            conn.send(("err", repr(exc)))
+    xfer_peer.serve(conn, role, spec, arg)
 
 
 class HostPeer:

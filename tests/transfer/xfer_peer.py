@@ -233,11 +233,19 @@ def _build(role: str, spec: Spec, arg: Any) -> Any:
 
 
 def _child(conn: Any, role: str, spec: Spec, arg: Any) -> None:
+    serve(conn, role, spec, arg)
+
+
+def serve(conn: Any, role: str, spec: Spec, arg: Any) -> None:
+    """A peer process's life: build ``role``, send what it publishes (a node's registration,
+    an endpoint's address), then answer ``(name, args, kwargs)`` calls (``name`` a dotted
+    attribute path of the role's object; one not callable is returned as it is) until
+    ``stop``."""
     obj = _build(role, spec, arg)
     ready = obj.registration() if role in ("node", "ranks") else getattr(obj, "address", None)
     conn.send(ready)
     while True:
-        name, args = conn.recv()
+        name, args, kwargs = conn.recv()
         if name == "stop":  # leave without the engines' one-second destructors
             exit_process(0)
             return
@@ -245,7 +253,7 @@ def _child(conn: Any, role: str, spec: Spec, arg: Any) -> None:
             target = obj
             for part in name.split("."):
                 target = getattr(target, part)
-            conn.send(("ok", target(*args) if callable(target) else target))
+            conn.send(("ok", target(*args, **kwargs) if callable(target) else target))
         except Exception as exc:  # report to the test, keep serving
             conn.send(("err", repr(exc)))
 
@@ -263,7 +271,7 @@ class Peer:
         self.ready = self.conn.recv()
 
     def call(self, name: str, *args: Any) -> Any:
-        self.conn.send((name, args))
+        self.conn.send((name, args, {}))
         status, value = self.conn.recv()
         if status != "ok":
             raise RuntimeError(f"peer {name} failed: {value}")
@@ -275,7 +283,7 @@ class Peer:
 
     def stop(self) -> None:
         if self.proc.is_alive():
-            self.conn.send(("stop", ()))
+            self.conn.send(("stop", (), {}))
             self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
