@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from bench.netns_transfer import Hosts
+from bench.netns_hosts import Hosts
 from tests.netns.hosts import netns_skip_reason
 
 

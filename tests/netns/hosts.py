@@ -1,6 +1,6 @@
 """Test hosts in network namespaces, and transfer peers that run on them.
 
-The hosts, their links and the delay line are :mod:`bench.netns_transfer`'s (the benchmark uses
+The hosts, their links and the delay line are :mod:`bench.netns_hosts`'s (the benchmark uses
 them too, and no room may import ``tests``); this module adds what the tests need on top:
 
 - :func:`netns_skip_reason`: why hosts cannot be made here (checked once per session, which
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from bench.netns_transfer import Host, cleanup_leftovers, unavailable
+from bench.netns_hosts import Host, cleanup_leftovers, unavailable
 from tests.transfer import xfer_peer
 from tests.transfer.bootstrap.test_xfer_handshake import ROW, wait_for
 from tests.transfer.xfer_peer import Spec

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from bench.netns_transfer import PREFIX, Host, Hosts, cleanup_leftovers, unavailable
+from bench.netns_hosts import PREFIX, Host, Hosts, cleanup_leftovers, unavailable
 
 ECHO = """
 import socket, sys

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.netns_transfer import Hosts, threads_outside
+from bench.netns_hosts import Hosts, threads_outside
 from tests.netns.hosts import HostPair
 from tests.transfer.bootstrap.test_xfer_handshake import ROW, wait_for
 from tests.transfer.xfer_peer import Spec
