@@ -154,7 +154,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="P/D heartbeat period; a peer silent for 2 periods is dead")
     p.add_argument("--quarantine-s", type=non_negative_float, default=30.0,
                    help="decode: hold a failed room's pages this long when its prefill died "
-                        "without saying it stopped writing")
+                        "without saying it stopped writing (and, when the prefill went silent, "
+                        "until it was silent for longer than the decode's transfer connections "
+                        "take to drop a silent peer: the peer timeout rounded up to whole "
+                        "seconds, plus one keepalive probe and one heartbeat interval)")
     add_fault_args(p)
 
 

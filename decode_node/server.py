@@ -59,8 +59,12 @@ async def serve_decode(
         if refusal is not None:
             raise ConfigError(refusal)
     authkey = secrets.token_bytes(32)  # the other TP ranks' landing agents take orders from us
+    # a transfer connection whose prefill went silent past the peer timeout is dropped, so a
+    # write stalled by a partition cannot land after the failed room's pages are reused
+    silent_peer_s = (bootstrap_config or BootstrapConfig()).peer_timeout_s
     engine = LLMEngine(model_dir, config, rank_attach=RankTransfer(
-        transfer_backend, advertise_host, text.hidden_size, authkey), draft=draft)
+        transfer_backend, advertise_host, text.hidden_size, authkey, silent_peer_s),
+        draft=draft)
     spec = None
     pools = [engine.pool]
     if draft is not None:
@@ -75,6 +79,7 @@ async def serve_decode(
         hidden_size=engine.model_config.text.hidden_size,
         aux_rows=2 * config.max_num_seqs, hostname=advertise_host,
         states=state_pool.buffer_infos() if state_pool is not None else (),
+        silent_peer_s=silent_peer_s,
     )
     keep_until_exit(manager)  # its engine's destructor is skipped at exit (serving.process_exit)
     heads = HeadLayout.tensor_parallel(text.num_key_value_heads, config.tp_size,

@@ -41,12 +41,14 @@ class RankTransfer:
     hostname: str
     hidden_size: int
     authkey: bytes = field(repr=False)
+    silent_peer_s: float | None = None  # the manager's transfer keepalive (make_kv_manager)
 
     def __call__(self, pools: Sequence[KVPool], rank: int, states: StatePool | None) -> bytes:
         manager = make_kv_manager(self.backend, [b for p in pools for b in p.buffer_infos()],
                                   hidden_size=self.hidden_size, aux_rows=1,
                                   hostname=self.hostname,
-                                  states=states.buffer_infos() if states is not None else ())
+                                  states=states.buffer_infos() if states is not None else (),
+                                  silent_peer_s=self.silent_peer_s)
         keep_until_exit(manager)
         agent = LandingAgent(pools, manager, self.authkey)
         keep_until_exit(agent)

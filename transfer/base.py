@@ -81,6 +81,10 @@ class KVManager(ABC):
         self._writer: ThreadPoolExecutor | None = None  # writes staged rounds (started lazily)
         self._registered = False
         self.faults: FaultInjector | None = None  # fault injection (tests): None when off
+        # how long after its link went silent a stalled write into this node can still land
+        # (None: unbounded, as long as the sender's kernel retransmits): the decode holds a
+        # failed room's pages at least this long (transfer.backends.keepalive)
+        self.late_write_s: float | None = None
         # called after every send with (bytes, seconds, ok): the node's transfer metrics
         self.on_send: Callable[[int, float, bool], None] | None = None
 

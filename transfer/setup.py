@@ -25,15 +25,19 @@ def make_kv_manager(
     hostname: str,
     staging: HeadStaging | None = None,
     states: Sequence[BufferInfo] = (),
+    silent_peer_s: float | None = None,
 ) -> KVManager:
     """A manager of ``backend`` with ``kv``, a fresh aux buffer, ``staging`` (the buffer
     head-sliced sends gather into, :mod:`transfer.plan.heads`) and a hybrid model's state
-    entries ``states`` (:mod:`transfer.plan.states`) registered."""
+    entries ``states`` (:mod:`transfer.plan.states`) registered. ``silent_peer_s`` (a node
+    that receives KV, the decode): its transfer connections drop a peer silent that long
+    (:mod:`transfer.backends.keepalive`)."""
     manager: KVManager
     if backend == "mooncake":
         from transfer.backends.mooncake import MooncakeKVManager
 
-        manager = MooncakeKVManager(hostname=hostname, kv_device=kv[0].device if kv else "")
+        manager = MooncakeKVManager(hostname=hostname, kv_device=kv[0].device if kv else "",
+                                    silent_peer_s=silent_peer_s)
     elif backend == "ascend":
         from transfer.backends.ascend import AscendKVManager
 

@@ -35,11 +35,6 @@ CFG = BootstrapConfig(heartbeat_interval_s=0.5, heartbeat_misses=8, tick_s=0.02)
 _rooms = iter(range(1, 1 << 20))
 
 
-class StillBroken(AssertionError):
-    """The product bug an ``xfail`` test describes is still there: the only failure that
-    counts as the expected one (any other is a real failure)."""
-
-
 def _src(seed: int) -> list[int]:
     """32 fragmented source pages of the prefill's 64."""
     return random.Random(seed).sample(range(SPEC.num_pages), PAGES)
@@ -182,42 +177,43 @@ def test_cut_longer_than_the_peer_timeout_fails_both_sides(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, raises=StillBroken, reason=(
-    "the prefill's send_chunk into a silent decode returns only when Mooncake's own transfer "
-    "timeout ends the write (MC_TRANSFER_TIMEOUT, 30 s by default; nothing sets it), not "
-    "when the bootstrap's peer timeout has failed the room on both sides; the prefill loop "
-    "calls send_chunk with its lock held, so one partitioned decode stalls the whole prefill"))
-def test_send_into_a_partitioned_decode_ends_with_the_peer_timeout(
+def test_send_into_a_partitioned_decode_returns_with_the_peer_timeout(
         make_hosts: Callable[[int], Hosts]) -> None:
+    """The link is cut while send_chunk writes: it returns Failed as soon as the peer timeout
+    failed the room, while the link is still cut, not when the stalled write ends (Mooncake's
+    own transfer timeout, 30 s): the prefill loop calls it with its lock held. The write goes
+    on on its room writer thread until the heal ends it."""
     hosts, pair, room = _cut_mid_transfer(make_hosts, SHORT)
-    _fail_on_decode(pair, room)  # the prefill's side failed the room by now as well
-    answered = pair.prefill.answered(1.0)
+    _fail_on_decode(pair, room)
+    _end_on_prefill(pair, room, 2.0)
+    assert pair.prefill.call("writes_in_flight") == 1
     hosts[0].link.heal()
-    _end_on_prefill(pair, room, 30)
-    pair.assert_clean(within_s=SHORT.quarantine_s + 2)
-    if not answered:
-        raise StillBroken("send_chunk still blocked 1 s after the room failed on both sides")
+    wait_for(lambda: pair.prefill.call("writes_in_flight") == 0, 40)
+    pair.assert_clean(within_s=pair.decode.call("manager.late_write_s") + 2)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, raises=StillBroken, reason=(
-    "the decode frees a failed room's pages after quarantine_s without knowing whether the "
-    "prefill's Mooncake write into them is still pending; that write lives until Mooncake's "
-    "transfer timeout (MC_TRANSFER_TIMEOUT, 30 s by default), which nothing ties to "
-    "quarantine_s, so when the partition heals first it lands in pages the decode released"))
-def test_a_write_pending_across_a_partition_never_lands_in_released_pages(
+def test_a_write_stalled_by_a_partition_never_lands_in_released_pages(
         make_hosts: Callable[[int], Hosts]) -> None:
-    """``--quarantine-s 0.5`` (any value from 0 is accepted): the pages come back 0.5 s after
-    the decode failed the room and are zeroed (as their next owner would write them); then
-    the link heals and the prefill's stalled write goes on."""
-    hosts, pair, room = _cut_mid_transfer(make_hosts, replace(SHORT, quarantine_s=0.5))
+    """``--quarantine-s 0.5``: the decode holds the failed room's pages past it, until the
+    prefill was silent for as long as the decode's transfer connections take to drop a silent
+    peer (``late_write_s``, kernel keepalive: :mod:`transfer.backends.keepalive`); then they
+    come back and are zeroed (as their next owner would write them), the link heals and the
+    prefill's stalled write goes on: it is refused (the decode's side of its connection is
+    gone) and not a byte lands."""
+    config = replace(SHORT, quarantine_s=0.5)
+    hosts, pair, room = _cut_mid_transfer(make_hosts, config)
+    late = pair.decode.call("manager.late_write_s")
+    assert late == 3.0  # a 1.5 s peer timeout: keepalive probes at 1 and 2 s, dropped by 3 s
     _fail_on_decode(pair, room)
-    wait_for(lambda: pair.decode.call("pages.held") == 0, 3)
+    time.sleep(config.quarantine_s + 0.1)
+    assert pair.decode.call("pages.held") == PAGES
+    wait_for(lambda: pair.decode.call("pages.held") == 0, late + 2)
     pair.decode.call("node.zero")
     hosts[0].link.heal()
-    _end_on_prefill(pair, room, 30)
+    _end_on_prefill(pair, room, 2.0)
+    wait_for(lambda: pair.prefill.call("writes_in_flight") == 0, 40)
     pair.assert_clean()
     landed = [j for j, entry in enumerate(pair.decode.call("node.dump"))
               if entry != bytes(len(entry))]
-    if landed:
-        raise StillBroken(f"bytes landed in released pages of entries {landed}")
+    assert not landed, f"bytes landed in released pages of entries {landed}"

@@ -89,7 +89,8 @@ class Spec:
 class Node:
     """One node's pools, aux buffer and registered manager."""
 
-    def __init__(self, spec: Spec, fill_seed: int | None = None) -> None:
+    def __init__(self, spec: Spec, fill_seed: int | None = None,
+                 silent_peer_s: float | None = None) -> None:
         self.spec = spec
         geo = (spec.num_pages, spec.page_size, spec.heads, spec.head_dim)
         self.pools = [KVPool(*geo, layer_ids=list(spec.layer_ids))]
@@ -102,7 +103,7 @@ class Node:
             for buf in [*self.entries(), *self.state_entries()]:
                 buf.copy_(torch.randn(buf.shape, generator=gen))
         self.aux = AuxBuffer(spec.aux_rows, HIDDEN)
-        self.manager = make_manager(spec)
+        self.manager = make_manager(spec, silent_peer_s)
         infos = [info for pool in self.pools for info in pool.buffer_infos()]
         staging_bytes = spec.extra.get("staging_bytes", 0)
         self.staging = HeadStagingBuffer(self.entries(), staging_bytes) if staging_bytes else None
@@ -183,12 +184,14 @@ class Ranks:
             node.zero()
 
 
-def make_manager(spec: Spec) -> KVManager:
+def make_manager(spec: Spec, silent_peer_s: float | None = None) -> KVManager:
+    """The node's manager; ``silent_peer_s``: its transfer keepalive, as a decode's."""
     if spec.backend == "ascend":
         engine = create_mooncake_engine(HOST)
         return AscendKVManager(hostname=HOST, protocol="tcp", engine=engine,
                                batch_limit=spec.extra.get("batch_limit", 1024))
-    return MooncakeKVManager(hostname=HOST, batch_limit=spec.extra.get("batch_limit", 1024))
+    return MooncakeKVManager(hostname=HOST, batch_limit=spec.extra.get("batch_limit", 1024),
+                             silent_peer_s=silent_peer_s)
 
 
 class FreeList:
@@ -225,7 +228,7 @@ def _build(role: str, spec: Spec, arg: Any) -> Any:
         server = PrefillBootstrapServer(node.manager, spec.identity, host=HOST, config=cfg)
         server.node = node  # type: ignore[attr-defined]  # keep the buffers alive
         return server
-    node = Node(spec)
+    node = Node(spec, silent_peer_s=cfg.peer_timeout_s)  # as decode_node.server builds it
     pages = FreeList(spec.num_pages)
     client = DecodeBootstrapClient(node.manager, spec.identity, arg, pages.give, config=cfg)
     client.node, client.pages = node, pages  # type: ignore[attr-defined]

@@ -28,6 +28,7 @@ import importlib
 from itertools import pairwise
 from typing import Any
 
+from transfer.backends.keepalive import TcpKeepalive
 from transfer.backends.memory import HOST, WILDCARD_LOCATION, MemoryRange, check_registrable
 from transfer.backends.mooncake import P2P_HANDSHAKE, MooncakeKVManager, create_mooncake_engine
 from transfer.errors import BackendUnavailableError, EngineCallError, TransferError
@@ -114,8 +115,11 @@ class AscendKVManager(MooncakeKVManager):
         )
 
     def _create_engine(
-        self, hostname: str, protocol: str, device_name: str, metadata_server: str
+        self, hostname: str, protocol: str, device_name: str, metadata_server: str,
+        keepalive: TcpKeepalive | None,
     ) -> Any:
+        """The engine on this NPU; ``keepalive`` is unused (the Ascend transport is not TCP,
+        and the base manager passes one only for ``tcp``)."""
         _init_npu(_load_npu_runtime(), self.device_id)
         return create_mooncake_engine(
             hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from transfer.backends.engine_import import load_transfer_engine
+from transfer.backends.keepalive import TcpKeepalive, drop_silent_peers, listening_tcp_fds
 from transfer.backends.memory import MemoryRange, check_registrable
 from transfer.base import KVManager
 from transfer.errors import EngineCallError
@@ -27,26 +28,36 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"
 def create_mooncake_engine(
     hostname: str, *, protocol: str = "tcp", device_name: str = "",
     metadata_server: str = P2P_HANDSHAKE, kv_device: str = "",
+    keepalive: TcpKeepalive | None = None,
 ) -> Any:
     """A started ``TransferEngine`` listening on ``hostname``.
 
     ``kv_device`` (where the KV cache will live, "" unknown) only picks the install hint of a
     :class:`~transfer.errors.BackendUnavailableError` when the engine cannot be loaded
-    (:mod:`transfer.backends.engine_import`).
+    (:mod:`transfer.backends.engine_import`). ``keepalive``: set on the TCP sockets the engine
+    listens on, so a connection into this node whose peer went silent is dropped
+    (:mod:`transfer.backends.keepalive`); before the engine's address is known to anyone, so
+    every connection it accepts has it.
     """
     engine = load_transfer_engine(kv_device)()
+    before = listening_tcp_fds() if keepalive is not None else set()
     ret = engine.initialize(hostname, metadata_server, protocol, device_name)
     if ret != 0:
         raise EngineCallError(
             f"TransferEngine.initialize({hostname!r}, {metadata_server!r}, {protocol!r}) "
             f"returned {ret}"
         )
+    if keepalive is not None:
+        drop_silent_peers(listening_tcp_fds() - before, keepalive)
     return engine
 
 
 class MooncakeKVManager(KVManager):
     """Mooncake-backed manager; pass ``engine`` to reuse an initialized engine. ``kv_device``
-    (where the KV cache will live) picks the install hint if the engine cannot be loaded."""
+    (where the KV cache will live) picks the install hint if the engine cannot be loaded.
+    ``silent_peer_s`` (a receiving node: the decode): connections into the engine it creates
+    drop a peer silent that long (:mod:`transfer.backends.keepalive`), which sets
+    :attr:`~transfer.base.KVManager.late_write_s`."""
 
     def __init__(
         self,
@@ -58,22 +69,28 @@ class MooncakeKVManager(KVManager):
         engine: Any = None,
         batch_limit: int = 1024,
         kv_device: str = "",
+        silent_peer_s: float | None = None,
     ) -> None:
         super().__init__(batch_limit=batch_limit)
         self.hostname = hostname
         self.protocol = protocol
         self.kv_device = kv_device
+        keepalive = None
+        if silent_peer_s is not None and engine is None and protocol == "tcp":
+            keepalive = TcpKeepalive.within(silent_peer_s)
+            self.late_write_s = float(keepalive.latest_s)
         self.engine = engine if engine is not None else self._create_engine(
-            hostname, protocol, device_name, metadata_server
+            hostname, protocol, device_name, metadata_server, keepalive
         )
         self._ranges: list[MemoryRange] = []  # what this manager registered, for close()
 
     def _create_engine(
-        self, hostname: str, protocol: str, device_name: str, metadata_server: str
+        self, hostname: str, protocol: str, device_name: str, metadata_server: str,
+        keepalive: TcpKeepalive | None,
     ) -> Any:
         return create_mooncake_engine(
             hostname, protocol=protocol, device_name=device_name, metadata_server=metadata_server,
-            kv_device=self.kv_device,
+            kv_device=self.kv_device, keepalive=keepalive,
         )
 
     @property

@@ -9,7 +9,10 @@ the bootstrap, waiting, heartbeat and quarantine timeouts. The decode scheduler 
 Ownership invariant: between ``send_destination`` and ``commit``/``release`` the client owns the
 room's pages and aux slot. A released failed room's pages go back through ``free_pages`` only
 once the prefill has said it will write no more (a quiesced ``Status``, ``Abort`` or
-``AbortAck``), or after ``quarantine_s`` without such word.
+``AbortAck``), or after ``quarantine_s`` without such word and, if the prefill has gone
+silent and the manager bounds how late a stalled write can land (``KVManager.late_write_s``),
+once it was silent for that long: a write stalled by a partition never lands in pages given
+to another request.
 
 Landing (``landing=(buffer, slot)``, :mod:`transfer.plan.heads`): the prefill ranks each hold
 exactly a slice of this rank's heads, so they write whole pages into landing entries: those of
@@ -307,11 +310,21 @@ class DecodeBootstrapClient:
             r.quiesced = True  # the prefill never learnt where to write
 
     def _collect(self, r: _Room, now: float) -> None:
-        """Free a released failed room once the prefill is quiet or quarantine passed."""
+        """Free a released failed room once the prefill is quiet, or once the quarantine
+        passed and, if the prefill has gone silent (no word for a heartbeat interval: a
+        partition, or a dead prefill), no write stalled by that silence can still land: the
+        manager's transfer connections drop a peer silent for ``late_write_s``
+        (:mod:`transfer.backends.keepalive`), and the prefill's data went silent no earlier
+        than a heartbeat interval after its last word here."""
         if not r.released:
             return
-        if not (r.quiesced or now - r.failed_at >= self.config.quarantine_s):
-            return
+        if not r.quiesced:
+            if now - r.failed_at < self.config.quarantine_s:
+                return
+            late, beat = self.manager.late_write_s, self.config.heartbeat_interval_s
+            silent = now - self._last_ack
+            if late is not None and beat + self.config.tick_s < silent < late + beat:
+                return
         del self._rooms[r.room]
         if r.aux_slot is not None:
             self._aux.free(r.aux_slot)

@@ -1,9 +1,11 @@
 """The prefill side of the handshake: the bootstrap endpoint and per-room sending.
 
 Threads: one accepting connections, one reader per decode connection, one sweeper enforcing the
-bootstrap timeout and the heartbeat deadline. The prefill scheduler calls :meth:`add_room`,
-:meth:`poll` (the gate: compute only once it says ``WaitingForInput``), :meth:`send_chunk`,
-:meth:`abort` and, once a room is terminal, :meth:`release`.
+bootstrap timeout and the heartbeat deadline, and a pool of room writers running the chunks'
+writes (so a write stalled by a partition does not hold its caller past its room's failure).
+The prefill scheduler calls :meth:`add_room`, :meth:`poll` (the gate: compute only once it says
+``WaitingForInput``), :meth:`send_chunk`, :meth:`abort` and, once a room is terminal,
+:meth:`release`.
 
 A decode with tensor-parallel ranks registers once per rank (one connection each, its
 ``Registration.tp_rank``) and sends each room's destination over every one of them: the same
@@ -58,6 +60,9 @@ from transfer.plan.states import StateCopy
 from transfer.status import KVPoll, advance
 
 NO_AUX_SLOT = -1  # Destination.aux_slot of a room this prefill finishes without an aux row
+# threads that run send_chunk's writes: a write stalled on a partitioned decode holds one until
+# the transfer engine's own timeout (Mooncake: MC_TRANSFER_TIMEOUT) ends it
+ROOM_WRITERS = 16
 
 
 @dataclass(eq=False)
@@ -95,6 +100,28 @@ class _Job:
     cursor: int
     send: int | None
     states: StateCopy | None
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """One :meth:`PrefillBootstrapServer.send_chunk` call's writes, run on a room writer
+    thread: into each target (its connection, destination and the room's cursor) the source
+    pages, then (``state_slot``) a hybrid model's states, then the aux row ``last``."""
+
+    room: _Room
+    writes: list[tuple[_Conn, Destination, int]]
+    src: list[int]
+    last: AuxRow | None
+    finish: bool
+    aux_to: list[_Target]
+    state_slot: int | None
+    done: bool = False  # the writes ended and the room's outcome is recorded (lock held)
+    crash: Exception | None = None  # an error that is not a TransferError
+
+    @property
+    def ends(self) -> bool:
+        """The room's last chunk: ``Status(Success)`` follows it."""
+        return self.last is not None or self.finish
 
 
 @dataclass(eq=False)
@@ -160,6 +187,9 @@ class PrefillBootstrapServer:
         if manager.faults is None:  # the manager's writes and this endpoint's sends share it
             manager.faults = make_injector(self.config.faults)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a room failed, or a write ended
+        self._room_writers: ThreadPoolExecutor | None = None  # send_chunk's writes
+        self._writing = 0  # chunks submitted to the room writers and not ended
         self._rooms: dict[int, _Room] = {}
         self._conns: list[_Conn] = []
         self._refused: tuple[float, str] | None = None  # (when, why) of the last refused decode
@@ -195,6 +225,13 @@ class PrefillBootstrapServer:
             else:
                 r.claimed = True
 
+    @property
+    def writes_in_flight(self) -> int:
+        """Chunks whose writes have not ended: each holds a room writer thread (a write stalled
+        by a partition holds it until the transfer engine ends the write)."""
+        with self._lock:
+            return self._writing
+
     def poll(self, room: int) -> KVPoll:
         """The room's status; compute may start once it is ``WaitingForInput`` or later."""
         with self._lock:
@@ -219,6 +256,12 @@ class PrefillBootstrapServer:
         destination's slot is :data:`NO_AUX_SLOT`) passes ``finish=True`` instead: its last
         chunk is followed by ``Status(Success)`` with no aux row written. Returns the room's
         status afterwards (``Failed`` when the room failed before or during the write).
+
+        A write that stalls (a partitioned decode) returns ``Failed`` as soon as the room fails
+        (the decode's heartbeat timeout, an abort); the write goes on on its own thread until
+        the transfer engine ends it, and only then is the room's final word sent. What it may
+        still land on the decode is the decode's quarantine's business
+        (:mod:`transfer.bootstrap.decode`).
 
         ``state_slot`` (a hybrid model, on the last chunk only): the request's state slot here;
         its final linear-attention states go into the decode's ``Destination.state_slot`` with
@@ -257,24 +300,49 @@ class PrefillBootstrapServer:
             r.cursor += len(src)
             r.inflight += 1
             r.status = advance(r.status, KVPoll.Transferring)
-        error: TransferError | None = None
-        states = state_slot if last is not None or finish else None
+            if self._room_writers is None:
+                self._room_writers = ThreadPoolExecutor(ROOM_WRITERS, "bootstrap-room-write")
+            job = _Chunk(r, writes, src, last, finish, aux_to,
+                         state_slot if last is not None or finish else None)
+            self._writing += 1
+            self._room_writers.submit(self._write_chunk, job)
+            # the write may stall (a partitioned decode): a room that fails meanwhile (the
+            # peer's heartbeat timeout, an abort) returns at once, its write goes on alone
+            while not job.done and r.status is not KVPoll.Failed:
+                self._changed.wait()
+            if job.crash is not None:
+                raise job.crash
+            return r.status
+
+    def _write_chunk(self, job: _Chunk) -> None:
+        """One :meth:`send_chunk`'s writes, on a room writer thread (lock not held): pages,
+        states and the aux row; then the room's outcome, and its final word once no write
+        into it is in flight. An error other than a :class:`TransferError` (a bug) fails
+        the room and is raised again by the send_chunk that waits for it."""
+        r, error = job.room, None
         try:
-            if src or states is not None:
-                self._write_ranks(writes, src, states)
-            if last is not None:
-                aux = _dest(aux_to[0])
-                self._send_aux(aux_to[0].conn.reg, aux.aux_slot,
-                               dataclasses.replace(last, room=room))
+            if job.src or job.state_slot is not None:
+                self._write_ranks(job.writes, job.src, job.state_slot)
+            if job.last is not None:
+                to = job.aux_to[0]
+                self._send_aux(to.conn.reg, _dest(to).aux_slot,
+                               dataclasses.replace(job.last, room=r.room))
         except TransferError as exc:
             error = exc
+        except Exception as exc:  # handed to the waiting caller, never lost
+            job.crash = exc
         with self._lock:
             r.inflight -= 1
-            if error is not None:
+            self._writing -= 1
+            if job.crash is not None:
+                self._fail(r, f"transfer failed: {job.crash!r}", quiesced=False)
+            elif error is not None:
                 self._fail(r, f"transfer failed: {error}", not isinstance(error, EngineCallError))
-            elif last is not None or finish:
+            elif job.ends and r.status is not KVPoll.Failed:
                 r.status = advance(r.status, KVPoll.Success)
-            return self._finish_locked(r)
+            self._finish_locked(r)
+            job.done = True
+            self._changed.notify_all()
 
     def _write_ranks(self, writes: list[tuple[_Conn, Destination, int]], src: list[int],
                      state_slot: int | None = None) -> None:
@@ -364,8 +432,9 @@ class PrefillBootstrapServer:
             c.sock.close()
         for t in self._threads:
             t.join(timeout=2)
-        if self._writers is not None:
-            self._writers.shutdown(wait=True)
+        for pool in (self._room_writers, self._writers):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     # ---- internals (call with the lock held unless named otherwise) ----------------------
 
@@ -380,6 +449,7 @@ class PrefillBootstrapServer:
             r.reason = reason
         r.status = KVPoll.Failed
         r.quiesced = r.quiesced and quiesced
+        self._changed.notify_all()  # a send_chunk waiting on the room's write returns
 
     def _finish_locked(self, r: _Room) -> KVPoll:
         """Queue the room's final word to each target once it is terminal and quiet; flush
