@@ -83,12 +83,15 @@ class Processes:
     def __init__(self) -> None:
         self.procs: list[Proc] = []
 
-    def start(self, name: str, args: Sequence[str], threads: int = 1) -> Proc:
-        """``pdserve ARGS`` with ``threads`` OpenMP threads."""
+    def start(self, name: str, args: Sequence[str], threads: int = 1,
+              netns: str | None = None) -> Proc:
+        """``pdserve ARGS`` with ``threads`` OpenMP threads; in network namespace ``netns``
+        when given (``ip netns exec``: a host of :mod:`bench.netns_hosts`)."""
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env["OMP_NUM_THREADS"] = str(threads)
-        return self.spawn(name, [sys.executable, "-m", "cli.main", *args], env)
+        enter = ["ip", "netns", "exec", netns] if netns is not None else []
+        return self.spawn(name, [*enter, sys.executable, "-m", "cli.main", *args], env)
 
     def spawn(self, name: str, argv: Sequence[str], env: dict[str, str]) -> Proc:
         """Any command (a peer's server), its output read and its end owed to :meth:`stop_all`
