@@ -31,8 +31,10 @@ no ``sch_netem`` (nor ``tbf``/``fq``/``gact``), so the link is built from what i
 - :meth:`Link.cut`: the same filters drop every packet in both directions at the bridge's port.
   Both hosts' interfaces stay up and neither stack learns anything (no carrier change, no route
   removed, no ICMP): a partition in the network, found only by timeouts and keepalives, not an
-  unplugged cable (a link set down answers ``ENETUNREACH`` at once). :meth:`Link.heal` puts the
-  link's own loss back.
+  unplugged cable (a link set down answers ``ENETUNREACH`` at once). ``cut(peer, ...)`` drops
+  only the IPv4 packets between the host and those peers (by address, both ways, ahead of the
+  link's loss), so the host still reaches every other: a partition between two hosts of one
+  network. :meth:`Link.heal` ends every cut and puts the link's own loss back.
 
 A delay of ``d`` on both hosts of a pair adds ``2 d`` to their round trip.
 """
@@ -74,8 +76,13 @@ _TUNSETIFF, _TUNSETOFFLOAD = 0x400454CA, 0x400454D0
 _IFF_TUN, _IFF_NO_PI, _IFF_VNET_HDR = 0x0001, 0x1000, 0x4000
 _TUN_F_ALL = 0x01 | 0x02 | 0x04 | 0x08  # checksum, TSO4, TSO6, TSO-ECN: GSO packets whole
 # classic BPF in direct-action mode: return 2 (TC_ACT_SHOT) drops, 0 (TC_ACT_OK) passes
-_BPF_DROP_ALL = "1,6 0 0 2"
+_BPF_DROP, _BPF_PASS = "6 0 0 2", "6 0 0 0"
+_BPF_DROP_ALL = f"1,{_BPF_DROP}"
 _BPF_LD_RAND = "32 0 0 4294963256"  # ld #rand (SKF_AD_OFF + SKF_AD_RANDOM)
+_BPF_LD_PROTOCOL = "40 0 0 4294963200"  # ldh #proto (SKF_AD_OFF + SKF_AD_PROTOCOL), host order
+_SKF_NET_OFF = 0xFFF00000  # ld [SKF_NET_OFF + k]: byte k of the network header, either way
+_IP_SRC, _IP_DST = 12, 16  # offsets of the addresses in an IPv4 header
+_ETH_P_IP = 0x0800
 _seq = itertools.count()
 
 
@@ -247,14 +254,33 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise HostError("every 10.77.K.0/24 overlaps a route of this machine")
 
 
-def _loss_filter(loss_pct: float) -> str | None:
-    """The classic-BPF program that drops ``loss_pct`` percent of packets (None: no filter)."""
+def _loss_rules(loss_pct: float) -> list[str]:
+    """Classic-BPF instructions that drop ``loss_pct`` percent of packets (and pass the rest)."""
     if loss_pct <= 0:
-        return None
+        return [_BPF_PASS]
     if loss_pct >= 100:
-        return _BPF_DROP_ALL
+        return [_BPF_DROP]
     threshold = round(loss_pct / 100 * 2**32)  # drop when the random word is below it
-    return f"4,{_BPF_LD_RAND},53 1 0 {threshold},6 0 0 2,6 0 0 0"
+    return [_BPF_LD_RAND, f"53 1 0 {threshold}", _BPF_DROP, _BPF_PASS]
+
+
+def _drop_addresses(offset: int, addresses: Sequence[str], then: list[str]) -> list[str]:
+    """Instructions that drop every IPv4 packet whose address at ``offset`` of its IP header
+    (:data:`_IP_SRC` or :data:`_IP_DST`) is one of ``addresses``, and run ``then`` on every
+    other packet."""
+    n = len(addresses)
+    if n == 0:
+        return then
+    head = [_BPF_LD_PROTOCOL, f"21 0 {n + 2} {_ETH_P_IP}", f"32 0 0 {_SKF_NET_OFF + offset}"]
+    # jeq: the last mismatch jumps over the drop; every match lands on it
+    tests = [f"21 {n - 1 - i} {int(i == n - 1)} {int(ipaddress.IPv4Address(a))}"
+             for i, a in enumerate(addresses)]
+    return [*head, *tests, _BPF_DROP, *then]
+
+
+def _program(rules: list[str]) -> str | None:
+    """``rules`` as ``tc``'s bytecode argument (None for a program that passes everything)."""
+    return None if rules == [_BPF_PASS] else f"{len(rules)},{','.join(rules)}"
 
 
 def _delay_line(conn: Connection) -> None:
@@ -301,7 +327,8 @@ class Link:
         self._bridge_ns = bridge_ns
         self._port = port  # the bridge's end of the host's veth pair
         self.shape = Shape()
-        self.is_cut = False
+        self.is_cut = False  # everything dropped (cut())
+        self.cut_from: tuple[str, ...] = ()  # the peers' addresses of cut(peer, ...)
         self._line: tuple[BaseProcess, Connection] | None = None
         self._routed = False  # the host's packets go through the delay line
         self._mtu_packets = False  # GSO off on the host's interfaces (while there is loss)
@@ -323,20 +350,22 @@ class Link:
         if (shape.delay_ms, shape.jitter_ms) != (self.shape.delay_ms, self.shape.jitter_ms):
             self._set_delay(shape.delay_ms / 1000, shape.jitter_ms / 1000)
         self.shape = shape
-        if not self.is_cut:
-            self._set_filter("ingress", _loss_filter(shape.loss_pct))
+        self._set_filters()
 
-    def cut(self) -> None:
-        """Drop every packet between the host and the bridge, both ways, from now on."""
-        self.is_cut = True
-        self._set_filter("ingress", _BPF_DROP_ALL)
-        self._set_filter("egress", _BPF_DROP_ALL)
+    def cut(self, *peers: Host) -> None:
+        """Drop every packet between the host and the bridge, both ways, from now on; with
+        ``peers``, only the IPv4 packets between the host and those peers (added to the peers
+        cut before)."""
+        if peers:
+            self.cut_from = tuple(dict.fromkeys([*self.cut_from, *(p.address for p in peers)]))
+        else:
+            self.is_cut = True
+        self._set_filters()
 
     def heal(self) -> None:
-        """End a cut: the link carries packets again, with its shape."""
-        self.is_cut = False
-        self._set_filter("egress", None)
-        self._set_filter("ingress", _loss_filter(self.shape.loss_pct))
+        """End every cut: the link carries packets again, with its shape."""
+        self.is_cut, self.cut_from = False, ()
+        self._set_filters()
 
     def dropped(self) -> int:
         """Packets the link's filters dropped so far (loss and cuts, both ways)."""
@@ -371,6 +400,18 @@ class Link:
             _ip(self._host.netns, "link", "set", "dev", dev, "gso_max_segs",
                 "1" if on else "65535")
         _ip(self._host.netns, "route", "flush", "cache")
+
+    def _set_filters(self) -> None:
+        """The port's filters for the cuts and the loss now: packets from the host (ingress)
+        lose what the loss takes, packets to the host (egress) nothing."""
+        if self.is_cut:
+            self._set_filter("ingress", _BPF_DROP_ALL)
+            self._set_filter("egress", _BPF_DROP_ALL)
+            return
+        self._set_filter("ingress", _program(_drop_addresses(
+            _IP_DST, self.cut_from, _loss_rules(self.shape.loss_pct))))
+        self._set_filter("egress", _program(_drop_addresses(_IP_SRC, self.cut_from,
+                                                            [_BPF_PASS])))
 
     def _set_filter(self, direction: str, program: str | None) -> None:
         """Make ``program`` the port's only ``direction`` filter (None: no filter)."""

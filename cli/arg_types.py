@@ -49,6 +49,16 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """A number in ``[low, high]`` (``nan`` and ``inf`` not)."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low:g}, {high:g}], got {text}")
+        return value
+    return parse
+
+
 def _number(text: str) -> float:
     try:
         return float(text)

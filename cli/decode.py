@@ -17,6 +17,7 @@ from cli.engine_args import (
     bootstrap_config,
     draft_dir,
     engine_config,
+    keepalive,
     worker_security,
 )
 from cli.models import ensure_model
@@ -52,5 +53,6 @@ def run_decode(args: argparse.Namespace) -> int:
         draft_topk=args.draft_topk, draft_steps=args.draft_steps,
         max_waiting=args.max_waiting, security=worker_security(args),
         bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
+        keepalive=keepalive(args),
     ))
     return exit_process(0)

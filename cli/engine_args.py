@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cli.arg_types import host, non_negative, non_negative_float, port, positive, positive_float
+from cli.arg_types import (
+    float_in,
+    host,
+    non_negative,
+    non_negative_float,
+    port,
+    positive,
+    positive_float,
+)
 from engine.config import KEEP_ROWS, VERIFY_STATES
+from serving import keepalive as ka
 from serving.admission import DEFAULT_MAX_WAITING
 
 if TYPE_CHECKING:
@@ -122,6 +132,21 @@ def add_server_args(p: argparse.ArgumentParser, default_port: int) -> None:
                         "PipelineStage and Admin calls, and a prefill's KV bootstrap endpoint "
                         "requires it in a decode's registration; the router sends it to every "
                         "worker")
+    p.add_argument("--keepalive-time-s", type=float_in(ka.MIN_TIME_S, ka.MAX_S),
+                   default=ka.TIME_S, metavar="S",
+                   help="gRPC keepalive: ping the peer of every connection this node has to "
+                        "another node (and of every one its server accepts) after S seconds "
+                        f"(default {ka.TIME_S:g}; at least {ka.MIN_TIME_S:g})")
+    p.add_argument("--keepalive-timeout-s", type=float_in(ka.MIN_TIMEOUT_S, ka.MAX_S),
+                   default=ka.TIMEOUT_S, metavar="S",
+                   help="gRPC keepalive: close a connection whose ping is not answered within "
+                        "S seconds (its calls end UNAVAILABLE, or are cancelled on the server: "
+                        f"a partition is found within time + timeout; default {ka.TIMEOUT_S:g})")
+
+
+def keepalive(args: argparse.Namespace) -> ka.Keepalive:
+    """The gRPC keepalive of ``--keepalive-time-s`` and ``--keepalive-timeout-s``."""
+    return ka.Keepalive(args.keepalive_time_s, args.keepalive_timeout_s)
 
 
 def internal_token(args: argparse.Namespace) -> str | None:
@@ -210,21 +235,68 @@ def add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-backend", default="mooncake", choices=["mooncake", "ascend"])
     p.add_argument("--advertise-host", type=host, default=None,
                    help="address peers use to reach this node's transfer engine and bootstrap "
-                        "(default: --host, or this machine's address when --host is a wildcard: "
-                        "0.0.0.0, :: or [::])")
+                        "(default: --host; when --host is a wildcard (0.0.0.0, :: or [::]), the "
+                        "machine's host name's address if it is one of its own and not "
+                        "loopback, else its one IPv4 address other than loopback: a machine "
+                        "with several must be given this flag)")
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")  # bind every interface: not an address for peers
 
 
+FIB_TRIE = "/proc/net/fib_trie"  # Linux's routes; this network namespace's own addresses among them
+
+
 def advertise_host(args: argparse.Namespace) -> str:
-    """``--advertise-host``; else ``--host``, unless it is a wildcard: then this machine's
-    address."""
+    """``--advertise-host``; else ``--host``, unless it is a wildcard: then
+    :func:`machine_address`."""
     if args.advertise_host:
         return str(args.advertise_host)
     if args.host not in WILDCARD_HOSTS:
         return str(args.host)
-    return socket.gethostbyname(socket.gethostname())
+    return machine_address(str(args.host))
+
+
+def machine_address(wildcard: str) -> str:
+    """The address other machines reach this node on when it binds ``wildcard``: its host
+    name's address when that is one of this machine's own and not a loopback one, else its one
+    IPv4 address other than loopback. A host name that resolves to loopback (Debian's
+    127.0.1.1, a container's or a network namespace's 127.0.0.1) used to be advertised as it
+    was, which no other machine reaches. With several such addresses, or none, the machine
+    must be told: :class:`InvalidRequestError` asking for ``--advertise-host``."""
+    from engine.errors import InvalidRequestError
+
+    own = local_ipv4_addresses()
+    try:
+        named: str | None = socket.gethostbyname(socket.gethostname())
+    except OSError:  # the host name does not resolve
+        named = None
+    if named in own:
+        return str(named)
+    if len(own) == 1:
+        return own[0]
+    has = f"it has several ({', '.join(own)})" if own else "it has none but loopback"
+    raise InvalidRequestError(f"--host {wildcard} binds every interface, and other machines "
+                              f"need the one address of this one they reach it on: {has}; "
+                              "give it with --advertise-host")
+
+
+def local_ipv4_addresses() -> list[str]:
+    """This machine's IPv4 addresses other than loopback ones, secondary ones included, in
+    order (its network namespace's, read from :data:`FIB_TRIE`: every leaf marked ``/32 host
+    LOCAL``); [] where that file cannot be read."""
+    try:
+        lines = Path(FIB_TRIE).read_text().splitlines()
+    except OSError:
+        return []
+    found, leaf = set(), ""
+    for line in lines:
+        text = line.strip()
+        if text.startswith("|-- "):
+            leaf = text[4:]
+        elif text == "/32 host LOCAL" and not ipaddress.ip_address(leaf).is_loopback:
+            found.add(leaf)
+    return sorted(found, key=ipaddress.ip_address)
 
 
 def add_draft_args(p: argparse.ArgumentParser, *, decode: bool) -> None:

@@ -19,6 +19,7 @@ from cli.engine_args import (
     bootstrap_config,
     draft_dir,
     engine_config,
+    keepalive,
     worker_security,
 )
 from cli.models import ensure_model
@@ -75,5 +76,6 @@ def run_prefill(args: argparse.Namespace) -> int:
         pp_next=args.pp_next, draft=draft_dir(args, model_dir),
         max_waiting=args.max_waiting, security=worker_security(args),
         bootstrap_config=bootstrap_config(args), metrics_port=args.metrics_port,
+        keepalive=keepalive(args),
     ))
     return exit_process(0)

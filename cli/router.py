@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from cli.arg_types import port
-from cli.engine_args import add_server_args, internal_token
+from cli.engine_args import add_server_args, internal_token, keepalive
 from cli.models import ensure_model
 
 if TYPE_CHECKING:
@@ -120,6 +120,7 @@ def run_router(args: argparse.Namespace) -> int:
             routing=RoutingConfig(args.policy, args.balance_abs_threshold,
                                   args.balance_rel_threshold, args.max_tree_blocks,
                                   args.kv_events),
+            keepalive=keepalive(args),
         )
         security = router_security(args)
     except (ValueError, OSError) as exc:

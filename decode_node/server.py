@@ -21,6 +21,7 @@ from engine.llm_engine import LLMEngine
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
+from serving.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from serving.kv_events import kv_event_hub
 from serving.process_exit import keep_until_exit
 from serving.server import serve_until_signal, start_server
@@ -38,6 +39,7 @@ async def serve_decode(
     draft_topk: int = 1, draft_steps: int | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
     bootstrap_config: BootstrapConfig | None = None, metrics_port: int | None = None,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> None:
     """Run a decode worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
@@ -101,7 +103,7 @@ async def serve_decode(
     server, bound, _ = await start_server(
         [(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
         role="decode", stats=service.stats, security=security,
-        metrics_port=metrics_port,
+        metrics_port=metrics_port, keepalive=keepalive,
     )
     await serve_until_signal(server, bound, loop.stop, clients.close, engine.close,
                              on_signal=hub.close if hub is not None else None)

@@ -36,15 +36,19 @@ AUX_ROWS = 4
 
 
 def prefill_manager(backend: str, pools: Sequence[KVPool], *, hidden_size: int,
-                    hostname: str, states: StatePool | None = None) -> KVManager:
+                    hostname: str, states: StatePool | None = None,
+                    silent_peer_s: float | None = None) -> KVManager:
     """A KV manager of ``backend`` with ``pools``' entries registered (the target's, then a
     draft's when it runs one), a staging buffer over them and a hybrid model's state entries
-    (``states``). Its engine lives until the process exits (:mod:`serving.process_exit`)."""
+    (``states``); its transfer connections drop a decode silent for ``silent_peer_s`` (the
+    handshake's peer timeout: :mod:`transfer.backends.keepalive`). Its engine lives until the
+    process exits (:mod:`serving.process_exit`)."""
     buffers = [b for pool in pools for b in pool.buffer_infos()]
     staging = HeadStagingBuffer([e for pool in pools for e in pool.entries()], STAGING_BYTES)
     manager = make_kv_manager(backend, buffers, hidden_size=hidden_size, aux_rows=AUX_ROWS,
                               hostname=hostname, staging=staging,
-                              states=states.buffer_infos() if states is not None else ())
+                              states=states.buffer_infos() if states is not None else (),
+                              silent_peer_s=silent_peer_s)
     keep_until_exit(manager)
     return manager
 
@@ -69,10 +73,12 @@ class PrefillRankTransfer:
     hostname: str
     hidden_size: int
     authkey: bytes = field(repr=False)
+    silent_peer_s: float | None = None  # the managers' transfer keepalive (prefill_manager)
 
     def __call__(self, pools: Sequence[KVPool], rank: int, states: StatePool | None) -> bytes:
         manager = prefill_manager(self.backend, pools, hidden_size=self.hidden_size,
-                                  hostname=self.hostname, states=states)
+                                  hostname=self.hostname, states=states,
+                                  silent_peer_s=self.silent_peer_s)
         agent = RankAgent(manager, self.authkey)
         keep_until_exit(agent)
         return encode(agent.buffers())

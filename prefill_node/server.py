@@ -22,6 +22,7 @@ from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
+from serving.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from serving.kv_events import kv_event_hub
 from serving.metrics import TransferMetrics
 from serving.server import serve_until_signal, start_server
@@ -38,6 +39,7 @@ async def serve_prefill(
     pp_next: str | None = None, draft: Path | None = None,
     max_waiting: int = DEFAULT_MAX_WAITING, security: ServerSecurity | None = None,
     bootstrap_config: BootstrapConfig | None = None, metrics_port: int | None = None,
+    keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> None:
     """Run a prefill worker until SIGINT/SIGTERM; prints ``READY <port>`` once serving.
 
@@ -58,13 +60,15 @@ async def serve_prefill(
                          bootstrap_port=bootstrap_port, transfer_backend=transfer_backend,
                          advertise_host=advertise_host, max_waiting=max_waiting,
                          security=security, bootstrap_config=bootstrap_config,
-                         metrics_port=metrics_port, draft=draft)
+                         metrics_port=metrics_port, draft=draft, keepalive=keepalive)
         await (serve_first_stage(args) if layout.is_first else serve_later_stage(args))
         return
     text = ModelConfig.from_dir(model_dir).text
     authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
+    silent_peer_s = (bootstrap_config or BootstrapConfig()).peer_timeout_s
     engine = LLMEngine(model_dir, config, rank_attach=PrefillRankTransfer(
-        transfer_backend, advertise_host, text.hidden_size, authkey), draft=draft)
+        transfer_backend, advertise_host, text.hidden_size, authkey, silent_peer_s),
+        draft=draft)
     drafter = None
     pools = [engine.pool]
     if draft is not None:  # the draft's prompt KV is computed here and travels in its band
@@ -73,7 +77,8 @@ async def serve_prefill(
     state_pool = engine.states.pool if engine.states is not None else None
     manager = prefill_manager(transfer_backend, pools,
                               hidden_size=engine.model_config.text.hidden_size,
-                              hostname=advertise_host, states=state_pool)
+                              hostname=advertise_host, states=state_pool,
+                              silent_peer_s=silent_peer_s)
     identity = ModelIdentity(model_fingerprint(model_dir), config.page_size, config.dtype,
                              text.num_hidden_layers,
                              heads=prefill_heads(text, engine.pool, config.tp_size),
@@ -90,6 +95,7 @@ async def serve_prefill(
         [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service, SERVICE_NAME)], host, port,
         role="prefill", stats=service.stats, security=security,
         metrics_port=metrics_port, metrics_collectors=TransferMetrics().watch(manager, *ranks),
+        keepalive=keepalive,
     )
     await serve_until_signal(server, bound, loop.stop, bootstrap.close, engine.close,
                              on_signal=hub.close if hub is not None else None)

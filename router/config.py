@@ -7,6 +7,7 @@ from pathlib import Path
 
 from router.recovery import RecoveryConfig
 from serving.hosts import check_host
+from serving.keepalive import Keepalive
 
 MODE_DISAGGREGATED = "disaggregated"
 MODE_COLOCATED = "colocated"
@@ -82,6 +83,7 @@ class RouterConfig:
     served_model_name: str | None = None  # the model id of the HTTP door; default: dir name
     recovery: RecoveryConfig = RecoveryConfig()  # what failed workers lead to (router.recovery)
     routing: RoutingConfig = RoutingConfig()  # how workers are picked (router.policy)
+    keepalive: Keepalive = Keepalive()  # of its worker channels and its server (serving.keepalive)
 
     def __post_init__(self) -> None:
         if self.colocated and (self.prefill or self.decode):

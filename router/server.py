@@ -37,7 +37,8 @@ async def serve_router(config: RouterConfig, host: str, port: int,
     assets = ModelAssets.from_dir(config.model_dir)
     pool = WorkerPool(config.prefill, config.decode or config.colocated,
                       refresh_s=config.load_refresh_s, timeout_s=config.worker_timeout_s,
-                      metadata=internal_metadata(config.internal_token))
+                      metadata=internal_metadata(config.internal_token),
+                      keepalive=config.keepalive)
     await pool.start()
     policy = make_policy(config.routing)
     await policy.start(pool)
@@ -46,7 +47,7 @@ async def serve_router(config: RouterConfig, host: str, port: int,
         [(generate_pb2_grpc.add_GenerationServicer_to_server, service, SERVICE_NAME)], host, port,
         role="router", stats=service.stats, security=security,
         metrics_port=metrics_port, metrics_collectors=service.latency.collectors(),
-        serving=pool.readiness.ready,
+        serving=pool.readiness.ready, keepalive=config.keepalive,
     )
     flip = asyncio.Lock()
 

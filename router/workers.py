@@ -55,6 +55,7 @@ from proto.pdserve.v1 import worker_pb2_grpc
 from router.config import split_dns
 from router.errors import WorkerFailure
 from serving.auth import Metadata
+from serving.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from serving.server import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
@@ -183,18 +184,20 @@ class WorkerPool:
 
     ``prefill`` and ``decode`` entries are ``HOST:PORT`` or ``dns:NAME:PORT`` (see the module
     docstring); :attr:`prefill` and :attr:`decode` are the workers new requests may go to, and
-    DNS discovery updates them in place.
+    DNS discovery updates them in place. Every worker's channel pings it as ``keepalive`` says
+    (:mod:`serving.keepalive`): a partitioned worker's calls end ``UNAVAILABLE`` within its time
+    and timeout instead of hanging until their deadlines.
     """
 
     def __init__(self, prefill: Sequence[str], decode: Sequence[str],
                  refresh_s: float = 1.0, timeout_s: float = 5.0,
                  dns_refresh_s: float = DNS_REFRESH_S,
-                 resolver: Resolver = resolve_a_records, metadata: Metadata = ()) -> None:
+                 resolver: Resolver = resolve_a_records, metadata: Metadata = (),
+                 keepalive: Keepalive = DEFAULT_KEEPALIVE) -> None:
         self.metadata = metadata
-        self.prefill = [_make(a, PREFILL, metadata=metadata)
-                        for a in prefill if split_dns(a) is None]
-        self.decode = [_make(a, DECODE, metadata=metadata)
-                       for a in decode if split_dns(a) is None]
+        self.channel_options = [*CHANNEL_OPTIONS, *keepalive.channel_options()]
+        self.prefill = [self._make(a, PREFILL) for a in prefill if split_dns(a) is None]
+        self.decode = [self._make(a, DECODE) for a in decode if split_dns(a) is None]
         # (kind, "dns:NAME:PORT", NAME, PORT) for every DNS entry
         self._dns: list[tuple[str, str, str, int]] = [
             (kind, a, *dns) for kind, entries in ((PREFILL, prefill), (DECODE, decode))
@@ -311,7 +314,7 @@ class WorkerPool:
                 keep.append(back)
             else:
                 log.info("%s worker %s joined via %s", kind, address, source)
-                keep.append(_make(address, kind, source, self.metadata))
+                keep.append(self._make(address, kind, source))
         workers[:] = keep
 
     async def _close_idle_retired(self) -> None:
@@ -321,6 +324,16 @@ class WorkerPool:
             if w.running == 0 and w.retired_ticks >= 1:
                 self.retiring.remove(w)
                 await w.channel.close(grace=self.timeout_s)
+
+    def _make(self, address: str, kind: str, source: str = "") -> Worker:
+        """A worker of ``kind`` at ``address`` on a channel of its own (not connected yet)."""
+        channel = grpc.aio.insecure_channel(address, options=self.channel_options)
+        stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
+        if kind == PREFILL:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        else:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        return Worker(address, kind, channel, stub, source=source, metadata=self.metadata)
 
     @staticmethod
     def pick(workers: Sequence[Worker]) -> Worker:
@@ -366,13 +379,3 @@ def _why(workers: Sequence[Worker]) -> str:
         return " (none known yet)"
     causes = [f"{w.address}: {w.error or 'no bootstrap address reported'}" for w in workers[:4]]
     return f" ({'; '.join(causes)}{'; ...' if len(workers) > 4 else ''})"
-
-
-def _make(address: str, kind: str, source: str = "", metadata: Metadata = ()) -> Worker:
-    channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
-    if kind == PREFILL:
-        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-    else:
-        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-    return Worker(address, kind, channel, stub, source=source, metadata=metadata)

@@ -20,6 +20,7 @@ from proto.pdserve.v1 import admin_pb2_grpc
 from serving.admin import SERVICE_NAME as ADMIN_SERVICE
 from serving.admin import AdminService, StatsSource
 from serving.auth import ServerSecurity, TokenInterceptor
+from serving.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from serving.metrics import metrics_registry, serve_metrics
 from serving.parsing import ParseInterceptor
 
@@ -38,7 +39,7 @@ async def start_server(
     services: Sequence[Registration], host: str = "127.0.0.1", port: int = 0, *,
     role: str = "", stats: StatsSource | None = None, security: ServerSecurity | None = None,
     metrics_port: int | None = None, metrics_collectors: Sequence[Collector] = (),
-    serving: bool = True,
+    serving: bool = True, keepalive: Keepalive = DEFAULT_KEEPALIVE,
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Start a server with ``services`` (``(add_X_to_server, servicer, full_service_name)``).
 
@@ -53,12 +54,16 @@ async def start_server(
 
     With ``metrics_port`` (and ``stats``) it also serves Prometheus ``/metrics`` on ``host``
     (:mod:`serving.metrics`, with ``metrics_collectors`` added) and prints ``METRICS <port>``.
+
+    ``keepalive``: how the server pings its clients and how often it lets them ping
+    (:mod:`serving.keepalive`).
     """
     security = security or ServerSecurity()
     interceptors: list[grpc.aio.ServerInterceptor] = (
         [TokenInterceptor(security.requirements)] if security.requirements else [])
     interceptors.append(ParseInterceptor())  # inside the token check: callers are known first
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    server = grpc.aio.server(options=[*SERVER_OPTIONS, *keepalive.server_options()],
+                             interceptors=interceptors)
     names = [name for _, _, name in services]  # ours; their health follows ``serving``
     admin = []  # always SERVING
     if stats is not None:

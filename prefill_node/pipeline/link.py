@@ -23,6 +23,7 @@ from proto.convert import ConversionError
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.auth import Metadata
+from serving.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from serving.server import SERVER_OPTIONS
 
 GATE_POLL_S = 0.005  # how often a stage asks the next one about rooms it is waiting for
@@ -57,10 +58,12 @@ class NextStageLink:
     """The next stage, as seen by the stage before it. Not thread-safe: one thread uses it (the
     first stage's loop thread, or a later stage's ``RunStep`` under its lock)."""
 
-    def __init__(self, address: str, metadata: Metadata = ()) -> None:
+    def __init__(self, address: str, metadata: Metadata = (),
+                 keepalive: Keepalive = DEFAULT_KEEPALIVE) -> None:
         self.address = address
         self._metadata = metadata  # the internal token, when the cluster has one
-        self._channel = grpc.insecure_channel(address, options=SERVER_OPTIONS[:2])
+        self._channel = grpc.insecure_channel(
+            address, options=[*SERVER_OPTIONS[:2], *keepalive.channel_options()])
         self._stub = worker_pb2_grpc.PipelineStageStub(self._channel)
         self._new: dict[int, wpb.StageRoom] = {}
         self._aborted: list[wpb.StageAbort] = []

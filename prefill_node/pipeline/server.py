@@ -52,6 +52,7 @@ from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import StatsSource
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import Metadata, ServerSecurity, internal_metadata
+from serving.keepalive import Keepalive
 from serving.metrics import TransferMetrics
 from serving.server import Registration, serve_until_signal, start_server
 from transfer.base import KVManager
@@ -79,6 +80,7 @@ class StageArgs:
     bootstrap_config: BootstrapConfig | None = None
     metrics_port: int | None = None
     draft: Path | None = None  # the EAGLE draft directory (the last stage only)
+    keepalive: Keepalive = Keepalive()  # of its server and its link to the next stage
 
     def __post_init__(self) -> None:
         if self.draft is not None and not self.layout.is_last:
@@ -154,7 +156,13 @@ async def serve_later_stage(args: StageArgs) -> None:
 def _rank_attach(args: StageArgs, text: TextConfig, authkey: bytes) -> PrefillRankTransfer:
     """The attach hook of this stage's other TP ranks (unused with one rank)."""
     return PrefillRankTransfer(args.transfer_backend, args.advertise_host, text.hidden_size,
-                               authkey)
+                               authkey, _silent_peer_s(args))
+
+
+def _silent_peer_s(args: StageArgs) -> float:
+    """How long the stage's transfer connections let a silent decode live: the handshake's
+    peer timeout (:mod:`transfer.backends.keepalive`)."""
+    return (args.bootstrap_config or BootstrapConfig()).peer_timeout_s
 
 
 async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
@@ -170,7 +178,7 @@ async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
     ``aux_ids``, the target layers an EAGLE-3 draft fuses, given on the last stage)."""
     secret = args.bootstrap_config.secret if args.bootstrap_config is not None else None
     linked = await asyncio.to_thread(_link, args.layout, layers, args.pp_next,
-                                     internal_metadata(secret))
+                                     internal_metadata(secret), args.keepalive)
     link, later = None, ""  # later: the bootstrap addresses of the later stages
     if linked is None:
         band = tuple(sorted({lid for p in pools for lid in p.layer_ids
@@ -185,7 +193,8 @@ async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
                              heads=prefill_heads(text, pools[0], args.config.tp_size),
                              states=StateLayout.of(text.linear, states, args.config.tp_size))
     manager = prefill_manager(args.transfer_backend, pools, hidden_size=text.hidden_size,
-                              hostname=args.advertise_host, states=states)
+                              hostname=args.advertise_host, states=states,
+                              silent_peer_s=_silent_peer_s(args))
     bootstrap = PrefillBootstrapServer(manager, identity, host=args.host,
                                        port=args.bootstrap_port, config=args.bootstrap_config,
                                        ranks=ranks)
@@ -193,10 +202,11 @@ async def _open_endpoints(args: StageArgs, layers: range, pools: list[KVPool],
     return _Endpoints(manager, bootstrap, link, chain, band, tuple(aux_ids), tuple(ranks))
 
 
-def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Metadata
-          ) -> tuple[NextStageLink, wpb.StageInfo] | None:
-    """Connect to the next stage (sending ``metadata`` on every call) and check it continues
-    this one's layers; the link and the next stage's description."""
+def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Metadata,
+          keepalive: Keepalive) -> tuple[NextStageLink, wpb.StageInfo] | None:
+    """Connect to the next stage (sending ``metadata`` on every call, pinging it as
+    ``keepalive`` says) and check it continues this one's layers; the link and the next
+    stage's description."""
     if layout.is_last:
         if pp_next:
             raise ValueError("the last pipeline stage takes no --pp-next")
@@ -204,7 +214,7 @@ def _link(layout: StageLayout, layers: range, pp_next: str | None, metadata: Met
     if not pp_next:
         raise ValueError(f"pipeline stage {layout.rank} of {layout.size} needs "
                          "--pp-next HOST:PORT")
-    link = NextStageLink(pp_next, metadata)
+    link = NextStageLink(pp_next, metadata, keepalive)
     info = link.describe()
     expected = (layout.rank + 1, layout.size, layers.stop)
     if (info.pp_rank, info.pp_size, info.layer_start) != expected:
@@ -223,7 +233,8 @@ async def _serve(args: StageArgs, ends: _Endpoints, services: Sequence[Registrat
     server, bound, _ = await start_server(
         services, args.host, args.port, role=role, stats=stats, security=args.security,
         metrics_port=args.metrics_port,
-        metrics_collectors=TransferMetrics().watch(ends.manager, *ends.ranks))
+        metrics_collectors=TransferMetrics().watch(ends.manager, *ends.ranks),
+        keepalive=args.keepalive)
     cleanups = [*stop_first, ends.bootstrap.close]
     if ends.link is not None:
         cleanups.append(ends.link.close)

@@ -54,6 +54,12 @@ CASES = [
     (["decode", "--quarantine-s", "-5"], "argument --quarantine-s: must be at least 0, got -5"),
     (["launch", "--prefill-gpus", "-1"], "argument --prefill-gpus: must be at least 0, got -1"),
     (["client", "--timeout", "-1", "hi"], "argument --timeout: must be above 0, got -1"),
+    (["router", "--keepalive-time-s", "0.5"], "argument --keepalive-time-s: must be in [1, "
+                                              "86400], got 0.5"),
+    (["decode", "--keepalive-time-s", "inf"], "argument --keepalive-time-s: must be in [1, "),
+    (["prefill", "--keepalive-timeout-s", "0"], "argument --keepalive-timeout-s: must be in "
+                                                "[0.1, 86400], got 0"),
+    (["router", "--keepalive-timeout-s", "nan"], "argument --keepalive-timeout-s: must be in"),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -9,7 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +24,11 @@ class Node:
     proc: subprocess.Popen[str]
     port: int
     log: list[str]
+    host: str = "127.0.0.1"  # the address it serves on
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
 
 def free_port() -> int:
@@ -42,11 +45,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def start_node(args: Sequence[str], timeout_s: float = 60.0) -> Node:
+def start_node(args: Sequence[str], timeout_s: float = 60.0, *, prefix: Sequence[str] = (),
+               host: str = "127.0.0.1") -> Node:
     """Run ``pdserve ARGS`` (which must print ``READY <port>``) and wait until it is serving.
-    Its output (stdout and stderr) keeps landing in ``Node.log`` after that."""
+    Its output (stdout and stderr) keeps landing in ``Node.log`` after that. ``prefix`` runs
+    it through another command (``ip netns exec NS``: inside a network namespace), and
+    ``host`` is the address it serves on (its ``--host``)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", *args], stdout=subprocess.PIPE,
+        [*prefix, sys.executable, "-m", "cli.main", *args], stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT,
     )
     assert proc.stdout is not None
@@ -60,7 +66,7 @@ def start_node(args: Sequence[str], timeout_s: float = 60.0) -> Node:
         if line.startswith("READY "):
             # keep reading: a node's request log lines must never fill the pipe and block it
             threading.Thread(target=_drain, args=(proc, log), daemon=True).start()
-            return Node(proc, int(line.split()[1]), log)
+            return Node(proc, int(line.split()[1]), log, host)
     proc.kill()
     raise RuntimeError(f"pdserve {' '.join(args)} did not become ready:\n{''.join(log)}")
 
@@ -81,6 +87,37 @@ def stop_node(node: Node, timeout_s: float = 15.0) -> int:
             node.proc.kill()
             node.proc.wait()
     return node.proc.returncode
+
+
+def start_each(starts: Sequence[Callable[[], Node]]) -> list[Node]:
+    """Run every ``start`` (a :func:`start_node` call) concurrently; on any failure stop the
+    nodes that started and raise the first error."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    nodes: list[Node] = []
+    errors: list[BaseException] = []
+    for fut in futures:
+        exc = fut.exception()
+        if exc is None:
+            nodes.append(fut.result())
+        else:
+            errors.append(exc)
+    if errors:
+        stop_all(nodes)
+        raise errors[0]
+    return nodes
+
+
+def start_all(commands: Sequence[Sequence[str]]) -> list[Node]:
+    """Start ``pdserve`` ``commands`` concurrently (:func:`start_each`)."""
+    return start_each([functools.partial(start_node, cmd) for cmd in commands])
+
+
+def stop_all(nodes: Sequence[Node]) -> None:
+    """Stop ``nodes`` concurrently (each gets SIGTERM, then SIGKILL after a grace period)."""
+    if nodes:
+        with ThreadPoolExecutor(len(nodes)) as pool:
+            list(pool.map(stop_node, nodes))
 
 
 @contextmanager

@@ -34,7 +34,7 @@ from proto.convert import patches_message
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from proto.pdserve.v1 import worker_pb2 as wpb
-from tests.cluster.harness import Node, start_node, stop_node
+from tests.cluster.harness import Node, start_all, stop_all
 from tests.cluster.stats import get_stats
 
 pytestmark = pytest.mark.slow
@@ -159,40 +159,6 @@ def assert_same(msgs: Sequence[gpb.GenerateResponse], exp: GenerationResult, nam
 
 
 # ---- the cluster -------------------------------------------------------------------------------
-
-
-def _drain(node: Node) -> None:
-    """Keep reading a node's output after READY (so a full pipe never blocks it)."""
-    assert node.proc.stdout is not None
-    for line in node.proc.stdout:
-        node.log.append(line)
-
-
-def start_all(commands: Sequence[Sequence[str]]) -> list[Node]:
-    """Start ``commands`` concurrently; on any failure stop the ones that started and raise."""
-    with ThreadPoolExecutor(len(commands)) as pool:
-        futures = [pool.submit(start_node, cmd) for cmd in commands]
-    nodes: list[Node] = []
-    errors: list[BaseException] = []
-    for fut in futures:
-        exc = fut.exception()
-        if exc is None:
-            nodes.append(fut.result())
-        else:
-            errors.append(exc)
-    if errors:
-        stop_all(nodes)
-        raise errors[0]
-    for node in nodes:
-        threading.Thread(target=_drain, args=(node,), daemon=True).start()
-    return nodes
-
-
-def stop_all(nodes: Sequence[Node]) -> None:
-    """Stop ``nodes`` concurrently (each gets SIGTERM, then SIGKILL after a grace period)."""
-    if nodes:
-        with ThreadPoolExecutor(len(nodes)) as pool:
-            list(pool.map(stop_node, nodes))
 
 
 @dataclass

@@ -175,6 +175,34 @@ def test_cut_is_silent_both_ways_until_heal(two: Hosts) -> None:
     assert _connect(b, a) == "connected"
 
 
+def test_cut_between_two_hosts_leaves_the_others(make_hosts: Callable[[int], Hosts]) -> None:
+    """``a.link.cut(b)`` partitions a and b only: their connects time out both ways, while
+    each still reaches c; a second ``cut(c)`` adds c; heal ends both. The loss of a's link
+    still acts on what the cut lets through (the cut goes ahead of it, not instead)."""
+    a, b, c = make_hosts(3)
+    for host in (a, b, c):
+        _server(host, ECHO)
+    a.link.cut(b)
+    assert a.link.cut_from == (b.address,)
+    assert _connect(a, b) == "TimeoutError" and _connect(b, a) == "TimeoutError"
+    for x, y in ((a, c), (c, a), (b, c), (c, b)):
+        assert _connect(x, y) == "connected", (x.address, y.address)
+    a.link.set(loss_pct=50)
+    sink = _server(c, UDP_SINK)
+    a.run([sys.executable, "-c", UDP_SEND, c.address, "400"])
+    out, _ = sink.communicate(timeout=10)
+    assert 100 < int(out) < 300, out  # 200 expected, sd 10
+    a.link.set()  # a new shape keeps the cut
+    a.link.cut(c)
+    assert a.link.cut_from == (b.address, c.address)
+    assert _connect(a, b) == "TimeoutError"
+    assert _connect(a, c) == "TimeoutError" and _connect(b, c) == "connected"
+    a.link.heal()
+    assert a.link.cut_from == ()
+    assert _connect(a, b) == "connected" and _connect(b, a) == "connected"
+    assert _connect(a, c) == "connected"
+
+
 def test_shape_survives_a_cut(two: Hosts) -> None:
     """A link cut with a delay set keeps the delay after heal."""
     a, b = two

@@ -11,6 +11,10 @@ transport sets no keepalive, so this module sets it on the sockets the engine li
 silent for :attr:`TcpKeepalive.bound_s` is dropped by the kernel, and what the sender retransmits
 after that is answered with a reset, never written. The decode's bootstrap holds a failed
 room's pages at least that long (:mod:`transfer.bootstrap.decode`).
+
+The sending side (the prefill) gets the same keepalive on the connections its engine opens
+(:class:`ConnectionKeepalive`, swept after each write): an idle transfer connection whose peer
+went away is dropped too, instead of lingering half-open for good.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _TCP_FAMILIES = (socket.AF_INET, socket.AF_INET6)
@@ -50,26 +56,44 @@ class TcpKeepalive:
         return cls(idle, max(1, (bound - idle) // 2), bound)
 
 
-def listening_tcp_fds() -> set[int]:
-    """The file descriptors of this process's listening TCP sockets."""
-    found = set()
+def _tcp_sockets() -> Iterator[tuple[int, str, socket.socket]]:
+    """This process's TCP sockets: (fd, its ``socket:[inode]`` link, the socket wrapped without
+    a dup). The caller must ``detach()`` each: the sockets are their owners'."""
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         try:
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if not link.startswith("socket:"):
                 continue
             sock = socket.socket(fileno=fd)
         except OSError:  # closed meanwhile, or not a socket Python can wrap
             continue
+        if sock.family in _TCP_FAMILIES and sock.type == socket.SOCK_STREAM:
+            yield fd, link, sock
+        else:
+            sock.detach()
+
+
+def listening_tcp_fds() -> set[int]:
+    """The file descriptors of this process's listening TCP sockets."""
+    found = set()
+    for fd, _, sock in _tcp_sockets():
         try:
-            if (sock.family in _TCP_FAMILIES and sock.type == socket.SOCK_STREAM
-                    and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 found.add(fd)
         except OSError:
             pass
         finally:
-            sock.detach()  # the socket is its owner's: never closed here
+            sock.detach()
     return found
+
+
+def set_keepalive(sock: socket.socket, keepalive: TcpKeepalive) -> None:
+    """Set ``keepalive`` on one socket (a listening one passes it to what it accepts)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, keepalive.idle_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, keepalive.interval_s)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, keepalive.bound_s * 1000)
 
 
 def drop_silent_peers(fds: set[int], keepalive: TcpKeepalive) -> None:
@@ -78,10 +102,45 @@ def drop_silent_peers(fds: set[int], keepalive: TcpKeepalive) -> None:
     for fd in sorted(fds):
         sock = socket.socket(fileno=fd)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, keepalive.idle_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, keepalive.interval_s)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
-                            keepalive.bound_s * 1000)
+            set_keepalive(sock, keepalive)
         finally:
             sock.detach()
+
+
+class ConnectionKeepalive:
+    """Keepalive for the connections a transfer engine opens from this process (Mooncake's
+    outgoing ones: it sets none and offers no hook), found by :meth:`sweep` among the process's
+    connected TCP sockets: each one seen for the first time that has neither ``SO_KEEPALIVE``
+    nor ``TCP_USER_TIMEOUT`` set gets ``keepalive``. Sockets whose owner set either (gRPC sets
+    the user timeout of its own keepalive; accepted sockets inherit a listener's) are left as
+    they are. So after a partition no idle half-open transfer connection lingers: the kernel
+    drops it once its peer was silent for ``keepalive.bound_s``."""
+
+    def __init__(self, keepalive: TcpKeepalive) -> None:
+        self.keepalive = keepalive
+        self._seen: set[str] = set()  # socket links already looked at
+        self._lock = threading.Lock()
+
+    def sweep(self) -> int:
+        """Look at every TCP socket not seen before; returns how many got ``keepalive``."""
+        set_now = 0
+        with self._lock:
+            live = set()
+            for _, link, sock in _tcp_sockets():
+                live.add(link)
+                try:
+                    if link in self._seen or sock.getsockopt(socket.SOL_SOCKET,
+                                                             socket.SO_ACCEPTCONN):
+                        continue
+                    sock.getpeername()  # connected (raises otherwise: look again next time)
+                    self._seen.add(link)
+                    if not (sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+                            or sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)):
+                        set_keepalive(sock, self.keepalive)
+                        set_now += 1
+                except OSError:
+                    pass
+                finally:
+                    sock.detach()
+            self._seen &= live  # a closed socket's link may come back for a new one
+        return set_now

@@ -14,15 +14,27 @@ gives a device pointer), host ranges with the wildcard so the engine finds their
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from transfer.backends.engine_import import load_transfer_engine
-from transfer.backends.keepalive import TcpKeepalive, drop_silent_peers, listening_tcp_fds
+from transfer.backends.keepalive import (
+    ConnectionKeepalive,
+    TcpKeepalive,
+    drop_silent_peers,
+    listening_tcp_fds,
+)
 from transfer.backends.memory import MemoryRange, check_registrable
 from transfer.base import KVManager
 from transfer.errors import EngineCallError
 
 P2P_HANDSHAKE = "P2PHANDSHAKE"
+# Mooncake's TCP transport opens a new connection for every slice of a transfer unless told to
+# keep them (it reads its settings from the environment only): over a 50 ms round trip a 512 KiB
+# send took 583 ms that way and 152 ms over kept connections (bench.netns_transfer, 2026-12-06)
+TCP_CONNECTION_POOL = ("MC_TCP_ENABLE_CONNECTION_POOL", "1")
+STALE_WRITE_S = 1.0  # a TCP write that fails sooner is made once more (MooncakeKVManager._write)
 
 
 def create_mooncake_engine(
@@ -39,6 +51,8 @@ def create_mooncake_engine(
     (:mod:`transfer.backends.keepalive`); before the engine's address is known to anyone, so
     every connection it accepts has it.
     """
+    if protocol == "tcp":
+        os.environ.setdefault(*TCP_CONNECTION_POOL)  # an operator's own setting wins
     engine = load_transfer_engine(kv_device)()
     before = listening_tcp_fds() if keepalive is not None else set()
     ret = engine.initialize(hostname, metadata_server, protocol, device_name)
@@ -55,8 +69,9 @@ def create_mooncake_engine(
 class MooncakeKVManager(KVManager):
     """Mooncake-backed manager; pass ``engine`` to reuse an initialized engine. ``kv_device``
     (where the KV cache will live) picks the install hint if the engine cannot be loaded.
-    ``silent_peer_s`` (a receiving node: the decode): connections into the engine it creates
-    drop a peer silent that long (:mod:`transfer.backends.keepalive`), which sets
+    ``silent_peer_s``: the connections of the engine it creates, into it (a decode's) and out
+    of it (a prefill's, swept after each write), drop a peer silent that long
+    (:mod:`transfer.backends.keepalive`); this sets
     :attr:`~transfer.base.KVManager.late_write_s`."""
 
     def __init__(
@@ -76,9 +91,11 @@ class MooncakeKVManager(KVManager):
         self.protocol = protocol
         self.kv_device = kv_device
         keepalive = None
+        self._outgoing: ConnectionKeepalive | None = None
         if silent_peer_s is not None and engine is None and protocol == "tcp":
             keepalive = TcpKeepalive.within(silent_peer_s)
             self.late_write_s = float(keepalive.latest_s)
+            self._outgoing = ConnectionKeepalive(keepalive)
         self.engine = engine if engine is not None else self._create_engine(
             hostname, protocol, device_name, metadata_server, keepalive
         )
@@ -109,7 +126,17 @@ class MooncakeKVManager(KVManager):
             self._ranges.append(r)
 
     def _write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
-        return int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+        """One engine write; over TCP, one that fails at once is made once more: the engine
+        reuses its connections, and one its peer dropped meanwhile (a peer restarted, or a
+        partition the keepalive ended) fails the first write on it; the engine drops it, and
+        the same bytes into the same pages go over a new one."""
+        start = time.monotonic()
+        ret = int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+        if ret != 0 and self.protocol == "tcp" and time.monotonic() - start < STALE_WRITE_S:
+            ret = int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+        if self._outgoing is not None:  # the connections this write opened get keepalive
+            self._outgoing.sweep()
+        return ret
 
     def close(self) -> None:
         """Stop the staged-send writer thread and unregister every range this manager

@@ -55,7 +55,7 @@ from transfer.bootstrap.messages import (
     Status,
 )
 from transfer.bootstrap.prefill import NO_AUX_SLOT
-from transfer.bootstrap.wire import FramedSocket
+from transfer.bootstrap.wire import FramedSocket, tune
 from transfer.errors import IncompatiblePeerError, MessageError, PageListError, TransferError
 from transfer.faults import make_injector
 from transfer.status import KVPoll, advance
@@ -122,7 +122,7 @@ class DecodeBootstrapClient:
         self._landing_pages = landing_pages or LandingPages(
             landing[0].num_pages if landing is not None else 0)
         sock = socket.create_connection(prefill_address, timeout=self.config.connect_timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock, self.config.peer_timeout_s)
         self._sock = FramedSocket(sock)
         if rank is not None and landing is not None:  # the rank's own landing entries
             infos = landing[0].buffer_infos(landing[1])
@@ -406,12 +406,14 @@ class DecodeBootstrapClient:
             r.status = advance(r.status, KVPoll.Success)
 
     def _peer_dead(self, reason: str) -> None:
-        """Fail every unfinished room; their pages wait out the quarantine."""
+        """Fail every unfinished room (their pages wait out the quarantine) and drop the
+        connection: nothing more is sent to a dead prefill."""
         with self._lock:
             self._alive = False
             for r in list(self._rooms.values()):
                 if not r.status.is_terminal:
                     self._fail(r, reason)
+        self._sock.abort()
 
     def _sweep_loop(self) -> None:
         cfg = self.config

@@ -52,7 +52,7 @@ from transfer.bootstrap.messages import (
     Registration,
     Status,
 )
-from transfer.bootstrap.wire import FramedSocket
+from transfer.bootstrap.wire import FramedSocket, tune
 from transfer.errors import EngineCallError, MessageError, TransferError
 from transfer.faults import make_injector
 from transfer.plan.heads import HeadCopy
@@ -507,7 +507,7 @@ class PrefillBootstrapServer:
 
     def _serve(self, sock: socket.socket) -> None:
         """Registration, then messages until the connection ends (thread per connection)."""
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        tune(sock, self.config.peer_timeout_s)
         fs = FramedSocket(sock)
         try:
             sock.settimeout(self.config.connect_timeout_s)
@@ -615,7 +615,7 @@ class PrefillBootstrapServer:
                     if not r.status.is_terminal:
                         self._fail(r, reason, quiesced=True)
                     self._finish_locked(r)
-        conn.sock.close()
+        conn.sock.abort()
 
     def _refusal_note(self, r: _Room) -> str:
         """Why a decode was last refused, if that happened while ``r`` waited (or just before
