@@ -2,7 +2,8 @@
 
 Text goes to stdout as it arrives (one flush per message) followed by a newline; ``--json``
 prints one JSON object at the end instead. gRPC errors print ``error: <CODE>: <details>`` on
-stderr and exit with status 2.
+stderr and exit with status 2. ``--target A,B`` names several routers in front of the same
+workers: :class:`router.client.RouterClient` fails over between them.
 
 ``--chat`` renders the prompt here, with the chat template the router serves: the client asks
 ``GetModelInfo`` for it first (a router that reports none gets the built-in ChatML) and sends the
@@ -22,17 +23,19 @@ from cli.arg_types import UINT32_MAX, UINT64_MAX, int_in, positive_float
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
-    import grpc
-
     from engine.text.chat_template import ChatTemplate
-    from serving.auth import Metadata
+    from router.client import RouterClient
 
 EXIT_ERROR = 2
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=None, help="prompt text")
-    p.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="the router; several, comma-separated, are tried in order: a router "
+                        "that is unavailable, before or during the stream, hands the request to "
+                        "the next (a stream already started only when greedy or seeded: see "
+                        "docs/deploy.md, 'Two routers')")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="PNG/JPEG image (repeatable, prompt order)")
     p.add_argument("--video-frames", action="append", default=[], metavar="A.png,B.png",
@@ -155,27 +158,33 @@ def run_client(args: argparse.Namespace) -> int:
     """Stream one request; returns the exit status."""
     import grpc
 
-    from proto.pdserve.v1 import generate_pb2_grpc
+    from router.client import RouterClient
     from serving.auth import bearer_metadata, read_secret
+    from serving.keepalive import Keepalive
     from serving.server import MAX_MESSAGE_BYTES
 
     try:
         req = build_request(args)  # flags checked before any call; --chat renders again below
         metadata = bearer_metadata(read_secret(args.auth_token_file))
         ca = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+        targets = [t.strip() for t in args.target.split(",") if t.strip()]
+        if not targets:
+            raise ValueError(f"--target names no router: {args.target!r}")
     except (ValueError, OSError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    # the default keepalive: a router that vanished mid-stream ends the call (UNAVAILABLE)
+    # within about 10 s, also without --timeout
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               *Keepalive().channel_options()]
     result: dict[str, Any] = {"request_id": "", "token_ids": [], "text": "",
                               "finish_reason": "", "usage": {}}
     try:
-        with _channel(args.target, options, ca) as channel:
-            stub = generate_pb2_grpc.GenerationStub(channel)
+        with RouterClient(targets, root_cert=ca, metadata=metadata, options=options) as client:
             if args.chat:
-                req = build_request(args, _router_template(stub, args.timeout, metadata))
-            for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
+                req = build_request(args, _router_template(client, args.timeout))
+            for msg in client.generate(req, timeout=args.timeout):
                 _accumulate(result, msg)
                 if not args.json and msg.text:
                     sys.stdout.write(msg.text)
@@ -198,25 +207,15 @@ def run_client(args: argparse.Namespace) -> int:
     return 0
 
 
-def _router_template(stub: Any, timeout: float | None, metadata: Metadata) -> ChatTemplate:
+def _router_template(client: RouterClient, timeout: float | None) -> ChatTemplate:
     """The chat template the router serves (GetModelInfo), or ChatML if it reports none."""
     from engine.text.chat_template import ChatTemplate
-    from proto.pdserve.v1 import generate_pb2 as gpb
 
-    info = stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=timeout, metadata=metadata)
+    info = client.model_info(timeout)
     if not info.chat_template:
         return ChatTemplate.builtin()
     return ChatTemplate(info.chat_template, f"the router's {info.chat_template_source}",
                         dict(info.chat_special_tokens))
-
-
-def _channel(target: str, options: list[tuple[str, int]], ca: bytes | None) -> grpc.Channel:
-    import grpc
-
-    if ca is None:
-        return grpc.insecure_channel(target, options=options)
-    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=ca),
-                               options=options)
 
 
 def _accumulate(result: dict[str, Any], msg: Any) -> None:

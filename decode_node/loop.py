@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from decode_node.remote import RemoteQueues, RemoteRoom, RoomOutcome
 from decode_node.spec.eagle_engine import EagleEngine
 from engine.core.request import FinishReason, Request, SamplingParams, TopLogprobs
-from engine.errors import InvalidRequestError, TensorParallelError
+from engine.errors import DuplicateRequestError, TensorParallelError
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import ImageInput, VideoInput
 from serving.engine_thread import EngineThread
@@ -81,7 +81,8 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
         client: DecodeBootstrapClient | list[DecodeBootstrapClient],
         images: Sequence[ImageInput] = (), *, videos: Sequence[VideoInput] = (),
     ) -> None:
-        """Queue a room whose prompt a prefill node computes; raises ``InvalidRequestError``.
+        """Queue a room whose prompt a prefill node computes; raises ``InvalidRequestError``
+        (``DuplicateRequestError`` when the room is already here).
 
         ``client`` is the prefill's bootstrap client, or the clients of every pipeline stage
         and TP rank in stage order (:meth:`decode_node.service.DecodeService._connect`; the
@@ -93,7 +94,7 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
         req.payload = None  # the aux row's mrope delta makes it at adoption
         with self.lock:
             if room in self.remote or self.engine.scheduler.get(req.request_id):
-                raise InvalidRequestError(f"room {room} is already running here")
+                raise DuplicateRequestError(f"room {room} is already running here")
             self.remote.add(RemoteRoom(room, req, clients))
             self.lock.notify()
 

@@ -61,6 +61,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         # every key exists from the start: stats() copies it from another thread
         self.counters: Counter[str] = Counter(transfers_failed=0)
         self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._owners: dict[str, str] = {}  # room -> the request id its open stream runs
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: DecodeLoop | None = None
         self._clients: BootstrapClients | None = None
@@ -112,7 +113,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         if rid in self._streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {req.room} is running")
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._streams[rid] = queue
+        self._streams[rid], self._owners[rid] = queue, req.request_id
         finished = False
         try:
             await self.admission.admit(context, lambda: self._enqueue(request, context))
@@ -130,7 +131,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 finished = msg.finished
                 yield msg
         finally:
-            del self._streams[rid]
+            del self._streams[rid], self._owners[rid]
             if not finished:
                 await asyncio.to_thread(self.loop.abort, rid)
 
@@ -167,7 +168,12 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def AbortRoom(  # noqa: N802
         self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext
     ) -> wpb.AbortRoomResponse:
-        found = await asyncio.to_thread(self.loop.abort, str(request.room))
+        """Abort the room, unless its stream runs another request than ``request_id`` names
+        (another router's room under the same id: ``found=False``, nothing touched)."""
+        rid = str(request.room)
+        if request.request_id and self._owners.get(rid, request.request_id) != request.request_id:
+            return wpb.AbortRoomResponse(found=False)
+        found = await asyncio.to_thread(self.loop.abort, rid)
         return wpb.AbortRoomResponse(found=found)
 
     async def GetLoad(  # noqa: N802

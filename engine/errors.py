@@ -23,6 +23,12 @@ class InvalidRequestError(EngineError):
     """A request the engine refuses: empty or too long prompt, bad images, bad sampling values."""
 
 
+class DuplicateRequestError(InvalidRequestError):
+    """A request id (a room id, on the workers) that is already running here. The servers answer
+    ``ALREADY_EXISTS``: the same request under a new id is welcome (a router draws another room
+    id)."""
+
+
 class OutOfPagesError(EngineError):
     """The page allocator has fewer free pages than asked for."""
 

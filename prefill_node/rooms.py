@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from engine.core.request import Request
 from engine.core.scheduler import SchedulerOutput
-from engine.errors import InvalidRequestError
+from engine.errors import DuplicateRequestError
 from engine.llm_engine import LLMEngine
 from transfer.aux import AuxRow
 from transfer.bootstrap.prefill import PrefillBootstrapServer
@@ -66,10 +66,10 @@ class PrefillRooms:
         return any(not r.admitted for r in self._rooms.values())
 
     def add(self, room: int, request: Request) -> None:
-        """Claim ``room`` on the bootstrap server and gate it; raises ``InvalidRequestError``
+        """Claim ``room`` on the bootstrap server and gate it; raises ``DuplicateRequestError``
         when it is already here, ``TransferError`` when the bootstrap refuses the claim."""
         if room in self._rooms:
-            raise InvalidRequestError(f"room {room} is already running here")
+            raise DuplicateRequestError(f"room {room} is already running here")
         self.bootstrap.add_room(room)
         self._rooms[room] = PrefillRoom(request)
 

@@ -44,6 +44,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         # every key exists from the start: stats() copies it from another thread
         self.counters: Counter[str] = Counter(transfers_failed=0)
         self._pending: dict[int, asyncio.Future[Outcome]] = {}
+        self._owners: dict[int, str] = {}  # room -> the request id its pending call runs
         self._aio: asyncio.AbstractEventLoop | None = None
         self._loop: PrefillThread | None = None
         self.bootstrap_address = ""
@@ -85,7 +86,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         if room in self._pending:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"room {room} is running")
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._pending[room] = fut
+        self._pending[room], self._owners[room] = fut, req.request_id
         try:
             await self.admission.admit(context, lambda: self._submit(room, req, context))
             error, done = await fut
@@ -93,7 +94,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             await asyncio.to_thread(self.loop.abort, room, "prefill call cancelled")
             raise
         finally:
-            del self._pending[room]
+            del self._pending[room], self._owners[room]
         if error is not None:
             self.counters["transfers_failed"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"room {room} failed: {error}")
@@ -114,6 +115,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def AbortRoom(  # noqa: N802
         self, request: wpb.AbortRoomRequest, context: grpc.aio.ServicerContext
     ) -> wpb.AbortRoomResponse:
+        """Abort the room, unless its call runs another request than ``request_id`` names
+        (another router's room under the same id: ``found=False``, nothing touched)."""
+        owner = self._owners.get(request.room, request.request_id)
+        if request.request_id and owner != request.request_id:
+            return wpb.AbortRoomResponse(found=False)
         reason = request.reason or "aborted by the router"
         found = await asyncio.to_thread(self.loop.abort, request.room, reason)
         return wpb.AbortRoomResponse(found=found)

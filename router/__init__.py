@@ -5,5 +5,6 @@ Modules: ``config`` (frozen settings), ``preprocess`` (validation, tokenization,
 ``workers`` (worker pool, load tracking, selection), ``room`` (one request's worker calls),
 ``relay`` (worker stream -> client stream), ``errors`` (errors that carry a gRPC status),
 ``service`` (the servicer), ``openai_request`` / ``openai_response`` (OpenAI JSON <-> proto),
-``http_door`` (the HTTP server), ``server`` (process wiring).
+``http_door`` (the HTTP server), ``server`` (process wiring), ``client`` (the other side: a
+client of several routers that fails over between them).
 """

@@ -5,7 +5,9 @@ Queue items are worker stream messages (``GenerateResponse``), a :class:`WorkerF
 :data:`END` (the decode stream closed), or the prefill's ``PrefillResponse`` when it carries the
 prompt's log-probabilities (:attr:`RoomRun.scores_due`). :meth:`RoomRun.close` is synchronous
 and idempotent: it cancels the calls still running and fires ``AbortRoom`` at both workers in
-the background, so it is safe from a ``finally`` of a cancelled or closed generator.
+the background, so it is safe from a ``finally`` of a cancelled or closed generator. ``AbortRoom``
+names the request, so a worker that refused the room because another router's request runs
+under the same id (``ALREADY_EXISTS``) leaves that one alone.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class RoomRun:
     async def _abort_room(self, worker: Worker) -> bool:
         try:
             resp = await worker.stub.AbortRoom(
-                wpb.AbortRoomRequest(room=self.room, reason="router abort"),
+                wpb.AbortRoomRequest(room=self.room, reason="router abort",
+                                     request_id=self.request.request_id),
                 timeout=self._timeout_s, metadata=worker.metadata)
             return bool(resp.found)
         except grpc.aio.AioRpcError as exc:

@@ -6,6 +6,12 @@ closed exactly once: when its attempt failed and the request runs again
 (:mod:`router.recovery`), or in ``_generate``'s ``finally``, which also runs when the client
 cancels, its deadline passes or the generator is closed. Every call of ``Generate`` writes one
 log line (:mod:`serving.request_log`) when it ends, however it ends.
+
+Room ids are random (:data:`ROOM_BITS` bits) and unique among this router's live rooms; other
+routers in front of the same workers draw theirs independently. A worker that already runs a room
+under the drawn id refuses it with ``ALREADY_EXISTS``: the attempt runs again under a new id (at
+most :data:`ROOM_REDRAWS` times), spending no recovery budget and blaming no worker, and its
+clean-up's ``AbortRoom`` names this request, so the other router's room is left alone.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from serving.status import abort_with_status
 
 log = logging.getLogger(__name__)
 ROOM_BITS = 63
+ROOM_REDRAWS = 3  # new room ids one request may draw after workers refused its id as running
 
 
 class LocalContext:
@@ -121,8 +128,10 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             recovery = Recovery(self.config.recovery)
             step: Step | None = None
             steps: list[str] = []  # the recovery steps taken, for the request's log line
+            redraws = 0  # attempts run again under a new room id (:meth:`_collided`)
             while True:
-                run = await self._admit(rid, prepared, step, out.token_ids, context)
+                run = await self._admit(rid, prepared, step, out.token_ids, context,
+                                        first=not steps and not redraws)
                 line.fields.update(room=run.room, prompt_tokens=len(prepared.token_ids),
                                    prefill=run.prefill.address if run.prefill else None,
                                    decode=run.decode.address)
@@ -136,9 +145,12 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                             line.fields["finish_reason"] = msg.finish_reason
                         yield msg
                 except WorkerFailure as exc:
-                    step = self._next_step(run, exc, recovery, len(out.token_ids), context)
-                    steps.append(step.value)
-                    line.fields["recovery"] = ",".join(steps)
+                    if self._collided(run, exc, redraws):
+                        redraws += 1
+                    else:
+                        step = self._next_step(run, exc, recovery, len(out.token_ids), context)
+                        steps.append(step.value)
+                        line.fields["recovery"] = ",".join(steps)
                     self._end_attempt(run)
                     run = None
                     continue
@@ -153,6 +165,18 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
             self.running.pop(rid, None)
             if run is not None:
                 self._end_attempt(run)
+
+    def _collided(self, run: RoomRun, failure: WorkerFailure, redraws: int) -> bool:
+        """Whether ``failure`` is a worker refusing ``run``'s room id as running already (another
+        router's room: ids are drawn independently) and the attempt may run again as it was,
+        under a new id: ``redraws`` (the request's so far) is below :data:`ROOM_REDRAWS`."""
+        if failure.code != grpc.StatusCode.ALREADY_EXISTS or not failure.blame \
+                or redraws >= ROOM_REDRAWS:
+            return False
+        self.metrics["room_collisions"] += 1
+        log.warning("room %d is running on a worker already (%s); drawing another room id",
+                    run.room, failure.details)
+        return True
 
     def _next_step(self, run: RoomRun, failure: WorkerFailure, recovery: Recovery,
                    streamed: int, context: grpc.aio.ServicerContext) -> Step:
@@ -193,12 +217,14 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
         return self.Generate(request, context)
 
     async def _admit(self, rid: str, prepared: PreparedRequest, step: Step | None,
-                     resumed: list[int], context: grpc.aio.ServicerContext) -> RoomRun:
+                     resumed: list[int], context: grpc.aio.ServicerContext, *,
+                     first: bool) -> RoomRun:
         """Pick the workers (:attr:`policy`, given the attempt's prompt), draw the room id,
         register and start one attempt's room.
 
-        ``step`` is None for the first attempt, else how this one runs (:mod:`router.recovery`);
-        ``resumed`` are the tokens the client already has (they extend the prompt).
+        ``step`` is None until a recovery step was taken, else how this attempt runs
+        (:mod:`router.recovery`); ``resumed`` are the tokens the client already has (they
+        extend the prompt); ``first``: the request's first attempt (it counts the request).
 
         A picked worker that the background poll has not reached, that a request failed on since
         (or, for a prefill, whose bootstrap address is unknown) is asked right then
@@ -237,7 +263,7 @@ class GenerationService(generate_pb2_grpc.GenerationServicer):
                 self.metrics["recovered_no_prefill"] += 1
                 prefill, local = None, True
         room = self._new_room()  # reserved only once the request will run
-        if step is None:
+        if first:
             self.metrics["requests"] += 1
         self.metrics["local_prefill" if local else "remote_prefill"] += 1
         sampling = gpb.SamplingParams()

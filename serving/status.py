@@ -7,6 +7,7 @@ class first, and the first entry the exception is an instance of decides:
 =============================== ======================= ==========================================
 exception                       status                  why
 =============================== ======================= ==========================================
+``DuplicateRequestError``       ``ALREADY_EXISTS``      its room (request) id runs here already
 ``InvalidRequestError``         ``INVALID_ARGUMENT``    the request itself is refused
 ``OutOfPagesError``             ``RESOURCE_EXHAUSTED``  the node has no KV pages for it now
 ``OutOfStateSlotsError``        ``RESOURCE_EXHAUSTED``  no hybrid-model state slot is free now
@@ -36,8 +37,9 @@ the table on purpose: our code raises a project exception for every refusal a ca
 a ``ValueError`` reaching a servicer is a bug and ends the call as gRPC's ``UNKNOWN``.
 
 Refusals that are no exception are written where they happen: ``ALREADY_EXISTS`` for a room or
-request id that is already running, ``RESOURCE_EXHAUSTED`` with a retry hint for a full queue
-(:mod:`serving.overload`), ``UNAVAILABLE`` for a room that failed after it was admitted.
+request id that is already running (a room still winding down in a node's loop raises
+``DuplicateRequestError`` there instead), ``RESOURCE_EXHAUSTED`` with a retry hint for a full
+queue (:mod:`serving.overload`), ``UNAVAILABLE`` for a room that failed after it was admitted.
 
 Layering: ``serving/`` imports ``transfer.errors`` here, and only here, so that this one table
 names every exception (a deliberate exception to the house rule that ``serving/`` imports only
@@ -54,6 +56,7 @@ from engine.errors import (
     CheckpointError,
     ConfigError,
     DeviceError,
+    DuplicateRequestError,
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
@@ -83,6 +86,7 @@ the decode itself: the router then blames the prefill, not the decode."""
 PREFILL_SIDE: Trailing = ((PREFILL_SIDE_KEY, "1"),)
 
 STATUS_TABLE: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (DuplicateRequestError, Code.ALREADY_EXISTS),
     (InvalidRequestError, Code.INVALID_ARGUMENT),
     (OutOfStateSlotsError, Code.RESOURCE_EXHAUSTED),
     (OutOfPagesError, Code.RESOURCE_EXHAUSTED),

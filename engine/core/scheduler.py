@@ -61,7 +61,7 @@ from engine.core.page_allocator import PageAllocator
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import FinishReason, Request, TopLogprobs
 from engine.core.state_slots import StateSlotAllocator
-from engine.errors import InvalidRequestError
+from engine.errors import DuplicateRequestError, InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class Scheduler:
         cfg = self.config
         rid = req.request_id
         if rid in self._waiting or rid in self._running:
-            raise InvalidRequestError(f"duplicate request id {rid!r}")
+            raise DuplicateRequestError(f"duplicate request id {rid!r}")
         if req.is_finished:
             raise InvalidRequestError(f"request {rid!r} is already finished")
         if req.batch_row != -1:

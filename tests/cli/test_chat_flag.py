@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 from cli.client import _router_template, build_request
 from cli.generate import _chat_texts
@@ -19,12 +18,12 @@ from tests.engine.text.test_chat_template import BUILTIN, QWEN2_VL_STYLE, oracle
 
 
 class InfoStub:
-    """A ``GenerationStub`` that only answers ``GetModelInfo``."""
+    """A ``RouterClient`` that only answers ``model_info``."""
 
     def __init__(self, info: gpb.ModelInfo) -> None:
         self.info = info
 
-    def GetModelInfo(self, request: Any, **kwargs: Any) -> gpb.ModelInfo:  # noqa: N802
+    def model_info(self, timeout: float | None) -> gpb.ModelInfo:
         return self.info
 
 
@@ -33,7 +32,7 @@ def test_client_renders_with_the_router_template(tmp_path: Path) -> None:
     image.write_bytes(b"png")
     args = build_parser().parse_args(["client", "--chat", "what is it?", "--image", str(image)])
     served = _router_template(InfoStub(gpb.ModelInfo(
-        chat_template=QWEN2_VL_STYLE, chat_template_source="tokenizer_config.json")), 5.0, ())
+        chat_template=QWEN2_VL_STYLE, chat_template_source="tokenizer_config.json")), 5.0)
     assert served.text == QWEN2_VL_STYLE
     req = build_request(args, served)
     model = tmp_path / "m"
@@ -44,7 +43,7 @@ def test_client_renders_with_the_router_template(tmp_path: Path) -> None:
     assert IMAGE_BLOCK + "what is it?<|im_end|>" in req.text
     assert [im.encoded for im in req.images] == [b"png"]
 
-    old_router = _router_template(InfoStub(gpb.ModelInfo()), None, ())
+    old_router = _router_template(InfoStub(gpb.ModelInfo()), None)
     assert old_router.source == BUILTIN_SOURCE
     plain = build_parser().parse_args(["client", "--chat", "hi"])
     assert build_request(plain, old_router).text == build_request(plain).text == chat_prompt("hi")
@@ -53,7 +52,7 @@ def test_client_renders_with_the_router_template(tmp_path: Path) -> None:
     with_bos = _router_template(InfoStub(gpb.ModelInfo(
         chat_template="{{ bos_token }}{{ messages[0]['content'] }}",
         chat_template_source="chat_template.jinja", chat_special_tokens={"bos_token": "<s>"})),
-        None, ())
+        None)
     assert build_request(plain, with_bos).text == "<s>hi"
 
 

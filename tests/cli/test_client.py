@@ -75,3 +75,16 @@ def test_errors_print_one_line_and_exit_2(router: Node) -> None:
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: INVALID_ARGUMENT: "), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_several_targets_fail_over(router: Node) -> None:
+    """``--target A,B``: a router that is down hands the call (``--chat``'s ``GetModelInfo`` and
+    the stream) to the next."""
+    out = client("--target", f"127.0.0.1:1, {router.address}", "hello", "--chat",
+                 "--max-new-tokens", "5", "--json", "--temperature", "0")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 5
+
+    out = client("--target", " , ", "hello")
+    assert out.returncode == 2 and out.stderr.startswith("error: --target names no router"), \
+        out.stderr

@@ -189,7 +189,7 @@ def test_every_object_validates_strictly(rendered: dict[str, list[Obj]], variant
     objs = rendered[variant]
     kinds = sorted(o["kind"] for o in objs)
     assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3, kinds
-    assert kinds.count("ConfigMap") == 1, kinds
+    assert kinds.count("ConfigMap") == 1 and kinds.count("PodDisruptionBudget") == 1, kinds
     for obj in objs:
         for version in K8S_VERSIONS:
             try:
@@ -281,6 +281,35 @@ def test_probes_drain_and_security(rendered: dict[str, list[Obj]], variant: str)
         for c in [*spec.get("initContainers", []), container]:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False, name
             assert c["resources"]["requests"] and c["resources"]["limits"], name
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_routers_behind_the_service(rendered: dict[str, list[Obj]], variant: str) -> None:
+    """Two router replicas behind the one Service, on different nodes where possible, and a
+    disruption budget that never evicts both at once; the workers stay single (scaled apart)."""
+    objs = rendered[variant]
+    deploys = by_kind(objs, "Deployment")
+    router = deploys["pdserve-router"]
+    assert router["spec"]["replicas"] == 2
+    assert {deploys[f"pdserve-{r}"]["spec"]["replicas"] for r in ("prefill", "decode")} == {1}
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    others = [d["spec"]["template"]["metadata"]["labels"] for n, d in deploys.items()
+              if n != "pdserve-router"]
+
+    def selects_routers_only(selector: dict[str, str]) -> bool:
+        return selector.items() <= labels.items() and \
+            not any(selector.items() <= o.items() for o in others)
+
+    assert selects_routers_only(by_kind(objs, "Service")["pdserve-router"]["spec"]["selector"])
+    (spread,) = pod_spec(router)["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # one node: both still run
+    assert selects_routers_only(spread["labelSelector"]["matchLabels"])
+    budgets = by_kind(objs, "PodDisruptionBudget")
+    assert set(budgets) == {"pdserve-router"}
+    budget = budgets["pdserve-router"]["spec"]
+    assert budget["maxUnavailable"] == 1 < router["spec"]["replicas"]
+    assert selects_routers_only(budget["selector"]["matchLabels"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -109,6 +109,30 @@ def test_a_subscriber_that_falls_behind_gets_a_snapshot() -> None:
     asyncio.run(main())
 
 
+def test_every_subscriber_gets_every_change() -> None:
+    """Two routers in front of one worker each subscribe: both streams carry the same changes,
+    and one that ends leaves the other flowing."""
+    async def main() -> None:
+        alloc = PageAllocator(16)
+        cache = PrefixCache(PS, alloc)
+        hub = KvEventHub()
+        cache.listener = hub
+        one, two = hub.stream(), hub.stream()
+        assert kinds(await take(one, 1)) == kinds(await take(two, 1)) == ["cleared"]
+        cached(cache, alloc, "a", [1, 2, 3, 4])
+        trees = [EventTree(), EventTree()]
+        for tree, stream in zip(trees, (one, two), strict=True):
+            apply_events(tree, (await take(stream, 1))[0], 0)
+            assert tree.match([1, 2, 3, 4]) == 4
+        await one.aclose()  # type: ignore[attr-defined]
+        cached(cache, alloc, "b", [5, 6])
+        [live] = await take(two, 1)
+        assert kinds([live]) == ["stored"] and list(live.events[0].stored.token_ids) == [5, 6]
+        hub.close()
+
+    asyncio.run(main())
+
+
 def test_snapshot_sends_parents_first() -> None:
     async def main() -> None:
         hub = KvEventHub()

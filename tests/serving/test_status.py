@@ -13,6 +13,7 @@ from engine.errors import (
     CheckpointError,
     ConfigError,
     DeviceError,
+    DuplicateRequestError,
     EngineError,
     InvalidRequestError,
     OutOfPagesError,
@@ -42,6 +43,7 @@ from transfer.errors import (
 Code = grpc.StatusCode
 # The contract, written out once more on purpose: a change to the table changes this too.
 EXPECTED: dict[type[Exception], grpc.StatusCode] = {
+    DuplicateRequestError: Code.ALREADY_EXISTS,  # a router draws another room id
     InvalidRequestError: Code.INVALID_ARGUMENT,
     OutOfPagesError: Code.RESOURCE_EXHAUSTED,
     OutOfStateSlotsError: Code.RESOURCE_EXHAUSTED,

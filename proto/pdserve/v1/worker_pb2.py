@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from proto.pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\xd7\x01\n\rWorkerRequest\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12(\n\x06images\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.ImagePatches\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12!\n\x06videos\x18\x06 \x03(\x0b\x32\x11.pdserve.v1.Video\x12\x16\n\x0eresumed_tokens\x18\x07 \x01(\r\"<\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\"\x85\x01\n\x0fPrefillResponse\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"m\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x19\n\x11prefill_bootstrap\x18\x02 \x01(\t\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\"0\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\"\n\x11\x41\x62ortRoomResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x88\x02\n\nLoadReport\x12\x18\n\x10waiting_requests\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_pages_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x05 \x01(\r\x12\x14\n\x0crooms_active\x18\x06 \x01(\r\x12\x16\n\x0e\x61ux_slots_used\x18\x07 \x01(\r\x12\x11\n\tbootstrap\x18\x08 \x01(\t\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x16\n\x0escores_prompts\x18\x0b \x01(\x08\"\x1a\n\x18SubscribeKvEventsRequest\"K\n\rKvBlockStored\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x0b\n\tKvCleared\"\xa6\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06stored\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KvBlockStoredH\x00\x12.\n\x07removed\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.KvBlocksRemovedH\x00\x12(\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.KvClearedH\x00\x42\x07\n\x05\x65vent\"3\n\x0cKvEventBatch\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.pdserve.v1.KvEvent\"\x9f\x01\n\tStageRoom\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0bmrope_delta\x18\x04 \x01(\x12\x12\x12\n\nprompt_ids\x18\x05 \x03(\r\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\r\"R\n\tStageItem\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0cneeds_sample\x18\x04 \x01(\x08\"*\n\nStageAbort\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xba\x01\n\tStageStep\x12(\n\tnew_rooms\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.StageRoom\x12\'\n\x07\x61\x62orted\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.StageAbort\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.StageItem\x12\x0e\n\x06hidden\x18\x04 \x01(\x0c\x12\x17\n\x0fmrope_positions\x18\x05 \x01(\x0c\x12\x0b\n\x03\x61ux\x18\x06 \x01(\x0c\"-\n\x0bStageSample\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"q\n\x0eStageStepReply\x12\r\n\x05ready\x18\x01 \x03(\x06\x12&\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.StageAbort\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.StageSample\"\x16\n\x14\x44\x65scribeStageRequest\"\x98\x01\n\tStageInfo\x12\x0f\n\x07pp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_size\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x11\n\tbootstrap\x18\x05 \x01(\t\x12\x17\n\x0f\x64raft_layer_ids\x18\x06 \x03(\r\x12\x15\n\raux_layer_ids\x18\x07 \x03(\r2\xb3\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tAbortRoom\x12\x1c.pdserve.v1.AbortRoomRequest\x1a\x1d.pdserve.v1.AbortRoomResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.LoadReport\x12U\n\x11SubscribeKvEvents\x12$.pdserve.v1.SubscribeKvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x32\xb3\x02\n\x0c\x44\x65\x63odeWorker\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\tAbortRoom\x12\x1c.pdserve.v1.AbortRoomRequest\x1a\x1d.pdserve.v1.AbortRoomResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.LoadReport\x12U\n\x11SubscribeKvEvents\x12$.pdserve.v1.SubscribeKvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x32\x92\x01\n\rPipelineStage\x12<\n\x07RunStep\x12\x15.pdserve.v1.StageStep\x1a\x1a.pdserve.v1.StageStepReply\x12\x43\n\x08\x44\x65scribe\x12 .pdserve.v1.DescribeStageRequest\x1a\x15.pdserve.v1.StageInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\xd7\x01\n\rWorkerRequest\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12(\n\x06images\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.ImagePatches\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12!\n\x06videos\x18\x06 \x03(\x0b\x32\x11.pdserve.v1.Video\x12\x16\n\x0eresumed_tokens\x18\x07 \x01(\r\"<\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\"\x85\x01\n\x0fPrefillResponse\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\x12\x34\n\x13prompt_top_logprobs\x18\x04 \x03(\x0b\x32\x17.pdserve.v1.TopLogprobs\"m\n\rDecodeRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x19\n\x11prefill_bootstrap\x18\x02 \x01(\t\x12\x15\n\rlocal_prefill\x18\x03 \x01(\x08\"D\n\x10\x41\x62ortRoomRequest\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\"\n\x11\x41\x62ortRoomResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x88\x02\n\nLoadReport\x12\x18\n\x10waiting_requests\x18\x01 \x01(\r\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x16\n\x0ewaiting_tokens\x18\x03 \x01(\r\x12\x15\n\rkv_pages_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_pages_total\x18\x05 \x01(\r\x12\x14\n\x0crooms_active\x18\x06 \x01(\r\x12\x16\n\x0e\x61ux_slots_used\x18\x07 \x01(\r\x12\x11\n\tbootstrap\x18\x08 \x01(\t\x12\x13\n\x0binstance_id\x18\t \x01(\t\x12\x11\n\tpage_size\x18\n \x01(\r\x12\x16\n\x0escores_prompts\x18\x0b \x01(\x08\"\x1a\n\x18SubscribeKvEventsRequest\"K\n\rKvBlockStored\x12\x12\n\nblock_hash\x18\x01 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\'\n\x0fKvBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x0b\n\tKvCleared\"\xa6\x01\n\x07KvEvent\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12+\n\x06stored\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KvBlockStoredH\x00\x12.\n\x07removed\x18\x03 \x01(\x0b\x32\x1b.pdserve.v1.KvBlocksRemovedH\x00\x12(\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.KvClearedH\x00\x42\x07\n\x05\x65vent\"3\n\x0cKvEventBatch\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.pdserve.v1.KvEvent\"\x9f\x01\n\tStageRoom\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x13\n\x0bmrope_delta\x18\x04 \x01(\x12\x12\x12\n\nprompt_ids\x18\x05 \x03(\r\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\r\"R\n\tStageItem\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0cneeds_sample\x18\x04 \x01(\x08\"*\n\nStageAbort\x12\x0c\n\x04room\x18\x01 \x01(\x06\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xba\x01\n\tStageStep\x12(\n\tnew_rooms\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.StageRoom\x12\'\n\x07\x61\x62orted\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.StageAbort\x12$\n\x05items\x18\x03 \x03(\x0b\x32\x15.pdserve.v1.StageItem\x12\x0e\n\x06hidden\x18\x04 \x01(\x0c\x12\x17\n\x0fmrope_positions\x18\x05 \x01(\x0c\x12\x0b\n\x03\x61ux\x18\x06 \x01(\x0c\"-\n\x0bStageSample\x12\r\n\x05token\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"q\n\x0eStageStepReply\x12\r\n\x05ready\x18\x01 \x03(\x06\x12&\n\x06\x66\x61iled\x18\x02 \x03(\x0b\x32\x16.pdserve.v1.StageAbort\x12(\n\x07samples\x18\x03 \x03(\x0b\x32\x17.pdserve.v1.StageSample\"\x16\n\x14\x44\x65scribeStageRequest\"\x98\x01\n\tStageInfo\x12\x0f\n\x07pp_rank\x18\x01 \x01(\r\x12\x0f\n\x07pp_size\x18\x02 \x01(\r\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x11\n\tbootstrap\x18\x05 \x01(\t\x12\x17\n\x0f\x64raft_layer_ids\x18\x06 \x03(\r\x12\x15\n\raux_layer_ids\x18\x07 \x03(\r2\xb3\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tAbortRoom\x12\x1c.pdserve.v1.AbortRoomRequest\x1a\x1d.pdserve.v1.AbortRoomResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.LoadReport\x12U\n\x11SubscribeKvEvents\x12$.pdserve.v1.SubscribeKvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x32\xb3\x02\n\x0c\x44\x65\x63odeWorker\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12H\n\tAbortRoom\x12\x1c.pdserve.v1.AbortRoomRequest\x1a\x1d.pdserve.v1.AbortRoomResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.LoadReport\x12U\n\x11SubscribeKvEvents\x12$.pdserve.v1.SubscribeKvEventsRequest\x1a\x18.pdserve.v1.KvEventBatch0\x01\x32\x92\x01\n\rPipelineStage\x12<\n\x07RunStep\x12\x15.pdserve.v1.StageStep\x1a\x1a.pdserve.v1.StageStepReply\x12\x43\n\x08\x44\x65scribe\x12 .pdserve.v1.DescribeStageRequest\x1a\x15.pdserve.v1.StageInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,45 +41,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=482
   _globals['_DECODEREQUEST']._serialized_end=591
   _globals['_ABORTROOMREQUEST']._serialized_start=593
-  _globals['_ABORTROOMREQUEST']._serialized_end=641
-  _globals['_ABORTROOMRESPONSE']._serialized_start=643
-  _globals['_ABORTROOMRESPONSE']._serialized_end=677
-  _globals['_GETLOADREQUEST']._serialized_start=679
-  _globals['_GETLOADREQUEST']._serialized_end=695
-  _globals['_LOADREPORT']._serialized_start=698
-  _globals['_LOADREPORT']._serialized_end=962
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=964
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=990
-  _globals['_KVBLOCKSTORED']._serialized_start=992
-  _globals['_KVBLOCKSTORED']._serialized_end=1067
-  _globals['_KVBLOCKSREMOVED']._serialized_start=1069
-  _globals['_KVBLOCKSREMOVED']._serialized_end=1108
-  _globals['_KVCLEARED']._serialized_start=1110
-  _globals['_KVCLEARED']._serialized_end=1121
-  _globals['_KVEVENT']._serialized_start=1124
-  _globals['_KVEVENT']._serialized_end=1290
-  _globals['_KVEVENTBATCH']._serialized_start=1292
-  _globals['_KVEVENTBATCH']._serialized_end=1343
-  _globals['_STAGEROOM']._serialized_start=1346
-  _globals['_STAGEROOM']._serialized_end=1505
-  _globals['_STAGEITEM']._serialized_start=1507
-  _globals['_STAGEITEM']._serialized_end=1589
-  _globals['_STAGEABORT']._serialized_start=1591
-  _globals['_STAGEABORT']._serialized_end=1633
-  _globals['_STAGESTEP']._serialized_start=1636
-  _globals['_STAGESTEP']._serialized_end=1822
-  _globals['_STAGESAMPLE']._serialized_start=1824
-  _globals['_STAGESAMPLE']._serialized_end=1869
-  _globals['_STAGESTEPREPLY']._serialized_start=1871
-  _globals['_STAGESTEPREPLY']._serialized_end=1984
-  _globals['_DESCRIBESTAGEREQUEST']._serialized_start=1986
-  _globals['_DESCRIBESTAGEREQUEST']._serialized_end=2008
-  _globals['_STAGEINFO']._serialized_start=2011
-  _globals['_STAGEINFO']._serialized_end=2163
-  _globals['_PREFILLWORKER']._serialized_start=2166
-  _globals['_PREFILLWORKER']._serialized_end=2473
-  _globals['_DECODEWORKER']._serialized_start=2476
-  _globals['_DECODEWORKER']._serialized_end=2783
-  _globals['_PIPELINESTAGE']._serialized_start=2786
-  _globals['_PIPELINESTAGE']._serialized_end=2932
+  _globals['_ABORTROOMREQUEST']._serialized_end=661
+  _globals['_ABORTROOMRESPONSE']._serialized_start=663
+  _globals['_ABORTROOMRESPONSE']._serialized_end=697
+  _globals['_GETLOADREQUEST']._serialized_start=699
+  _globals['_GETLOADREQUEST']._serialized_end=715
+  _globals['_LOADREPORT']._serialized_start=718
+  _globals['_LOADREPORT']._serialized_end=982
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=984
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1010
+  _globals['_KVBLOCKSTORED']._serialized_start=1012
+  _globals['_KVBLOCKSTORED']._serialized_end=1087
+  _globals['_KVBLOCKSREMOVED']._serialized_start=1089
+  _globals['_KVBLOCKSREMOVED']._serialized_end=1128
+  _globals['_KVCLEARED']._serialized_start=1130
+  _globals['_KVCLEARED']._serialized_end=1141
+  _globals['_KVEVENT']._serialized_start=1144
+  _globals['_KVEVENT']._serialized_end=1310
+  _globals['_KVEVENTBATCH']._serialized_start=1312
+  _globals['_KVEVENTBATCH']._serialized_end=1363
+  _globals['_STAGEROOM']._serialized_start=1366
+  _globals['_STAGEROOM']._serialized_end=1525
+  _globals['_STAGEITEM']._serialized_start=1527
+  _globals['_STAGEITEM']._serialized_end=1609
+  _globals['_STAGEABORT']._serialized_start=1611
+  _globals['_STAGEABORT']._serialized_end=1653
+  _globals['_STAGESTEP']._serialized_start=1656
+  _globals['_STAGESTEP']._serialized_end=1842
+  _globals['_STAGESAMPLE']._serialized_start=1844
+  _globals['_STAGESAMPLE']._serialized_end=1889
+  _globals['_STAGESTEPREPLY']._serialized_start=1891
+  _globals['_STAGESTEPREPLY']._serialized_end=2004
+  _globals['_DESCRIBESTAGEREQUEST']._serialized_start=2006
+  _globals['_DESCRIBESTAGEREQUEST']._serialized_end=2028
+  _globals['_STAGEINFO']._serialized_start=2031
+  _globals['_STAGEINFO']._serialized_end=2183
+  _globals['_PREFILLWORKER']._serialized_start=2186
+  _globals['_PREFILLWORKER']._serialized_end=2493
+  _globals['_DECODEWORKER']._serialized_start=2496
+  _globals['_DECODEWORKER']._serialized_end=2803
+  _globals['_PIPELINESTAGE']._serialized_start=2806
+  _globals['_PIPELINESTAGE']._serialized_end=2952
 # @@protoc_insertion_point(module_scope)

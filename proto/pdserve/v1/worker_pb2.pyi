@@ -54,12 +54,14 @@ class DecodeRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., prefill_bootstrap: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class AbortRoomRequest(_message.Message):
-    __slots__ = ("room", "reason")
+    __slots__ = ("room", "reason", "request_id")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     room: int
     reason: str
-    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, room: _Optional[int] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class AbortRoomResponse(_message.Message):
     __slots__ = ("found",)

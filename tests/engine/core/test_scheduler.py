@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine.core.page_allocator import PageAllocator
 from engine.core.request import FinishReason, Request, SamplingParams
 from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.errors import InvalidRequestError
+from engine.errors import DuplicateRequestError, InvalidRequestError
 
 _ids = itertools.count()
 
@@ -293,7 +293,7 @@ def test_invalid_requests() -> None:
         sched.add(Request("v", [1, 1000], SamplingParams()))
     ok = make_request()
     sched.add(ok)
-    with pytest.raises(InvalidRequestError, match="duplicate"):
+    with pytest.raises(DuplicateRequestError, match="duplicate"):
         sched.add(Request(ok.request_id, [1], SamplingParams()))
     assert sched.num_waiting == 1
     sched.abort(ok.request_id)
