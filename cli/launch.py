@@ -173,23 +173,26 @@ def _leave_ray(started_head: bool, name: str) -> None:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """Report cluster ``--name``; exit 1 when it does not run or a server is dead."""
+    """Report cluster ``--name``; exit 1 when it does not run or one of its servers does not
+    (named on a ``not running:`` line: it ended, or its Ray node left)."""
     name = _checked_name(args.name)
     from deploy import ray_launcher as rl
 
     if (why := _join(name)) is not None:
         return _not_running(name, [], why)
-    cluster = rl.find_cluster(name)
-    if cluster is None:
+    status = rl.cluster_status(name)
+    if status is None:
         return _not_running(name, rl.cluster_names())
-    import ray
-
-    alive = ray.get([a.alive.remote() for a in cluster.actors()])
-    print(f"router: {cluster.router_address}")
-    if cluster.openai_url:
-        print(f"openai: {cluster.openai_url}")
+    print(f"router: {status.router_address}")
+    if status.openai_url:
+        print(f"openai: {status.openai_url}")
+    alive = status.running.values()
     print(f"servers alive: {sum(alive)}/{len(alive)}")
-    return 0 if all(alive) else 1
+    down = [label for label, up in status.running.items() if not up]
+    if down:
+        print(f"not running: {', '.join(down)} (a server that ended, or whose Ray node left or "
+              "does not answer)")
+    return 0 if not down else 1
 
 
 def run_stop(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ actors, or ``ray stop``, leaves no server behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -24,13 +25,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray._private.services import find_gcs_addresses  # what `ray status` uses to find a cluster
+
+# find_gcs_addresses: what `ray status` uses to find a cluster; GcsClient: Ray's own client of
+# a head's GCS
+from ray._private.services import GcsClient, find_gcs_addresses
 from ray._private.utils import read_ray_address
 
 from engine.errors import EngineError
@@ -53,8 +57,10 @@ class ServerActor:
     """Runs ``pdserve ROLE ARGS`` on this actor's node and reports its address, or why the server
     did not start (:meth:`failure`)."""
 
-    def __init__(self, role: str, args: list[str], bind_host: str, port: int = 0) -> None:
+    def __init__(self, role: str, args: list[str], bind_host: str, port: int = 0,
+                 members: Sequence[str] = ()) -> None:
         self.role = role
+        self._members = list(members)
         self.node_ip = ray.util.get_node_ip_address()
         advertise = "127.0.0.1" if bind_host == "127.0.0.1" else self.node_ip
         extra = ["--advertise-host", advertise] if role in ("prefill", "decode") else []
@@ -107,6 +113,12 @@ class ServerActor:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def members(self) -> list[str]:
+        """The router's: the labels of every worker server its launch started (``prefill-0``,
+        ``prefill-0-stage-1``, ``decode-0``, ...), so a server whose actor is gone (its node
+        left the Ray cluster) is still counted; [] for a worker."""
+        return self._members
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM (the server drains), then SIGKILL after ``timeout_s``; the exit code."""
@@ -186,6 +198,7 @@ def connect(address: str | None) -> None:
     if not ray.is_initialized():
         if address:
             _check_listening(address)
+            _check_token(address)
         logging.getLogger("ray").setLevel(logging.ERROR)
         ray.init(address=address, namespace=NAMESPACE, include_dashboard=False,
                  log_to_driver=False, configure_logging=False)
@@ -193,13 +206,57 @@ def connect(address: str | None) -> None:
 
 def _check_listening(address: str, timeout_s: float = 5.0) -> None:
     """Raise ConnectionError when ``address``, if ``HOST:PORT``, takes no TCP connection."""
-    host, sep, port = address.rpartition(":")
-    if "://" in address or not sep or not host or not port.isdigit():
+    if not _host_port(address):
         return  # "auto", "local", "ray://...": Ray's to judge
+    host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as exc:
         raise ConnectionError(f"no Ray cluster answers at {address}: {exc}") from exc
+
+
+def _check_token(address: str) -> None:
+    """Raise ConnectionError at once when the Ray cluster at ``address``, if ``HOST:PORT``,
+    refuses this process's token (or its lack of one). Ray (2.60 here) turns token
+    authentication on for a head started where a token exists (``~/.ray/auth_token``, which
+    a local ``ray.init`` writes), but a driver that joins by address sends one only with
+    ``RAY_AUTH_MODE=token``; ``ray.init`` then retries for 20 s and fails without the reason."""
+    if not _host_port(address):
+        return
+    try:
+        from ray.exceptions import AuthenticationError
+    except ImportError:  # a Ray without token authentication
+        return
+    try:
+        with _native_stderr_silenced():  # Ray's C++ client logs the refusal too
+            GcsClient(address=address)
+    except AuthenticationError as exc:
+        raise ConnectionError(
+            f"the Ray cluster at {address} refused this process's token: it uses token "
+            "authentication, so set RAY_AUTH_MODE=token here and give the cluster's token (the "
+            "RAY_AUTH_TOKEN environment variable, a file named by RAY_AUTH_TOKEN_PATH, or "
+            "~/.ray/auth_token)") from exc
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Send what this process writes to file descriptor 2 (native code's logs included) to
+    /dev/null meanwhile."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _host_port(address: str) -> bool:
+    """Whether ``address`` is ``HOST:PORT`` (not ``auto``, ``local`` or ``ray://...``)."""
+    host, sep, port = address.rpartition(":")
+    return "://" not in address and bool(sep and host) and port.isdigit()
 
 
 def bind_host() -> str:
@@ -261,7 +318,7 @@ def _start(opts: LaunchOptions, started: list[Any]) -> Cluster:
     # the router runs on the head node, where users (and `pdserve status`) look for it
     started.append(_ACTOR.options(name=actor_name(opts.name, "router"),
                                   resources={HEAD_RESOURCE: 0.001}, **lifetime)
-                   .remote("router", router_args, host, opts.port))
+                   .remote("router", router_args, host, opts.port, labels))
     _wait_started(opts.name, ["router"], started[-1:])
     return _cluster(started[-1], started[:-1])
 
@@ -387,6 +444,38 @@ def find_cluster(name: str) -> Cluster | None:
     if router is None:
         return None
     return _cluster(router, [actors[k] for k in sorted(actors)])
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """What ``pdserve status`` reports of a cluster: its router's addresses and, for every
+    server its launch started (by label), whether it runs."""
+
+    router_address: str
+    openai_url: str | None
+    running: dict[str, bool]
+
+
+def cluster_status(name: str, timeout_s: float = 10.0) -> ClusterStatus | None:
+    """The status of cluster ``name``; None if it has no router. A server counts as not running
+    when its process ended, and when its actor does not answer within ``timeout_s``: it died,
+    its node left the Ray cluster (Ray lists a dead actor no more; the router remembers every
+    worker its launch started) or cannot be reached."""
+    actors = cluster_actors(name)
+    if "router" not in actors:
+        return None
+    cluster = _cluster(actors["router"], [])
+    labels = ["router", *ray.get(cluster.router.members.remote(), timeout=timeout_s)]
+    asked = {label: actors[label].alive.remote() for label in labels if label in actors}
+    deadline = time.monotonic() + timeout_s
+    running = {}
+    for label in labels:
+        try:
+            running[label] = label in asked and bool(
+                ray.get(asked[label], timeout=max(0.0, deadline - time.monotonic())))
+        except ray.exceptions.RayError:  # the actor died, is unreachable, or did not answer
+            running[label] = False
+    return ClusterStatus(cluster.router_address, cluster.openai_url, running)
 
 
 def local_cluster() -> str | None:
