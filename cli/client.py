@@ -160,7 +160,6 @@ def run_client(args: argparse.Namespace) -> int:
 
     from router.client import RouterClient
     from serving.auth import bearer_metadata, read_secret
-    from serving.keepalive import Keepalive
     from serving.server import MAX_MESSAGE_BYTES
 
     try:
@@ -173,11 +172,10 @@ def run_client(args: argparse.Namespace) -> int:
     except (ValueError, OSError, EngineError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    # the default keepalive: a router that vanished mid-stream ends the call (UNAVAILABLE)
-    # within about 10 s, also without --timeout
+    # RouterClient adds the default keepalive: a router that vanished mid-stream ends the call
+    # (UNAVAILABLE) within about 10 s, also without --timeout
     options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               *Keepalive().channel_options()]
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
     result: dict[str, Any] = {"request_id": "", "token_ids": [], "text": "",
                               "finish_reason": "", "usage": {}}
     try:

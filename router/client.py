@@ -39,6 +39,7 @@ import grpc
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from serving.auth import Metadata
+from serving.keepalive import DEFAULT_KEEPALIVE
 
 ChannelOptions = Sequence[tuple[str, Any]]
 ATTEMPTS = 3  # tries of one call, over every address in turn
@@ -72,7 +73,9 @@ class ReplayMismatch(grpc.RpcError):
 class RouterClient:
     """Calls to the routers at ``targets`` (``HOST:PORT`` each), failing over in order (see the
     module docstring). ``root_cert``: connect over TLS with this CA; ``metadata`` goes with every
-    call (a bearer token); ``options``: of every channel; ``attempts`` and ``retry_pause_s``: how
+    call (a bearer token); ``options``: of every channel, over the default gRPC keepalive
+    (:mod:`serving.keepalive`: a router that vanished is found within about 10 s), whose
+    options they may change; ``attempts`` and ``retry_pause_s``: how
     often one call tries and how long it pauses before an address it tried already.
     Thread-safe; close it (or use it as a context manager) to close the channels."""
 
@@ -87,7 +90,8 @@ class RouterClient:
         self._order = list(dict.fromkeys(targets))
         self._root_cert = root_cert
         self._metadata = metadata
-        self._options = list(options)
+        self._options = list({**dict(DEFAULT_KEEPALIVE.channel_options()),
+                              **dict(options)}.items())
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 

@@ -15,6 +15,7 @@ import pytest
 from proto.pdserve.v1 import generate_pb2 as gpb
 from proto.pdserve.v1 import generate_pb2_grpc
 from router.client import ReplayMismatch, RouterClient, replayable
+from serving.keepalive import DEFAULT_KEEPALIVE
 from tests.cluster.harness import free_port
 
 TOKENS = list(range(100, 112))
@@ -199,3 +200,15 @@ def test_every_router_unavailable_ends_the_call(routers) -> None:
     assert len(sa.requests) == len(sb.requests) == 1
     with pytest.raises(ValueError):
         RouterClient([])
+
+
+def test_channels_keep_alive_by_default() -> None:
+    """Every channel pings its router (a router that vanished is found within about 10 s);
+    options given change them."""
+    keepalive = dict(DEFAULT_KEEPALIVE.channel_options())
+    with RouterClient(["127.0.0.1:1"]) as client:
+        assert dict(client._options) == keepalive
+    given = [("grpc.keepalive_time_ms", 3000), ("grpc.max_receive_message_length", 7)]
+    with RouterClient(["127.0.0.1:1"], options=given) as client:
+        assert dict(client._options) == {**keepalive, **dict(given)}
+        assert len(client._options) == len(keepalive) + 1
