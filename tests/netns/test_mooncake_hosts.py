@@ -1,7 +1,7 @@
 """KV transfer between two hosts over their own addresses, with the project's whole transfer
 path: a prefill bootstrap server and a decode bootstrap client (``tests/transfer/xfer_peer.py``),
 each in a process inside its host's namespace, real Mooncake TCP engines, the P/D handshake,
-pages pushed chunk by chunk and the aux row last.
+pages pushed chunk by chunk and the aux row with the last.
 
 A room moves 32 pages of 128 KiB (4 MiB, 8 entries of 16 KiB per page) from fragmented source
 pages, checked byte for byte: over a plain link, with 1 ms and 10 ms added on both hosts, with

@@ -75,7 +75,7 @@ def test_injected_transfer_failure_fails_the_room_on_both_sides(pair: Pair) -> N
     assert f"code {INJECTED_ERROR_CODE}" in pair.server.failure_reason(ROOM)
     wait_for(lambda: pair.client.poll(ROOM) is KVPoll.Failed, 2)
     assert f"code {INJECTED_ERROR_CODE}" in pair.client.failure_reason(ROOM)
-    assert injector.injected == 1
+    assert injector.injected == 2  # the pages' write and the aux row's, written beside them
     # an engine error is not quiesced: the decode holds the pages for the quarantine
     t0 = time.monotonic()
     _end_failed(pair, 2)
@@ -132,7 +132,7 @@ def test_delayed_status_and_slow_peer_still_deliver(patient_pair: Pair) -> None:
     t0 = time.monotonic()
     assert pair.server.send_chunk(ROOM, [5, 6, 7, 8], last=ROW) is KVPoll.Success
     sent = time.monotonic()  # the Status was queued before send_chunk returned
-    assert sent - t0 >= 0.2  # two slowed writes: the pages and the aux row
+    assert sent - t0 >= 0.1  # slowed writes: the pages and, beside them, the aux row
     time.sleep(0.1)
     held = pair.client.poll(ROOM)
     if time.monotonic() - sent < delay:  # only a poll inside the delay can see it held
