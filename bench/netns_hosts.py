@@ -297,9 +297,14 @@ def _delay_line(conn: Connection) -> None:
     delay, jitter = 0.0, 0.0
     held: deque[tuple[float, bytes]] = deque()
     rng = random.Random(0)
+    # poll, not select: a child may hold descriptors above select's 1024 (a parent's that were
+    # not close-on-exec, such as a transfer engine's, pass through exec)
+    poller = select.poll()
+    for watched in (fd, conn.fileno()):
+        poller.register(watched, select.POLLIN)
     while True:
         wait = max(0.0, held[0][0] - time.monotonic()) if held else None
-        ready, _, _ = select.select([fd, conn.fileno()], [], [], wait)
+        ready = {f for f, _ in poller.poll(None if wait is None else wait * 1000)}
         if conn.fileno() in ready:
             try:
                 delay, jitter = conn.recv()
