@@ -314,8 +314,9 @@ class DecodeBootstrapClient:
         passed and, if the prefill has gone silent (no word for a heartbeat interval: a
         partition, or a dead prefill), no write stalled by that silence can still land: the
         manager's transfer connections drop a peer silent for ``late_write_s``
-        (:mod:`transfer.backends.keepalive`), and the prefill's data went silent no earlier
-        than a heartbeat interval after its last word here."""
+        (:mod:`transfer.backends.keepalive`), and the prefill's data went silent no later
+        than a heartbeat interval after its last word here (on a live link another word comes
+        every interval)."""
         if not r.released:
             return
         if not r.quiesced:
