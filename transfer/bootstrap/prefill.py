@@ -255,9 +255,10 @@ class PrefillBootstrapServer:
         them already (delta transfer). So callers pass every page of the prompt, cached or not.
 
         Pass the aux row as ``last`` on the last chunk: it is written beside the pages, and
-        ``Status(Success)`` follows both (the decode reads the row only then). A pipeline stage that does not own the aux row (its
-        destination's slot is :data:`NO_AUX_SLOT`) passes ``finish=True`` instead: its last
-        chunk is followed by ``Status(Success)`` with no aux row written. Returns the room's
+        ``Status(Success)`` follows both (the decode reads the row only then). A pipeline stage
+        that does not own the aux row (its destination's slot is :data:`NO_AUX_SLOT`) passes
+        ``finish=True`` instead: its last chunk is followed by ``Status(Success)`` with no aux
+        row written. Returns the room's
         status afterwards (``Failed`` when the room failed before or during the write).
 
         A write that stalls (a partitioned decode) returns ``Failed`` as soon as the room fails
