@@ -56,22 +56,36 @@ class TcpKeepalive:
         return cls(idle, max(1, (bound - idle) // 2), bound)
 
 
-def _tcp_sockets() -> Iterator[tuple[int, str, socket.socket]]:
-    """This process's TCP sockets: (fd, its ``socket:[inode]`` link, the socket wrapped without
-    a dup). The caller must ``detach()`` each: the sockets are their owners'."""
+def _socket_links() -> Iterator[tuple[int, str]]:
+    """This process's sockets: (fd, its ``socket:[inode]`` link)."""
     for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
         try:
             link = os.readlink(f"/proc/self/fd/{name}")
-            if not link.startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=fd)
-        except OSError:  # closed meanwhile, or not a socket Python can wrap
+        except OSError:  # closed meanwhile
             continue
-        if sock.family in _TCP_FAMILIES and sock.type == socket.SOCK_STREAM:
+        if link.startswith("socket:"):
+            yield int(name), link
+
+
+def _tcp_socket(fd: int) -> socket.socket | None:
+    """Socket ``fd`` wrapped without a dup when it is a TCP one (the caller must ``detach()``
+    it: the socket is its owner's), else None."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:  # closed meanwhile, or not a socket Python can wrap
+        return None
+    if sock.family in _TCP_FAMILIES and sock.type == socket.SOCK_STREAM:
+        return sock
+    sock.detach()
+    return None
+
+
+def _tcp_sockets() -> Iterator[tuple[int, str, socket.socket]]:
+    """This process's TCP sockets: (fd, link, the socket wrapped as :func:`_tcp_socket`)."""
+    for fd, link in _socket_links():
+        sock = _tcp_socket(fd)
+        if sock is not None:
             yield fd, link, sock
-        else:
-            sock.detach()
 
 
 def listening_tcp_fds() -> set[int]:
@@ -126,11 +140,17 @@ class ConnectionKeepalive:
         set_now = 0
         with self._lock:
             live = set()
-            for _, link, sock in _tcp_sockets():
+            for fd, link in _socket_links():
                 live.add(link)
+                if link in self._seen:  # only a new socket is wrapped and asked
+                    continue
+                sock = _tcp_socket(fd)
+                if sock is None:
+                    self._seen.add(link)
+                    continue
                 try:
-                    if link in self._seen or sock.getsockopt(socket.SOL_SOCKET,
-                                                             socket.SO_ACCEPTCONN):
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        self._seen.add(link)
                         continue
                     sock.getpeername()  # connected (raises otherwise: look again next time)
                     self._seen.add(link)
