@@ -13,7 +13,7 @@ from decode_node.service import DecodeService
 from decode_node.spec.eagle_engine import EagleEngine, spec_refusal
 from decode_node.spec.tree import TreeShape
 from decode_node.tp_ranks import RankTransfer, landing_agents, rank_registrations
-from decode_node.warmup import warm_up
+from decode_node.warmup import kernels, warm_up
 from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError
@@ -73,7 +73,9 @@ async def serve_decode(
         spec = EagleEngine(engine, engine.load_draft(), num_draft_tokens, draft_topk,
                            draft_steps)
         pools = spec.drafter.pools()
-    # every graph serving replays, captured before any other thread (transfer, loop, gRPC) runs
+    # every kernel serving compiles and graph it replays, before any other thread (transfer,
+    # loop, gRPC) runs
+    print(kernels(engine, spec).line(), flush=True)
     print(warm_up(engine, spec).line(), flush=True)
     state_pool = engine.states.pool if engine.states is not None else None
     manager = make_kv_manager(

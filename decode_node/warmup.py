@@ -1,5 +1,6 @@
-"""A decode worker's start-up capture: every CUDA graph its serving can replay, captured before
-any other thread runs.
+"""A decode worker's start-up warm-up: every Triton specialisation its eager forwards launch,
+compiled (:func:`kernels`), and every CUDA graph its serving can replay, captured
+(:func:`warm_up`), before any other thread runs.
 
 Graphs captured lazily while serving would be captured while a Mooncake or gRPC thread may touch
 CUDA (which breaks a capture in global mode), and the first request at each new batch size
@@ -10,7 +11,11 @@ verify and draft-extend graphs instead (:meth:`SpecGraphRunner.capture_all`; the
 graphs go unused there). Each capture runs its forward once first, which also compiles the
 Triton kernels for that shape. :class:`WarmUp` says what was captured, in how long and with how
 much device memory, or why nothing was (graphs are CUDA's, and off with ``--no-graphs``, the
-torch attention backend, tensor parallelism or a hybrid model).
+torch attention backend, tensor parallelism or a hybrid model). The kernels of the forwards
+that are not captured (prefill chunks, mixed batches, the decode steps of an engine without
+graphs, a draft tree's masked forwards) are compiled first by
+:func:`engine.runner.kernel_warmup.warm_kernels`, given the tree's forwards
+(:func:`tree_forwards`).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from decode_node.spec.eagle_engine import EagleEngine
+from decode_node.spec.tree import TreeShape
 from engine.attention.select import backend_name, triton_problem
 from engine.llm_engine import LLMEngine
+from engine.runner.kernel_warmup import KernelWarmUp, warm_kernels
 
 MIB = 1 << 20
 
@@ -48,6 +55,21 @@ class WarmUp:
         listed = "; ".join(f"{name} at {' '.join(sizes)}" for name, sizes in kinds.items())
         return (f"graphs: captured {len(self.graphs)} ({listed}) in {self.seconds:.1f} s, "
                 f"{self.memory_bytes / MIB:.0f} MiB")
+
+
+def tree_forwards(shape: TreeShape) -> list[tuple[int, int]]:
+    """The masked forwards of ``shape``'s rounds as ``(rows, window)``: each depth's draft
+    forward (``topk`` rows over the ``i * topk`` keys drafted so far) and the verify (``N``
+    rows over ``N``); none for a chain."""
+    if shape.is_chain:
+        return []
+    k, n = shape.topk, shape.num_draft_tokens + 1
+    return [(k, i * k) for i in range(1, shape.depth)] + [(n, n)]
+
+
+def kernels(engine: LLMEngine, spec: EagleEngine | None) -> KernelWarmUp:
+    """Compile the kernels of ``engine``'s eager forwards (through ``spec``'s tree when given)."""
+    return warm_kernels(engine, tree_forwards(spec.shape) if spec is not None else ())
 
 
 def warm_up(engine: LLMEngine, spec: EagleEngine | None) -> WarmUp:

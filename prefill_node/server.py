@@ -11,6 +11,7 @@ from engine.checkpoint import model_fingerprint
 from engine.config import EngineConfig, ModelConfig
 from engine.llm_engine import LLMEngine
 from engine.runner.draft_runner import DraftRunner
+from engine.runner.kernel_warmup import warm_kernels
 from prefill_node.kv_transfer import (
     PrefillRankTransfer,
     prefill_heads,
@@ -74,6 +75,8 @@ async def serve_prefill(
     if draft is not None:  # the draft's prompt KV is computed here and travels in its band
         drafter = DraftRunner(engine, engine.load_draft())
         pools = drafter.pools()
+    # every kernel a prompt's forwards compile, before any other thread (transfer, loop, gRPC)
+    print(warm_kernels(engine).line(), flush=True)
     state_pool = engine.states.pool if engine.states is not None else None
     manager = prefill_manager(transfer_backend, pools,
                               hidden_size=engine.model_config.text.hidden_size,

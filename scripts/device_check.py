@@ -18,6 +18,8 @@
   pool states; skipped where the device gets the reference itself), ``LLMEngine`` float32 equals
   transformers on tiny Qwen3.5 and Qwen3-VL checkpoints (text and image prompts), and Qwen3.5's
   MTP drafting equals plain decoding (drafted and accepted counts); runs before ``e_speed``;
+* ``g_warm_up``: after a worker's start-up warm-up (and graph capture), serving prompts of many
+  lengths and decode batches of every size compiles no Triton kernel (graphs on and off);
 * ``e_speed``: output tok/s of our engine vs transformers on a Qwen2-VL-2B-shaped bf16 checkpoint
   at batch 1, 32, 128 and the batch-1 decode step vs the memory-bandwidth bound.
 
@@ -57,6 +59,7 @@ from device_check_correctness import check_bf16, check_eagle, check_fp32, check_
 from device_check_hybrid import check_hybrid
 from device_check_kernels import check_kernels
 from device_check_speed import check_speed
+from device_check_warmup import check_warm_up
 
 Section = Callable[[Context, dict[str, Any]], None]
 # (report key, body, seconds it needs at least: full run, --quick), in running order
@@ -67,6 +70,7 @@ SECTIONS: tuple[tuple[str, Section, float, float], ...] = (
     ("c_graphs_on_off", check_graphs, 30.0, 3.0),
     ("d_eagle_vs_plain", check_eagle, 30.0, 3.0),
     ("f_hybrid", check_hybrid, 45.0, 4.0),
+    ("g_warm_up", check_warm_up, 30.0, 1.0),
     ("e_speed", check_speed, 90.0, 5.0),
 )
 REPORT_FILE = "device_check.json"

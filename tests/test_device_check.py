@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("0_kernels", "a_fp32_vs_transformers", "b_bf16_vs_transformers", "c_graphs_on_off",
-            "d_eagle_vs_plain", "f_hybrid", "e_speed")
+            "d_eagle_vs_plain", "f_hybrid", "g_warm_up", "e_speed")
 
 
 def run_check(out: Path, *args: str, script: str = "device_check.py",

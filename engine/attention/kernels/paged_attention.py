@@ -98,7 +98,15 @@ def _attend(  # type: ignore[no-untyped-def]  # a Triton function: no Python ann
     return acc, m_i, l_i
 
 
-@triton.jit
+# A batch's lengths, page table and tree mask specialise nothing: their row strides follow
+# the batch (its pages, its window) and their addresses its size (AttentionBatch.build packs
+# the lengths in one array), so any batch reuses the kernel compiled for its tile (what the
+# start-up warm-up compiles: engine/runner/kernel_warmup.py).
+_BATCH_POINTERS = ["q_starts", "kv_lens", "page_table", "tree_mask"]
+
+
+@triton.jit(do_not_specialize=["stride_pt", "stride_tb", "stride_tq"],
+            do_not_specialize_on_alignment=_BATCH_POINTERS)
 def _extend_kernel(  # type: ignore[no-untyped-def]
     q_ptr, k_ptr, v_ptr, o_ptr, q_starts, kv_lens, page_table, tree_mask, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_pt,
@@ -144,7 +152,7 @@ def _extend_kernel(  # type: ignore[no-untyped-def]
              out.to(o_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"], do_not_specialize_on_alignment=_BATCH_POINTERS[1:3])
 def _decode_kernel(  # type: ignore[no-untyped-def]
     q_ptr, k_ptr, v_ptr, o_ptr, part_o, part_lse, kv_lens, page_table, scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_pt, num_heads,
