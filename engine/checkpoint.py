@@ -123,11 +123,15 @@ def read_module(model_dir: Path, prefix: str, device: str | torch.device = "cpu"
                 ) -> dict[str, torch.Tensor]:
     """The tensors of a checkpoint whose canonical names start with ``prefix`` (a module the
     target model does not read, such as Qwen3.5's ``mtp.``), named without it and read straight
-    onto ``device``; empty when the checkpoint has none."""
+    onto ``device`` (on ``meta``: shapes and dtypes only, as :func:`read_state_dict`); empty
+    when the checkpoint has none."""
     state: dict[str, torch.Tensor] = {}
+    meta = torch.device(device).type == "meta"
     for path in weight_files(model_dir):
         try:
-            with safe_open(str(path), framework="pt", device=str(device)) as f:
+            with safe_open(str(path), framework="pt", device="cpu" if meta else str(device)) as f:
+                if meta:
+                    f = _MetaReader(f)
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     canonical = canonical_name(name)
                     if canonical.startswith(prefix):

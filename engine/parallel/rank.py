@@ -96,6 +96,8 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         device = rank_device(resolve_device(spec.config.device), spec.rank)
         if device.type == "cpu":
             keep_freed_memory()
+        else:  # NCCL and HCCL take the rank's device from the current one
+            getattr(torch, device.type).set_device(device)
         model, pool, states = _build(spec, group, device)
         draft = _build_draft(spec, model, pool, group, device)
         pools = [pool] if draft is None else [pool, draft.pool]
@@ -103,7 +105,7 @@ def rank_main(spec: RankSpec, conn: Connection) -> None:
         payload = spec.attach(pools, spec.rank, state_pool) if spec.attach is not None else b""
         conn.send_bytes(RankReport(spec.rank, payload=payload).encode())
         group.join(join_store(spec.store_port, group.size), device)
-        _serve(conn, _Shares(model, _layers(spec), make_attention(pool), draft, states), device)
+        _serve(conn, RankShares(model, _layers(spec), make_attention(pool), draft, states), device)
     except EOFError:  # rank 0 is gone
         pass
     except BaseException as exc:
@@ -123,10 +125,8 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
     count, this rank's key/value heads, the full-attention layers among those) and a hybrid
     model's state pool (rank 0's slot count, its state checkpoints included, this rank's
     linear-attention heads, the linear layers among those; None without any: as the engine's
-    ``hybrid_states`` for rank 0)."""
+    ``hybrid_states`` for rank 0), on ``device`` (made current by :func:`rank_main`)."""
     config = spec.config
-    if device.type != "cpu":  # NCCL and HCCL take the rank's device from the current one
-        getattr(torch, device.type).set_device(device)
     dtype = resolve_dtype(config.dtype, device)
     model_config, model = load_model(spec.model_dir, dtype, device, config.layers, tp=group)
     text, layers = model_config.text, _layers(spec)
@@ -142,7 +142,7 @@ def _build(spec: RankSpec, group: DistGroup, device: torch.device
 
 
 @dataclass
-class _DraftShare:
+class DraftShare:
     """This rank's share of the draft's layer, its draft pool and that pool's attention."""
 
     draft: Draft
@@ -151,24 +151,24 @@ class _DraftShare:
 
 
 def _build_draft(spec: RankSpec, model: Qwen2VLModel, pool: KVPool, group: DistGroup,
-                 device: torch.device) -> _DraftShare | None:
+                 device: torch.device) -> DraftShare | None:
     """This rank's share of the draft's layer and its draft pool (None without a draft)."""
     if spec.draft is None:
         return None
     draft = load_draft(spec.draft, model.cfg.text, model.dtype, device, tp=group)
     dpool = KVPool(pool.num_pages, pool.page_size, pool.num_kv_heads, pool.head_dim,
                    [draft.cfg.layer_id], pool.dtype, device)
-    return _DraftShare(draft, dpool, make_attention(dpool))
+    return DraftShare(draft, dpool, make_attention(dpool))
 
 
 @dataclass
-class _Shares:
+class RankShares:
     """What a rank runs: its target layers and pool, its draft share and its state pool."""
 
     model: Qwen2VLModel
     layers: range
     attn: AttentionBackend
-    draft: _DraftShare | None
+    draft: DraftShare | None
     states: LinearStates | None
 
 
@@ -180,44 +180,52 @@ def _layers(spec: RankSpec) -> range:
 
 
 @torch.inference_mode()
-def _serve(conn: Connection, shares: _Shares, device: torch.device) -> None:
+def _serve(conn: Connection, shares: RankShares, device: torch.device) -> None:
     """Run the forwards and moves rank 0 announces until it says STOP."""
-    model = shares.model
-    tp = model.tp
+    tp = shares.model.tp
     while True:
         header, states = read_step_message(conn.recv_bytes())
         if header.command == Command.STOP:
             return
-        packed = tp.broadcast(torch.empty(header.packed_len(), dtype=torch.int64, device=device))
-        if header.command == Command.MOVE_KV:
-            src, dst = packed.split(header.num_tokens)
-            move_kv(shares.attn.pool, src, dst)
-            continue
-        if header.command == Command.KEEP_STATES:
-            if shares.states is None:
-                raise RuntimeError("rank 0 kept verified states, but this rank holds no state "
-                                   "pool")
-            shares.states.keep(packed)
-            continue
-        rows = torch.empty(header.num_tokens, header.hidden, dtype=model.dtype, device=device)
-        mrope, batch = unpack_step(header, packed)
-        tp.broadcast(rows)
-        if header.command == Command.DRAFT:
-            if shares.draft is None:
-                raise RuntimeError("rank 0 ran a draft forward, but this rank holds no draft")
-            shares.draft.attn.prepare(batch)
-            shares.draft.draft.run_layer(rows, mrope, shares.draft.attn)
-            continue
-        extras = _step_extras(header, states, shares, tp, device)
-        shares.attn.prepare(batch)
-        # rank 0's own layers' output (before its final norm, a per-rank op); rank 0 samples
-        model.forward_layers_aux(rows, mrope, shares.attn, shares.layers, final_norm=False,
-                                 extras=extras)
-        if states is not None and extras.states is not None:
-            states.saved(extras.states)
+        run_command(shares, header, states, tp, device)
 
 
-def _step_extras(header: StepHeader, states: StateStep | None, shares: _Shares, tp: TPGroup,
+@torch.inference_mode()
+def run_command(shares: RankShares, header: StepHeader, states: StateStep | None, tp: TPGroup,
+                device: torch.device) -> None:
+    """Run one command rank 0 announced (any but STOP) with ``header`` and, for a hybrid
+    model's forward, its ``states``: receive the step's tensors over ``tp`` (made here on
+    ``device``), then run the forward, the draft's layer, the KV move or the kept states."""
+    model = shares.model
+    packed = tp.broadcast(torch.empty(header.packed_len(), dtype=torch.int64, device=device))
+    if header.command == Command.MOVE_KV:
+        src, dst = packed.split(header.num_tokens)
+        move_kv(shares.attn.pool, src, dst)
+        return
+    if header.command == Command.KEEP_STATES:
+        if shares.states is None:
+            raise RuntimeError("rank 0 kept verified states, but this rank holds no state pool")
+        shares.states.keep(packed)
+        return
+    rows = torch.empty(header.num_tokens, header.hidden, dtype=model.dtype, device=device)
+    mrope, batch = unpack_step(header, packed)
+    tp.broadcast(rows)
+    if header.command == Command.DRAFT:
+        if shares.draft is None:
+            raise RuntimeError("rank 0 ran a draft forward, but this rank holds no draft")
+        shares.draft.attn.prepare(batch)
+        shares.draft.draft.run_layer(rows, mrope, shares.draft.attn)
+        return
+    extras = _step_extras(header, states, shares, tp, device)
+    shares.attn.prepare(batch)
+    # rank 0's own layers' output (before its final norm, a per-rank op); rank 0 samples
+    model.forward_layers_aux(rows, mrope, shares.attn, shares.layers, final_norm=False,
+                             extras=extras)
+    if states is not None and extras.states is not None:
+        states.saved(extras.states)
+
+
+def _step_extras(header: StepHeader, states: StateStep | None, shares: RankShares, tp: TPGroup,
                  device: torch.device) -> StepExtras:
     """A target forward's extras: the DeepStack rows and features rank 0 broadcasts after the
     input rows, and this rank's state pool with ``states`` applied (as rank 0 applied it to

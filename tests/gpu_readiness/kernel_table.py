@@ -209,8 +209,10 @@ def all_jobs(archs: tuple[int, ...] = TARGETS) -> list[Job]:
 
 # -- the source tree's Triton functions ---------------------------------------------------------
 
-_DECORATED = re.compile(r"^@triton\.jit\b[^\n]*\n(?:@[^\n]*\n)*def (\w+)", re.MULTILINE)
-_CALLED = re.compile(r"\btriton\.jit\(\s*(\w+)")
+# the decorator's arguments may span lines (``do_not_specialize=[...]``, no parentheses inside)
+_DECORATED = re.compile(r"^@triton\.jit\b(?:\([^()]*\))?[^\n]*\n(?:@[^\n]*\n)*def (\w+)",
+                        re.MULTILINE)
+_CALLED = re.compile(r"\btriton\.jit\(\s*(\w+)\b(?!\s*=)")
 
 
 def triton_functions(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:

@@ -13,12 +13,12 @@ test makes the graph cache "capture" by running the region once on ``meta``, so 
 traced are exactly those a worker would capture. The fake tensors of ``FakeTensorMode`` would
 stand in for ``cuda`` tensors more closely, but this machine's CPU build of torch refuses to make
 views of them ("not linked with support for cuda devices"). Tensor-parallel rank steps are not
-traced: they are not captured (a TP forward talks to its ranks over pipes).
+captured (a TP forward talks to its ranks over pipes): ``test_tp_rank_steps.py`` traces them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,7 @@ from engine.runner.cuda_graph import GraphCache
 from engine.runner.decode_graphs import DecodeGraphs
 from engine.runner.draft_runner import DraftRunner
 from engine.runner.model_runner import ModelRunner
+from tests.gpu_readiness.on_meta import OnMeta
 
 META = torch.device("meta")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -51,6 +52,14 @@ def triton(pool: KVPool) -> AttentionBackend:
 
 BACKENDS: dict[str, Callable[[KVPool], AttentionBackend]] = {"triton": triton,
                                                               "torch": TorchPagedAttention}
+
+
+@pytest.fixture(autouse=True)
+def on_meta() -> Iterator[None]:
+    """Fail an op that meets ``meta`` tensors with another device's, even where torch's
+    ``meta`` kernel would not."""
+    with OnMeta():
+        yield
 
 
 class _Traced:
