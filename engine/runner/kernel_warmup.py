@@ -68,11 +68,12 @@ class WarmForward:
 @dataclass(frozen=True)
 class KernelWarmUp:
     """What :func:`warm_kernels` ran: how many forwards (``masked`` of them under a tree
-    mask), in how long, or why none."""
+    mask), in how long and with how much more device memory reserved, or why none."""
 
     forwards: int
     seconds: float = 0.0
     masked: int = 0
+    memory_bytes: int = 0
     reason: str = ""
 
     def line(self) -> str:
@@ -81,7 +82,7 @@ class KernelWarmUp:
             return f"kernels: not warmed ({self.reason})"
         trees = f", {self.masked} under a tree mask" if self.masked else ""
         return (f"kernels: compiled by {self.forwards} warm-up forwards{trees} in "
-                f"{self.seconds:.1f} s")
+                f"{self.seconds:.1f} s, {self.memory_bytes / (1 << 20):.0f} MiB")
 
 
 def warm_plan(engine: LLMEngine, trees: Sequence[tuple[int, int]] = ()) -> list[WarmForward]:
@@ -105,12 +106,13 @@ def warm_kernels(engine: LLMEngine, trees: Sequence[tuple[int, int]] = ()) -> Ke
     if engine.device.type != "cuda":
         return KernelWarmUp(0, reason=f"nothing to compile on {engine.device.type}")
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    before, start = torch.cuda.memory_reserved(), time.perf_counter()
     plan = warm_plan(engine, trees)
     run_plan(engine, plan)
     torch.cuda.synchronize()
     return KernelWarmUp(len(plan), time.perf_counter() - start,
-                        sum(1 for fwd in plan if fwd.window))
+                        sum(1 for fwd in plan if fwd.window),
+                        torch.cuda.memory_reserved() - before)
 
 
 @torch.inference_mode()

@@ -46,6 +46,7 @@ from engine.kv.pool import KVPool  # noqa: E402
 from engine.llm_engine import LLMEngine, Prompt  # noqa: E402
 from engine.models.eagle.loader import load_draft  # noqa: E402
 from engine.runner.kernel_warmup import (  # noqa: E402
+    KernelWarmUp,
     WarmForward,
     run_plan,
     warm_kernels,
@@ -203,5 +204,7 @@ def test_plan_and_start_up_line(tiny_dir: Path) -> None:
     assert max(decodes) <= 24
     assert [(f.q_len, f.window) for f in plan if f.window] == [(2, 2), (2, 4)]
     assert warm_kernels(engine).line() == "kernels: not warmed (nothing to compile on cpu)"
+    assert KernelWarmUp(20, 3.24, 2, 5 << 20).line() == (
+        "kernels: compiled by 20 warm-up forwards, 2 under a tree mask in 3.2 s, 5 MiB")
     assert tree_forwards(TreeShape(3)) == []  # a chain's forwards are causal
     assert tree_forwards(TreeShape(5, 2, 3)) == [(2, 2), (2, 4), (6, 6)]
