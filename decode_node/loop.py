@@ -19,6 +19,7 @@ from engine.core.request import FinishReason, Request, SamplingParams, TopLogpro
 from engine.errors import DuplicateRequestError, TensorParallelError
 from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import ImageInput, VideoInput
+from serving.compute_thread import ComputeThread
 from serving.engine_thread import EngineThread
 from transfer.bootstrap.decode import DecodeBootstrapClient
 
@@ -51,8 +52,11 @@ IDLE_POLL_S = 0.002  # how often transfers are polled while nothing else runs
 class DecodeLoop(EngineThread[list[TokenEvent]]):
     """Owns an :class:`LLMEngine` and steps it on a background thread."""
 
-    def __init__(self, engine: LLMEngine, emit: Emit, spec: EagleEngine | None = None) -> None:
-        super().__init__("decode-loop", "decode node error")
+    def __init__(self, engine: LLMEngine, emit: Emit, spec: EagleEngine | None = None,
+                 compute: ComputeThread | None = None) -> None:
+        """``compute``: the thread ``engine`` was built on, which steps it (see
+        :class:`~serving.engine_thread.EngineThread`)."""
+        super().__init__("decode-loop", "decode node error", compute)
         self.engine = engine
         self.spec = spec
         self._stepper: LLMEngine | EagleEngine = spec or engine

@@ -21,6 +21,7 @@ from engine.llm_engine import LLMEngine
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
+from serving.compute_thread import ComputeThread
 from serving.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from serving.kv_events import kv_event_hub
 from serving.process_exit import keep_until_exit
@@ -64,19 +65,24 @@ async def serve_decode(
     # a transfer connection whose prefill went silent past the peer timeout is dropped, so a
     # write stalled by a partition cannot land after the failed room's pages are reused
     silent_peer_s = (bootstrap_config or BootstrapConfig()).peer_timeout_s
-    engine = LLMEngine(model_dir, config, rank_attach=RankTransfer(
-        transfer_backend, advertise_host, text.hidden_size, authkey, silent_peer_s),
-        draft=draft)
-    spec = None
-    pools = [engine.pool]
-    if draft is not None:
-        spec = EagleEngine(engine, engine.load_draft(), num_draft_tokens, draft_topk,
-                           draft_steps)
-        pools = spec.drafter.pools()
-    # every kernel serving compiles and graph it replays, before any other thread (transfer,
-    # loop, gRPC) runs
-    print(kernels(engine, spec).line(), flush=True)
-    print(warm_up(engine, spec).line(), flush=True)
+    attach = RankTransfer(transfer_backend, advertise_host, text.hidden_size, authkey,
+                          silent_peer_s)
+
+    def build() -> tuple[LLMEngine, EagleEngine | None]:
+        engine = LLMEngine(model_dir, config, rank_attach=attach, draft=draft)
+        spec = None
+        if draft is not None:
+            spec = EagleEngine(engine, engine.load_draft(), num_draft_tokens, draft_topk,
+                               draft_steps)
+        # every kernel serving compiles and graph it replays, before any other thread
+        # (transfer, gRPC) runs
+        print(kernels(engine, spec).line(), flush=True)
+        print(warm_up(engine, spec).line(), flush=True)
+        return engine, spec
+
+    compute = ComputeThread("decode-loop")  # builds, warms up and steps the engine
+    engine, spec = await compute.call(build)
+    pools = spec.drafter.pools() if spec is not None else [engine.pool]
     state_pool = engine.states.pool if engine.states is not None else None
     manager = make_kv_manager(
         transfer_backend, [b for pool in pools for b in pool.buffer_infos()],
@@ -94,7 +100,7 @@ async def serve_decode(
                              states=StateLayout.of(text.linear, state_pool, config.tp_size))
     service = DecodeService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
-    loop = DecodeLoop(engine, service.emit, spec)
+    loop = DecodeLoop(engine, service.emit, spec, compute)
     longest = -(-engine.scheduler.config.max_model_len // config.page_size)
     landings = Landings(pools, manager, heads, min(engine.scratch_page, longest),
                         landing_agents(engine.rank_payloads, authkey))

@@ -32,6 +32,7 @@ from engine.llm_engine import LLMEngine
 from engine.multimodal.inputs import ImageInput, RequestState, VideoInput
 from engine.runner.draft_runner import DraftRunner
 from prefill_node.rooms import OnDone, PrefillRooms
+from serving.compute_thread import ComputeThread
 from serving.engine_thread import EngineThread
 from transfer.aux import AuxRow
 from transfer.bootstrap.prefill import PrefillBootstrapServer
@@ -48,8 +49,10 @@ class PrefillThread(EngineThread[None]):
     scores_prompts = False  # whether a room's prompt log-probabilities reach ``on_done``
 
     def __init__(self, engine: LLMEngine, bootstrap: PrefillBootstrapServer,
-                 on_done: OnDone) -> None:
-        super().__init__("prefill-loop", STEP_FAILURE)
+                 on_done: OnDone, compute: ComputeThread | None = None) -> None:
+        """``compute``: the thread ``engine`` was built on, which steps it (see
+        :class:`~serving.engine_thread.EngineThread`)."""
+        super().__init__("prefill-loop", STEP_FAILURE, compute)
         self.engine = engine
         self.bootstrap = bootstrap
         self.rooms = PrefillRooms(engine, bootstrap, on_done)
@@ -103,9 +106,9 @@ class PrefillLoop(PrefillThread):
 
     def __init__(
         self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
-        drafter: DraftRunner | None = None,
+        drafter: DraftRunner | None = None, compute: ComputeThread | None = None,
     ) -> None:
-        super().__init__(engine, bootstrap, on_done)
+        super().__init__(engine, bootstrap, on_done, compute)
         self.drafter = drafter
         self._hidden = (0.0,) * engine.model_config.text.hidden_size
 

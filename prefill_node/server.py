@@ -23,6 +23,7 @@ from prefill_node.service import PrefillService
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import ServerSecurity
+from serving.compute_thread import ComputeThread
 from serving.keepalive import DEFAULT_KEEPALIVE, Keepalive
 from serving.kv_events import kv_event_hub
 from serving.metrics import TransferMetrics
@@ -67,16 +68,20 @@ async def serve_prefill(
     text = ModelConfig.from_dir(model_dir).text
     authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
     silent_peer_s = (bootstrap_config or BootstrapConfig()).peer_timeout_s
-    engine = LLMEngine(model_dir, config, rank_attach=PrefillRankTransfer(
-        transfer_backend, advertise_host, text.hidden_size, authkey, silent_peer_s),
-        draft=draft)
-    drafter = None
-    pools = [engine.pool]
-    if draft is not None:  # the draft's prompt KV is computed here and travels in its band
-        drafter = DraftRunner(engine, engine.load_draft())
-        pools = drafter.pools()
-    # every kernel a prompt's forwards compile, before any other thread (transfer, loop, gRPC)
-    print(warm_kernels(engine).line(), flush=True)
+    attach = PrefillRankTransfer(transfer_backend, advertise_host, text.hidden_size, authkey,
+                                 silent_peer_s)
+
+    def build() -> tuple[LLMEngine, DraftRunner | None]:
+        engine = LLMEngine(model_dir, config, rank_attach=attach, draft=draft)
+        # the draft's prompt KV is computed here and travels in its band
+        drafter = DraftRunner(engine, engine.load_draft()) if draft is not None else None
+        # every kernel a prompt's forwards compile, before any other thread (transfer, gRPC)
+        print(warm_kernels(engine).line(), flush=True)
+        return engine, drafter
+
+    compute = ComputeThread("prefill-loop")  # builds, warms up and steps the engine
+    engine, drafter = await compute.call(build)
+    pools = drafter.pools() if drafter is not None else [engine.pool]
     state_pool = engine.states.pool if engine.states is not None else None
     manager = prefill_manager(transfer_backend, pools,
                               hidden_size=engine.model_config.text.hidden_size,
@@ -91,7 +96,7 @@ async def serve_prefill(
                                        config=bootstrap_config, ranks=ranks)
     service = PrefillService(max_waiting)
     service.kv_events = hub = kv_event_hub(engine)
-    loop = PrefillLoop(engine, bootstrap, service.on_done, drafter)
+    loop = PrefillLoop(engine, bootstrap, service.on_done, drafter, compute)
     service.bind(loop, asyncio.get_running_loop(), f"{advertise_host}:{bootstrap.address[1]}")
     loop.start()
     server, bound, _ = await start_server(

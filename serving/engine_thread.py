@@ -1,5 +1,7 @@
 """The engine thread of a worker node: one background thread steps an engine while the gRPC
-handlers submit, abort and read figures from other threads.
+handlers submit, abort and read figures from other threads. The loop runs on a
+:class:`~serving.compute_thread.ComputeThread`: the node's, on which it built its engine (the
+same thread must build and step an engine on the CPU, see there), or one of its own.
 
 Locking discipline: all engine state (scheduler, rooms, transfer queues) is touched under one
 lock, :attr:`EngineThread.lock` (a ``threading.Condition``). The thread holds it for each poll
@@ -29,8 +31,10 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import Generic, TypeVar
 
+from serving.compute_thread import ComputeThread
 from serving.process_exit import end_with_failure
 
 log = logging.getLogger(__name__)
@@ -41,25 +45,37 @@ class EngineThread(ABC, Generic[Out]):
     """The thread, its lock and its run loop; a node's loop provides the hooks. ``Out`` is what
     a step hands to :meth:`publish` (``None`` when a step publishes nothing)."""
 
-    def __init__(self, name: str, failure: str) -> None:
+    def __init__(self, name: str, failure: str, compute: ComputeThread | None = None) -> None:
         """``name`` names the thread and its log lines; ``failure`` is the reason
-        :meth:`fail_all` gets when a step raises."""
+        :meth:`fail_all` gets when a step raises; ``compute``: the thread the engine was built
+        on (a thread of its own when None)."""
         self.name = name
         self.failure = failure
         self.lock = threading.Condition(threading.Lock())
         self._stopping = False
         self.dead: str | None = None  # why the engine cannot step again (see fatal)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.compute = compute or ComputeThread(name)
+        self._done: Future[None] | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._done = self.compute.submit(self._run)
+        self._done.add_done_callback(self._log_end)
 
     def stop(self) -> None:
         """End the thread after its current pass and wait for it."""
         with self.lock:
             self._stopping = True
             self.lock.notify()
-        self._thread.join()
+        if self._done is not None:
+            self._done.exception()  # waits; an error was logged by _log_end
+        self.compute.shutdown()
+        self.compute.join()
+
+    def _log_end(self, done: Future[None]) -> None:
+        """Log the loop's end by an error outside a step (a step's own is handled there)."""
+        exc = done.exception()
+        if exc is not None:
+            log.error("%s: the engine loop ended", self.name, exc_info=exc)
 
     # ---- hooks ---------------------------------------------------------------------------
 
