@@ -34,7 +34,7 @@ import torch
 from decode_node.spec.tree import DraftTree
 from engine.core.request import Request, SamplingParams
 from engine.multimodal.inputs import RequestState
-from engine.sampling.sampler import sampling_probs
+from engine.sampling.sampler import inverse_cdf, sampling_probs
 
 Generators = Sequence[torch.Generator | None]
 
@@ -149,32 +149,25 @@ def row_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.T
 
 
 def draw(probs: torch.Tensor, generators: Generators) -> torch.Tensor:
-    """One draw from each distribution of ``probs`` ``[B, ..., V]`` ``-> [B, ...]``: request
-    ``b``'s in one call with its generator, the unseeded requests' in one call on the global
-    RNG."""
+    """One draw from each distribution of ``probs`` ``[B, ..., V]`` ``-> [B, ...]``
+    (:func:`engine.sampling.sampler.inverse_cdf`): request ``b``'s uniforms from its
+    generator, the unseeded requests' from one call on the global RNG."""
     flat = probs.reshape(len(generators), -1, probs.shape[-1])  # [B, R, V]
+    u = uniforms(flat.shape[0], flat.shape[1], generators, probs.device, torch.float64)
+    return inverse_cdf(flat.flatten(0, 1), u.flatten()).view(probs.shape[:-1])
+
+
+def uniforms(bsz: int, k: int, generators: Generators, device: torch.device,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[B, k]`` uniforms in ``[0, 1)`` of ``dtype``: request ``b``'s from its generator, the
+    unseeded requests' from one call on the global RNG."""
     free = [b for b, g in enumerate(generators) if g is None]
     picks: dict[int, torch.Tensor] = {}
     if free:
-        shared = torch.multinomial(rows_of(flat, free).flatten(0, 1), 1).view(len(free), -1)
-        picks.update(zip(free, shared, strict=True))
+        picks.update(zip(free, torch.rand(len(free), k, dtype=dtype, device=device), strict=True))
     for b, gen in enumerate(generators):
         if gen is not None:
-            one = torch.multinomial(flat[b].to(gen.device), 1, generator=gen)
-            picks[b] = one.view(-1).to(probs.device)
-    return torch.stack([picks[b] for b in range(len(generators))]).view(probs.shape[:-1])
-
-
-def uniforms(bsz: int, k: int, generators: Generators, device: torch.device) -> torch.Tensor:
-    """``[B, k]`` uniforms in ``[0, 1)``: request ``b``'s from its generator, the unseeded
-    requests' from one call on the global RNG."""
-    free = [b for b, g in enumerate(generators) if g is None]
-    picks: dict[int, torch.Tensor] = {}
-    if free:
-        picks.update(zip(free, torch.rand(len(free), k, device=device), strict=True))
-    for b, gen in enumerate(generators):
-        if gen is not None:
-            picks[b] = torch.rand(k, generator=gen, device=gen.device).to(device)
+            picks[b] = torch.rand(k, dtype=dtype, generator=gen, device=gen.device).to(device)
     return torch.stack([picks[b] for b in range(bsz)])
 
 

@@ -9,8 +9,11 @@ log-probability of each chosen token is always under the model's own distributio
 it is what the model thinks of the text, comparable across requests and settings (so are the
 alternatives of :mod:`engine.sampling.logprobs`). Rows with a
 generator are sampled one by one with that generator, so a seeded request's token depends only on
-its own logits and seed, never on the rest of the batch; rows without one share a single
-``torch.multinomial`` call on the global RNG.
+its own logits and seed, never on the rest of the batch; rows without one share a single draw of
+uniforms from the global RNG. A draw is one uniform per row, placed on the row's cumulative
+distribution (:func:`inverse_cdf`): ``torch.multinomial`` (and the exponential race) draws
+randomness for every token of the vocabulary: 3.2 ms a row of 151,936 tokens on this project's
+2-core CPU, 98 ms for a batch of 32 (about a decode step), against 8 ms for those 32 this way.
 
 Everything runs on the logits' device (a request's generator must live there too: see
 :func:`make_generator`), and :meth:`Sampler.sample` copies its result to the host once: tokens
@@ -84,7 +87,7 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then multinomial: ``logits [m, V]`` -> tokens
+        """Temperature, top-k, top-p, min-p, then one draw: ``logits [m, V]`` -> tokens
         ``[m]``."""
         device = logits.device
         temps = torch.tensor([p.temperature for p in params], device=device)
@@ -142,18 +145,38 @@ def _filtered_sorted_probs(
     return probs, order
 
 
+CDF_ROWS = 8  # rows per cumulative sum on the CPU (a [8, 151936] float64 block: 9.7 MB)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw from each row of ``probs`` ``[m, V]`` (non-negative weights; a row need not
+    sum to 1) given ``u`` ``[m]`` uniforms in ``[0, 1)``: the first token whose cumulative
+    weight exceeds ``u`` times the row's total, int64 ``[m]``. Token ``t`` is drawn with
+    probability ``probs[t] / total``; a token of weight 0 never is. The sums are float64; on
+    the CPU ``CDF_ROWS`` rows at a time (a whole batch's float64 sums would be allocated
+    afresh, page by page, on every step)."""
+    out = torch.empty(probs.shape[0], dtype=torch.int64, device=probs.device)
+    last = probs.shape[1] - 1
+    block = CDF_ROWS if probs.device.type == "cpu" else max(1, probs.shape[0])
+    for start in range(0, probs.shape[0], block):
+        rows = slice(start, start + block)
+        cdf = probs[rows].cumsum(-1, dtype=torch.float64)  # [r, V]
+        target = u[rows].to(torch.float64).unsqueeze(1) * cdf[:, -1:]  # [r, 1]
+        out[rows] = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=last)
+    return out
+
+
 def _multinomial(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One draw per row of ``probs`` ``[m, V]``; unseeded rows share one call."""
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    """One draw per row of ``probs`` ``[m, V]``: the unseeded rows' uniforms in one call on the
+    global RNG, a seeded row's from its generator (:func:`inverse_cdf`)."""
+    u = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
     free_rows = [i for i, g in enumerate(generators) if g is None]
     if free_rows:
-        idx = torch.tensor(free_rows, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1).squeeze(1)
+        u[free_rows] = torch.rand(len(free_rows), dtype=torch.float64, device=probs.device)
     for i, gen in enumerate(generators):
         if gen is not None:  # stays on the device: no .item()
-            row = probs[i].to(gen.device)
-            out[i : i + 1] = torch.multinomial(row, 1, generator=gen)
-    return out
+            u[i : i + 1] = torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device)
+    return inverse_cdf(probs, u)
 
 
 def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
