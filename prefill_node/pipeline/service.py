@@ -68,7 +68,8 @@ class LaterStageWorkerFace(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        return load_report(self.stage.stats(), bootstrap=self.info.bootstrap)
+        # the stage's lock may be held through a step: off the event loop
+        return load_report(await asyncio.to_thread(self.stage.stats), bootstrap=self.info.bootstrap)
 
     def stats(self) -> dict[str, int]:
         """Figures for ``Admin.GetStats`` (blocking)."""
