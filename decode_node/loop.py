@@ -113,21 +113,21 @@ class DecodeLoop(EngineThread[list[TokenEvent]]):
         self._emit([_event(req, 0)])
         return True
 
-    def stats(self) -> dict[str, float]:
-        with self.lock:
-            sched = self.engine.scheduler
-            out: dict[str, float] = {
-                "waiting_requests": sched.num_waiting + self.remote.num_rooms,
-                "running_requests": sched.num_running,
-                **self.engine.stats(),
-                "kv_pages_not_sent": self.remote.cached_pages_hit,
-                "rooms_active": self.remote.num_rooms,
-            }
-            if self.spec is not None:
-                spec = self.spec.stats
-                out.update(drafted_tokens=spec.drafted, accepted_tokens=spec.accepted,
-                           spec_rounds=spec.rounds, acceptance_length=spec.acceptance_length)
-            return out
+    def figures(self) -> dict[str, float]:
+        """Requests, rooms, pages and EAGLE's counters (lock held)."""
+        sched = self.engine.scheduler
+        out: dict[str, float] = {
+            "waiting_requests": sched.num_waiting + self.remote.num_rooms,
+            "running_requests": sched.num_running,
+            **self.engine.stats(),
+            "kv_pages_not_sent": self.remote.cached_pages_hit,
+            "rooms_active": self.remote.num_rooms,
+        }
+        if self.spec is not None:
+            spec = self.spec.stats
+            out.update(drafted_tokens=spec.drafted, accepted_tokens=spec.accepted,
+                       spec_rounds=spec.rounds, acceptance_length=spec.acceptance_length)
+        return out
 
     def num_queued(self) -> int:
         """Requests waiting for admission: remote rooms waiting for pages (prealloc) and local

@@ -179,10 +179,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        # the figures wait for the engine's lock (held through a step): off the event loop,
-        # which meanwhile delivers every stream's tokens
-        figures = await asyncio.to_thread(self.loop.stats)
-        return load_report(figures, instance_id=self.instance_id,
+        # never behind a step (serving/figures.py): the event loop meanwhile delivers every
+        # stream's tokens, and a router takes a worker whose poll timed out for a dead one
+        return load_report(self.loop.load(), instance_id=self.instance_id,
                            page_size=self.loop.engine.config.page_size)
 
     async def SubscribeKvEvents(  # noqa: N802

@@ -67,9 +67,9 @@ class PrefillThread(EngineThread[None]):
         with self.lock:
             return self.rooms.finish(room, reason)
 
-    def stats(self) -> dict[str, float]:
-        with self.lock:
-            return self.rooms.stats()
+    def figures(self) -> dict[str, float]:
+        """Rooms, requests and pages (lock held)."""
+        return self.rooms.stats()
 
     def num_queued(self) -> int:
         """Rooms waiting for admission: gated ones and those waiting for the scheduler (the

@@ -127,9 +127,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        # the figures wait for the engine's lock (held through a step): off the event loop
-        figures = await asyncio.to_thread(self.loop.stats)
-        report = load_report(figures, bootstrap=self.bootstrap_address,
+        # never behind a step (serving/figures.py)
+        report = load_report(self.loop.load(), bootstrap=self.bootstrap_address,
                              instance_id=self.instance_id,
                              page_size=self.loop.engine.config.page_size)
         report.scores_prompts = self.loop.scores_prompts

@@ -17,6 +17,7 @@ One pass of the thread, every hook but :meth:`EngineThread.publish` called with 
    seconds (``None``: until notified) and start the next pass;
 4. :meth:`EngineThread.step`; if it raises, the exception is logged and
    :meth:`EngineThread.fail_all` ends every request: a bug fails the requests, never hangs them;
+   then the node's :meth:`EngineThread.figures` are kept for :meth:`EngineThread.load`;
 5. release the lock and :meth:`EngineThread.publish` what the step (or ``fail_all``) returned.
 
 An exception :meth:`EngineThread.fatal` names (the engine cannot step again: a tensor-parallel
@@ -35,6 +36,7 @@ from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 from serving.compute_thread import ComputeThread
+from serving.figures import FigureBoard, Figures
 from serving.process_exit import end_with_failure
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class EngineThread(ABC, Generic[Out]):
         self.dead: str | None = None  # why the engine cannot step again (see fatal)
         self.compute = compute or ComputeThread(name)
         self._done: Future[None] | None = None
+        self.board = FigureBoard(self.lock, self.figures)  # refreshed by every step
 
     def start(self) -> None:
         self._done = self.compute.submit(self._run)
@@ -77,7 +80,19 @@ class EngineThread(ABC, Generic[Out]):
         if exc is not None:
             log.error("%s: the engine loop ended", self.name, exc_info=exc)
 
+    def stats(self) -> Figures:
+        """The node's figures now (``Admin.GetStats``, leak checks): waits for a step to end."""
+        return self.board.exact()
+
+    def load(self) -> Figures:
+        """The figures without waiting behind a step (``GetLoad``: :mod:`serving.figures`)."""
+        return self.board.now()
+
     # ---- hooks ---------------------------------------------------------------------------
+
+    def figures(self) -> Figures:
+        """The node's figures (lock held); none by default."""
+        return {}
 
     def poll(self) -> None:  # noqa: B027 - a hook that does nothing unless overridden
         """Work due on every pass before the idle check (lock held); nothing by default."""
@@ -129,6 +144,7 @@ class EngineThread(ABC, Generic[Out]):
                 if self.fatal(exc):
                     self.dead, self._stopping = f"{type(exc).__name__}: {exc}", True
                 out = self.fail_all(self.failure)
+            self.board.refresh()
         self.publish(out)
         if self.dead is not None:
             end_with_failure(f"{self.name}: {self.dead}")

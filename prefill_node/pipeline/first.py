@@ -32,6 +32,7 @@ from prefill_node.pipeline.link import NextStageLink, pack_step_tensors
 from prefill_node.rooms import OnDone
 from proto.convert import sampling_message
 from proto.pdserve.v1 import worker_pb2 as wpb
+from serving.compute_thread import ComputeThread
 from transfer.bootstrap.prefill import PrefillBootstrapServer
 
 
@@ -43,11 +44,12 @@ class FirstStageLoop(PrefillThread):
     def __init__(
         self, engine: LLMEngine, bootstrap: PrefillBootstrapServer, on_done: OnDone,
         runner: FirstStageRunner, link: NextStageLink, *, send_prompt_ids: bool = False,
+        compute: ComputeThread | None = None,
     ) -> None:
         # no prefix cache on a pipeline: a hit here would leave the later stages without the
         # cached prefix's hidden states (each stage keeps only its own layers' KV)
         engine.disable_prefix_cache()
-        super().__init__(engine, bootstrap, self._ended)
+        super().__init__(engine, bootstrap, self._ended, compute)
         self.runner = runner
         self.link = link
         self._on_done = on_done

@@ -43,6 +43,7 @@ from prefill_node.pipeline.link import NextStageLink, pack_step_tensors, unpack_
 from prefill_node.rooms import completed_pages
 from proto.convert import sampling_kwargs
 from proto.pdserve.v1 import worker_pb2 as wpb
+from serving.figures import FigureBoard
 from transfer.aux import AuxRow
 from transfer.bootstrap.prefill import PrefillBootstrapServer
 from transfer.errors import TransferError
@@ -90,20 +91,28 @@ class LaterStage:
         self._rooms: dict[int, _Room] = {}
         self._failed: list[wpb.StageAbort] = []  # to report with the next reply
         self._lock = threading.Lock()
+        self.board = FigureBoard(self._lock, self._figures)  # refreshed by every step
 
     @property
     def is_last(self) -> bool:
         return self.link is None
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            out = {"running_requests": len(self._rooms), "kv_pages_used": self.allocator.num_used,
-                   "kv_pages_total": self.allocator.num_pages,
-                   "rooms_active": self.bootstrap.num_rooms}
-            if self.slots is not None:
-                out.update(state_slots_used=self.slots.num_used,
-                           state_slots_total=self.slots.num_slots)
-            return out
+        """The stage's figures now (``Admin.GetStats``, leak checks): waits for a step."""
+        return self.board.exact()
+
+    def load(self) -> dict[str, int]:
+        """The figures without waiting behind a step (``GetLoad``: :mod:`serving.figures`)."""
+        return self.board.now()
+
+    def _figures(self) -> dict[str, int]:
+        out = {"running_requests": len(self._rooms), "kv_pages_used": self.allocator.num_used,
+               "kv_pages_total": self.allocator.num_pages,
+               "rooms_active": self.bootstrap.num_rooms}
+        if self.slots is not None:
+            out.update(state_slots_used=self.slots.num_used,
+                       state_slots_total=self.slots.num_slots)
+        return out
 
     def abort(self, room: int, reason: str) -> bool:
         """Fail a room here (reported to the previous stage with the next reply)."""
@@ -140,6 +149,7 @@ class LaterStage:
             self._poll_rooms()
             ready = self._newly_ready()
             failed, self._failed = self._failed, []
+            self.board.refresh()
             return wpb.StageStepReply(
                 ready=ready, failed=failed,
                 samples=[wpb.StageSample(token=t, logprob=lp) for t, lp in samples])

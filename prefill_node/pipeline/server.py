@@ -26,6 +26,7 @@ import asyncio
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from engine.checkpoint import model_fingerprint
@@ -52,6 +53,7 @@ from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import StatsSource
 from serving.admission import DEFAULT_MAX_WAITING
 from serving.auth import Metadata, ServerSecurity, internal_metadata
+from serving.compute_thread import ComputeThread
 from serving.keepalive import Keepalive
 from serving.metrics import TransferMetrics
 from serving.server import Registration, serve_until_signal, start_server
@@ -112,9 +114,11 @@ async def serve_first_stage(args: StageArgs) -> None:
         resolve_dtype(config.dtype, resolve_device(config.device)))
     authkey = secrets.token_bytes(32)  # the other TP ranks' agents take orders from this one
     # no prefix cache on a pipeline (FirstStageLoop), so no state checkpoint slots either
-    engine = LLMEngine(args.model_dir, replace(config, layers=layers, num_pages=num_pages,
-                                               enable_prefix_cache=False),
-                       rank_attach=_rank_attach(args, text, authkey))
+    compute = ComputeThread("prefill-loop")  # builds and steps the stage's engine
+    engine = await compute.call(partial(
+        LLMEngine, args.model_dir, replace(config, layers=layers, num_pages=num_pages,
+                                           enable_prefix_cache=False),
+        rank_attach=_rank_attach(args, text, authkey)))
     ends = await _open_endpoints(args, layers, [engine.pool], text,
                                  remote_ranks(engine.rank_payloads, authkey),
                                  states=engine.states.pool if engine.states else None)
@@ -122,7 +126,7 @@ async def serve_first_stage(args: StageArgs) -> None:
     runner = first_stage_runner(engine, ends.aux_ids)
     service = PrefillService(args.max_waiting)
     loop = FirstStageLoop(engine, ends.bootstrap, service.on_done, runner, ends.link,
-                          send_prompt_ids=bool(ends.draft_band))
+                          send_prompt_ids=bool(ends.draft_band), compute=compute)
     service.bind(loop, asyncio.get_running_loop(), ends.chain)
     loop.start()
     await _serve(args, ends, [(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, service,
@@ -134,8 +138,10 @@ async def serve_later_stage(args: StageArgs) -> None:
     """Run a later stage until SIGINT/SIGTERM; prints ``READY <port>`` once serving."""
     text = ModelConfig.from_dir(args.model_dir).text
     authkey = secrets.token_bytes(32)
-    share = load_later_stage(args.model_dir, args.config, args.layout, args.draft,
-                             _rank_attach(args, text, authkey))
+    compute = ComputeThread("stage-steps")  # loads the share and runs every step on it
+    share = await compute.call(partial(load_later_stage, args.model_dir, args.config,
+                                       args.layout, args.draft,
+                                       _rank_attach(args, text, authkey)))
     aux = share.draft.aux_layers if share.draft is not None else ()
     ends = await _open_endpoints(args, share.layers, share.pools(), text,
                                  remote_ranks(share.rank_payloads, authkey), aux,
@@ -147,7 +153,8 @@ async def serve_later_stage(args: StageArgs) -> None:
                          aux_layer_ids=ends.aux_ids)
     face = LaterStageWorkerFace(stage, info)
     await _serve(args, ends, [
-        (worker_pb2_grpc.add_PipelineStageServicer_to_server, LaterStageService(stage, info),
+        (worker_pb2_grpc.add_PipelineStageServicer_to_server,
+         LaterStageService(stage, info, compute),
          "pdserve.v1.PipelineStage"),
         (worker_pb2_grpc.add_PrefillWorkerServicer_to_server, face, "pdserve.v1.PrefillWorker"),
     ], "prefill-stage", face.stats, share.close)

@@ -9,6 +9,7 @@ with ``UNAVAILABLE`` and the stage ends itself with status 1
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import grpc
 
@@ -17,6 +18,7 @@ from prefill_node.pipeline.later import LaterStage
 from proto.pdserve.v1 import worker_pb2 as wpb
 from proto.pdserve.v1 import worker_pb2_grpc
 from serving.admin import load_report
+from serving.compute_thread import ComputeThread
 from serving.process_exit import end_with_failure
 from serving.status import STATUS_ERRORS, abort_with_status
 from transfer.aux import aux_figures
@@ -26,14 +28,18 @@ from transfer.faults import fault_figures
 class LaterStageService(worker_pb2_grpc.PipelineStageServicer):
     """Serves ``PipelineStage`` over a :class:`LaterStage`."""
 
-    def __init__(self, stage: LaterStage, info: wpb.StageInfo) -> None:
+    def __init__(self, stage: LaterStage, info: wpb.StageInfo,
+                 compute: ComputeThread | None = None) -> None:
+        """``compute``: the thread the stage's share was loaded on, which runs its steps (one
+        thread for every step: see :mod:`serving.compute_thread`; one of its own when None)."""
         self.stage, self.info = stage, info
+        self.compute = compute or ComputeThread("stage-steps")
 
     async def RunStep(  # noqa: N802 - gRPC method name
         self, request: wpb.StageStep, context: grpc.aio.ServicerContext
     ) -> wpb.StageStepReply:
         try:
-            return await asyncio.to_thread(self.stage.run_step, request)
+            return await self.compute.call(partial(self.stage.run_step, request))
         except STATUS_ERRORS as exc:
             if isinstance(exc, TensorParallelError):
                 end_with_failure(f"pipeline stage {self.info.pp_rank}: {exc}")
@@ -68,8 +74,8 @@ class LaterStageWorkerFace(worker_pb2_grpc.PrefillWorkerServicer):
     async def GetLoad(  # noqa: N802
         self, request: wpb.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> wpb.LoadReport:
-        # the stage's lock may be held through a step: off the event loop
-        return load_report(await asyncio.to_thread(self.stage.stats), bootstrap=self.info.bootstrap)
+        # never behind a step (serving/figures.py)
+        return load_report(self.stage.load(), bootstrap=self.info.bootstrap)
 
     def stats(self) -> dict[str, int]:
         """Figures for ``Admin.GetStats`` (blocking)."""
