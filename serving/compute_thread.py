@@ -5,12 +5,12 @@ Why one thread: PyTorch's CPU operators run their parallel regions on OpenMP, an
 (the runtime the PyTorch wheel ships) keeps a pool of worker threads *per thread that starts a
 region*. An engine built on the server's main thread (loading, packing the weights) leaves a
 pool there; stepped on another thread, it starts a second pool. With more OpenMP threads than
-CPUs in the process, libgomp stops spinning between regions (its "throttled" spin count) and
-puts its workers to sleep after each one, so every one of a decode step's ~1,000 regions pays a
-futex wake-up: on 2 cores a bfloat16 batch-1 step of a 0.5B model took 52-55 ms stepped on
-another thread than the one that built it, against 45-47 ms built and stepped on one thread
-(2026-12-06; ``docs/performance.md``). Tasks run in submission order; the engine loop, once
-submitted, holds the thread until it stops.
+CPUs in the process, libgomp stops spinning between regions (``GOMP_SPINCOUNT``: 100 spins
+then, 300,000 otherwise, by its documentation) and puts its workers to sleep after each one, so
+every one of a decode step's ~1,000 regions pays a futex wake-up: on 2 cores a bfloat16 batch-1
+step of a 0.5B model took 51.7-54.9 ms stepped on another thread than the one that built it,
+against 45-47 ms built and stepped on one thread (2026-12-06; ``docs/performance.md``). Tasks
+run in submission order; the engine loop, once submitted, holds the thread until it stops.
 """
 
 from __future__ import annotations
