@@ -6,7 +6,11 @@ checkpoint whose decoder has Qwen2-0.5B's shape (24 layers, hidden 896, 14 heads
 intermediate 4864, a 151,936-token vocabulary tied to the LM head: 494M parameters, 1.98 GB in
 float32) and a two-block vision tower, seeded, in the Hugging Face layout; :func:`text_only_view`
 writes the same decoder as a ``Qwen2ForCausalLM`` directory, for a peer that serves Qwen2-VL's
-decoder on its own.
+decoder on its own. :data:`HYBRID_SHAPES` are Qwen3.5 checkpoints (written by transformers'
+own class, :func:`bench.qwen3_5_generate.write_checkpoint`): ``qwen3.5-0.65b`` is the text
+shape of the published small Qwen3.5 models (hidden 1024, 24 layers, every 4th gated full
+attention, 18 Gated DeltaNet layers; 498M parameters in the layers, 654M with the tied
+151,936-token embedding); their text-only view is a ``Qwen3_5ForCausalLM``.
 
 Such a checkpoint gets a word-level tokenizer over its whole vocabulary (:func:`word_tokenizer`:
 token ``i`` is the word ``w<i>``), so that a serving benchmark's text is real on both sides:
@@ -43,12 +47,23 @@ QWEN2_05B_TEXT: dict[str, Any] = {
 }
 # the names a checkpoint's shape is asked for by (``--model NAME`` of the benchmarks)
 SHAPES = {"qwen2-0.5b": QWEN2_05B_TEXT}
+HYBRID_VOCAB = 151936
+# Qwen3.5 shapes: name -> (tiny: the 4-layer toy of the same layout, for tests), the vocabulary
+HYBRID_SHAPES: dict[str, tuple[bool, int]] = {"qwen3.5-0.65b": (False, HYBRID_VOCAB)}
+HYBRID_MARKER = ".pdserve-shape.json"  # what a cached hybrid checkpoint was written as
 CACHE = Path.home() / ".cache" / "pdserve" / "bench"  # where shaped checkpoints are kept
+
+
+def shape_names() -> list[str]:
+    """Every shape ``--model`` takes by name."""
+    return [*SHAPES, *HYBRID_SHAPES]
 
 
 def shaped_or_dir(arg: str) -> Path:
     """A benchmark's ``--model``: the cached checkpoint of shape ``arg`` (written under
     :data:`CACHE` on first use), or the directory ``arg`` as given."""
+    if arg in HYBRID_SHAPES:
+        return write_hybrid(CACHE / arg, arg)
     return write_shaped(CACHE / arg, arg) if arg in SHAPES else Path(arg)
 
 
@@ -78,6 +93,23 @@ def write_shaped(model_dir: str | Path, shape: str, seed: int = 0) -> Path:
     (path / "tokenizer.json").write_text(tokenizer.to_str())
     (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2) + "\n")
     (path / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return path
+
+
+def write_hybrid(model_dir: str | Path, shape: str, seed: int = 0) -> Path:
+    """Write the seeded Qwen3.5 checkpoint called ``shape`` (:data:`HYBRID_SHAPES`) with a word
+    tokenizer to ``model_dir``, unless one of the same shape and seed is there already."""
+    from bench.qwen3_5_generate import write_checkpoint
+
+    path = Path(model_dir)
+    tiny, vocab = HYBRID_SHAPES[shape]
+    marker = json.dumps({"shape": shape, "tiny": tiny, "vocab": vocab, "seed": seed})
+    if (path / HYBRID_MARKER).exists() and (path / HYBRID_MARKER).read_text() == marker:
+        return path
+    write_checkpoint(path, vocab, tiny, seed)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "tokenizer.json").write_text(word_tokenizer(vocab, special_tokens(raw)).to_str())
+    (path / HYBRID_MARKER).write_text(marker)
     return path
 
 
@@ -123,13 +155,19 @@ def _write_if_changed(file: Path, text: str) -> None:
         file.write_text(text)
 
 
+HYBRID_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+
+
 def text_only_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     """Write ``model_dir``'s decoder as a ``Qwen2ForCausalLM`` checkpoint to ``out_dir``: the
     text config at the top level (plain rope: a text-only prompt's three mrope axes are equal,
-    so mrope is plain rope there) and the weights without the vision tower."""
+    so mrope is plain rope there) and the weights without the vision tower. A Qwen3.5
+    checkpoint's view is a ``Qwen3_5ForCausalLM`` (:func:`hybrid_text_view`)."""
     src, out = Path(model_dir), Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     raw = json.loads((src / "config.json").read_text())
+    if raw.get("architectures") == [HYBRID_ARCHITECTURE]:
+        return hybrid_text_view(src, out, raw)
     text = dict(raw["text_config"])
     rope = dict(text.pop("rope_parameters", {}))
     rope.pop("mrope_section", None)
@@ -139,6 +177,29 @@ def text_only_view(model_dir: str | Path, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(text, indent=2) + "\n")
     with safe_open(str(src / "model.safetensors"), framework="pt") as f:
         state = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("visual.")}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "generation_config.json"):
+        if (src / name).exists():
+            (out / name).write_text((src / name).read_text())
+    return out
+
+
+
+def hybrid_text_view(src: Path, out: Path, raw: dict[str, Any]) -> Path:
+    """A Qwen3.5 checkpoint's decoder as a ``Qwen3_5ForCausalLM`` in ``out``: its text config
+    (``raw["text_config"]``) at the top level with its rope as it is (a text prompt's
+    interleaved mrope axes are equal: plain partial rope), the weights without the vision
+    tower's, still under ``model.language_model.`` (that class's loaders map the prefix to
+    their own ``model.``)."""
+    text = dict(raw["text_config"])
+    text.update(architectures=["Qwen3_5ForCausalLM"],
+                tie_word_embeddings=raw.get("tie_word_embeddings", False), torch_dtype="float32")
+    (out / "config.json").write_text(json.dumps(text, indent=2) + "\n")
+    state = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            state.update({k: f.get_tensor(k) for k in f.keys()
+                          if not k.startswith("model.visual.")})
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in ("tokenizer.json", "generation_config.json"):
         if (src / name).exists():

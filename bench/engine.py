@@ -1,6 +1,6 @@
 """Engine throughput against a peer on the same checkpoint and prompts, in one run.
 
-    python -m bench.engine [--model DIR|qwen2-0.5b] [--peer transformers|vllm]
+    python -m bench.engine [--model DIR|qwen2-0.5b|qwen3.5-0.65b] [--peer transformers|vllm]
         [--batch-sizes 1,8,32] [--prompt-len 128] [--new 64] [--device cpu]
         [--dtype float32[,bfloat16]] [--bandwidth] [--phases] [--rounds 1] [--json]
 
@@ -14,11 +14,13 @@ Both see the same random prompts of exactly ``--prompt-len`` tokens and produce 
   decode step (``host ms``: step wall time minus the model's forward and LM head,
   :mod:`bench.host_time`);
 - ``vllm``: vLLM's offline ``LLM.generate`` in its own environment (:mod:`bench.peers.vllm_peer`,
-  created on first use), on the checkpoint's decoder as a ``Qwen2ForCausalLM``
-  (:func:`bench.checkpoints.text_only_view`: a text prompt's mrope is plain rope).
+  created on first use), on the checkpoint's decoder as a ``Qwen2ForCausalLM``, or a
+  ``Qwen3_5ForCausalLM`` for a Qwen3.5 one (:func:`bench.checkpoints.text_only_view`: a text
+  prompt's mrope is plain rope).
 
 ``--model qwen2-0.5b`` writes (once, under ``~/.cache/pdserve/bench``) a random checkpoint of
-Qwen2-0.5B's decoder shape (:mod:`bench.checkpoints`); without ``--model`` a fresh tiny model.
+Qwen2-0.5B's decoder shape, ``--model qwen3.5-0.65b`` one of the small Qwen3.5 models' hybrid
+text shape (:mod:`bench.checkpoints`); without ``--model`` a fresh tiny model.
 ``--phases`` (with ``--peer vllm``) adds each side's prefill apart: a one-token call over other
 fresh prompts (``prefill_s``, and its rate over the projections' and head's FLOPs,
 ``prefill_gflop_s``, :mod:`bench.roofline`), the timed call's mean decode step once that prefill
@@ -41,7 +43,7 @@ from typing import Any
 
 import torch
 
-from bench.checkpoints import SHAPES, shaped_or_dir, text_only_view
+from bench.checkpoints import shape_names, shaped_or_dir, text_only_view
 from bench.host_time import measure_host_time
 from bench.random_prompts import prompts
 from engine.builtin.tiny_model import write_tiny_model
@@ -52,12 +54,15 @@ from engine.llm_engine import LLMEngine, Prompt
 
 WARMUP_SEED = 1  # the timed prompts are seed 0's
 PREFILL_SEED = 2  # the prompts of --phases' one-token calls
+STATE_SLOTS = 64
 
 
 def _engine(model_dir: Path, device: str, dtype: str) -> LLMEngine:
+    # a hybrid model's state slots: one per row of the largest batch (32), not per max_num_seqs
+    # (a Qwen3.5-0.65b slot is 19 MiB in float32)
     return LLMEngine(model_dir, EngineConfig(num_pages=2048, page_size=16, max_num_seqs=256,
                                              max_num_batched_tokens=4096, device=device,
-                                             dtype=dtype))
+                                             dtype=dtype, state_slots=STATE_SLOTS))
 
 
 def _sync(device: torch.device) -> None:
@@ -103,9 +108,11 @@ def phase_columns(prefix: str, batch: int, args: argparse.Namespace, tok_s: floa
 
 def run_transformers(model_dir: Path, warm: list[list[int]], ids: list[list[int]], new: int,
                      device: torch.device, dtype: torch.dtype) -> tuple[float, list[int]]:
-    from transformers import Qwen2VLForConditionalGeneration
+    import transformers
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+    # the checkpoint's own class (Qwen2-VL or Qwen3.5), as its config names it
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(model_dir, dtype=dtype).eval()
     model.to(device)
     kwargs = {"max_new_tokens": new, "eos_token_id": None, "do_sample": False,
               "pad_token_id": 0}
@@ -123,7 +130,7 @@ def run_transformers(model_dir: Path, warm: list[list[int]], ids: list[list[int]
 
 
 def model_dir_of(arg: str | None, tmp: Path) -> Path:
-    """``--model``: a directory, a shape name of :data:`bench.checkpoints.SHAPES` (written
+    """``--model``: a directory, a shape name of :func:`bench.checkpoints.shape_names` (written
     once under :data:`bench.checkpoints.CACHE`) or none (a fresh tiny model in ``tmp``)."""
     if arg is None:
         return write_tiny_model(tmp / "tiny")
@@ -153,14 +160,22 @@ def rows_for_dtype(args: argparse.Namespace, model_dir: Path, device: torch.devi
     flops: dict[int, int] = {}
     extra: dict[int, dict[str, Any]] = {bs: {} for bs in sizes}
     text_dir = None
+    peer_error = None  # why the peer cannot run this checkpoint in this dtype
     for round_ in range(args.rounds):
-        if args.peer == "vllm":
+        if args.peer == "vllm" and peer_error is None:
             from bench.peers import vllm_peer
 
             if text_dir is None:
                 text_dir = text_only_view(model_dir, tmp / f"text-{dtype_name(dtype)}")
-            got = vllm_peer.generate(text_dir, warm, timed, args.new, dtype_name(dtype), sizes,
-                                     cuda=device.type == "cuda", prefill_prompts=once)
+            try:
+                got = vllm_peer.generate(text_dir, warm, timed, args.new, dtype_name(dtype),
+                                         sizes, cuda=device.type == "cuda",
+                                         prefill_prompts=once)
+            except vllm_peer.PeerFailed as e:
+                print(f"vLLM does not run {model_dir.name} in {dtype_name(dtype)}: {e.cause}",
+                      flush=True)
+                peer_error = e.cause
+                got = {"rows": []}
             for r in got["rows"]:
                 _keep_best(peer, r["batch"], (r["tok_s"], got["tokens"]))
                 if args.phases:
@@ -191,10 +206,15 @@ def rows_for_dtype(args: argparse.Namespace, model_dir: Path, device: torch.devi
                                                       args.new, device, dtype))
     rows = []
     for bs in sizes:
-        (mine, tokens), (theirs, their_tokens) = ours[bs], peer[bs]
+        mine, tokens = ours[bs]
         row: dict[str, Any] = {"dtype": dtype_name(dtype), "batch": bs,
-                               "pdserve_tok_s": round(mine, 1), "peer_tok_s": round(theirs, 1),
-                               "ratio": round(mine / theirs, 2), **extra[bs]}
+                               "pdserve_tok_s": round(mine, 1), **extra[bs]}
+        if peer_error is not None:  # the peer's columns stay empty, the reason beside them
+            row["peer_error"] = peer_error
+            rows.append(row)
+            continue
+        theirs, their_tokens = peer[bs]
+        row.update(peer_tok_s=round(theirs, 1), ratio=round(mine / theirs, 2))
         if bs == sizes[0]:
             row["same"] = tokens == their_tokens
         if args.phases:
@@ -215,7 +235,7 @@ def rows_for_dtype(args: argparse.Namespace, model_dir: Path, device: torch.devi
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="checkpoint directory or a shape: "
-                        f"{', '.join(SHAPES)} (default: a fresh tiny model)")
+                        f"{', '.join(shape_names())} (default: a fresh tiny model)")
     parser.add_argument("--peer", choices=("transformers", "vllm"), default="transformers")
     parser.add_argument("--batch-sizes", default="1,8,32")
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -252,7 +272,7 @@ def main() -> None:
     cols = ["dtype", "batch", "pdserve_tok_s", "peer_tok_s", "ratio", "same", "host_ms",
             "step_ms", "step_gb_s", "stream_gb_s", "bandwidth", "prefill_s", "peer_prefill_s",
             "prefill_gflop_s", "peer_prefill_gflop_s", "gemm_gflop_s", "decode_ms",
-            "peer_decode_ms"]
+            "peer_decode_ms", "peer_error"]
     cols = [c for c in cols if any(c in r for r in rows)]
     print(" ".join(f"{c:>{max(13, len(c))}}" for c in cols))
     for r in rows:

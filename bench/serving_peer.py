@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.checkpoints import SHAPES, shaped_or_dir, text_only_view, tokenizer_only
+from bench.checkpoints import shape_names, shaped_or_dir, text_only_view, tokenizer_only
 from bench.clusters import Proc, Processes, engine_flags, start_colocated, start_disaggregated
 from bench.peers import vllm_peer
 
@@ -195,7 +195,7 @@ def table(results: dict[str, dict[int, dict[str, Any]]], load: Load) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen2-0.5b",
-                        help=f"checkpoint directory or a shape: {', '.join(SHAPES)}")
+                        help=f"checkpoint directory or a shape: {', '.join(shape_names())}")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests-per-stream", type=int, default=4)
@@ -224,7 +224,7 @@ def model_dir_of(arg: str) -> Path:
     """:func:`bench.checkpoints.shaped_or_dir`, refusing a directory with no checkpoint."""
     path = shaped_or_dir(arg)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {arg!r}: neither a shape ({', '.join(SHAPES)}) nor a "
+        raise SystemExit(f"--model {arg!r}: neither a shape ({', '.join(shape_names())}) nor a "
                          "checkpoint directory with a config.json")
     return path
 
