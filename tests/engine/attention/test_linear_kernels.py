@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from engine.attention.linear.conv import causal_conv1d
-from engine.attention.linear.delta_rule import gated_delta_rule
+from engine.attention.linear.delta_rule import _normalised, _step, gated_delta_rule
 from engine.attention.linear.libraries import FlaGatedDeltaRule, LibraryCausalConv1d
 from engine.attention.linear.norm import gated_rms_norm
 from engine.attention.linear.select import TORCH_KERNELS, linear_kernels
@@ -199,6 +199,32 @@ def test_rule_mixed_batch_matches_transformers() -> None:
         rows = slice(starts[b], starts[b + 1])
         want, final = _hf_rule(inputs, rows, None if slot in fresh else before[slot])
         torch.testing.assert_close(out[rows], want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(state[slot], final, atol=ATOL, rtol=0)
+    others = [s for s in range(NUM_SLOTS) if s not in slots]
+    assert torch.equal(state[others], before[others])
+
+
+@pytest.mark.parametrize("slots", [
+    [4, 5, 6, 7],  # one run in batch order: the pool stepped in place, nothing indexed
+    [7, 2, 3, 9, 0, 8],  # runs 0 | 2-3 | 7-8-9, out of batch order
+    [9, 1, 5],  # no two slots adjacent
+])
+def test_decode_rows_step_the_pool_in_place_as_on_gathered_states(slots: list[int]) -> None:
+    """A batch of decode rows updates its slots where they are (in runs of consecutive
+    slots): the outputs and states are bit for bit the one-token step on gathered copies,
+    and within the tolerance transformers' recurrent step; other slots stay as they were."""
+    n = len(slots)
+    inputs = _rule_inputs(n, seed=11)
+    state = _pool(12)
+    before = state.clone()
+    index = torch.tensor(slots)
+    out = gated_delta_rule(**inputs, q_starts=list(range(n + 1)), state=state, slots=index)
+    q, k = _normalised(inputs["q"], inputs["k"], HV)
+    want, states = _step(q, k, inputs["v"], inputs["g"], inputs["beta"], before[index])
+    assert torch.equal(out, want) and torch.equal(state[index], states)
+    for b, slot in enumerate(slots):
+        hf_out, final = _hf_rule(inputs, slice(b, b + 1), before[slot])
+        torch.testing.assert_close(out[b:b + 1], hf_out, atol=ATOL, rtol=0)
         torch.testing.assert_close(state[slot], final, atol=ATOL, rtol=0)
     others = [s for s in range(NUM_SLOTS) if s not in slots]
     assert torch.equal(state[others], before[others])
