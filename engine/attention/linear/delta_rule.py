@@ -79,12 +79,10 @@ def gated_delta_rule(
     if split.spans:
         layout = _ChunkLayout(split.spans, v.device)
         slot = split.span_slots.index_select(0, layout.order)
-        qc, kc, vc, gc, bc = (layout.pad(t.index_select(0, layout.rows))
-                              for t in (qf, kf, vf, gf, bf))
+        qc, kc, vc, gc, bc = (layout.pad(layout.gather(t)) for t in (qf, kf, vf, gf, bf))
         o, s = _chunked(qc, kc, vc, gc, bc, state.index_select(0, slot), layout)
         state.index_copy_(0, slot, s)
-        o = o.transpose(1, 2).reshape(-1, num_v_heads, v.shape[-1])  # [chunks * CHUNK, Hv, Dv]
-        out.index_copy_(0, layout.rows, o.index_select(0, layout.dst).to(v.dtype))
+        out.index_copy_(0, layout.rows, layout.unpad(o).to(v.dtype))
     return out
 
 
@@ -96,6 +94,8 @@ def _normalised(q: torch.Tensor, k: torch.Tensor, num_v_heads: int
     qf, kf = (x.float() for x in (q, k))
     qf = qf * torch.rsqrt(qf.square().sum(-1, keepdim=True) + L2_EPS) * q.shape[-1] ** -0.5
     kf = kf * torch.rsqrt(kf.square().sum(-1, keepdim=True) + L2_EPS)
+    if group == 1:  # as many key heads as value heads (Qwen3.5's small models): no copy
+        return qf, kf
     return qf.repeat_interleave(group, dim=1), kf.repeat_interleave(group, dim=1)
 
 
@@ -180,42 +180,66 @@ def _step_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 class _ChunkLayout:
     """Where the tokens of several sequences go when each is cut into whole chunks (its last
-    one zero-padded) and all chunks are stacked: sequences longest first (``order``, indexes
-    into the spans), sequence ``m``'s chunks at ``first[m] .. first[m] + counts[m] - 1``, its
-    token ``i`` at flat row ``first[m] * CHUNK + i`` (``dst``), read from batch row ``rows``.
-    Longest first makes the sequences still running at chunk ``c`` a prefix (``active[c]`` of
-    them)."""
+    one zero-padded) and all chunks are stacked, chunk-major: sequences longest first
+    (``order``, indexes into the spans), so the sequences still running at chunk ``c`` are a
+    prefix (``active[c]`` of them), and chunk ``c`` of sequence ``m`` at stacked index
+    ``starts[c] + m``: the running sequences' chunk ``c`` is the slab
+    ``starts[c] : starts[c] + active[c]``, which the scan over chunks reads and writes as a
+    view. Token ``i`` of sequence ``m`` goes to position ``i % CHUNK`` of stacked chunk
+    ``starts[i // CHUNK] + m`` (``chunk``, ``pos``), read from batch row ``rows``."""
 
     def __init__(self, spans: Sequence[tuple[int, int]], device: torch.device) -> None:
         order = sorted(range(len(spans)), key=lambda m: spans[m][0] - spans[m][1])
         spans = [spans[m] for m in order]
         counts = [math.ceil((end - start) / CHUNK) for start, end in spans]
-        first = list(accumulate(counts, initial=0))
-        self.num_chunks = first[-1]
         self.active = [sum(n > c for n in counts) for c in range(counts[0])]
+        self.starts = list(accumulate(self.active, initial=0))
+        self.num_chunks = self.starts[-1]
         self.order = torch.tensor(order, dtype=torch.int64, device=device)
-        self.first = torch.tensor(first[:-1], dtype=torch.int64, device=device)
         self.rows = span_rows(spans, device)
-        self.dst = torch.cat([torch.arange(end - start, device=device) + f * CHUNK
-                              for (start, end), f in zip(spans, first[:-1], strict=True)])
+        # the spans (in this order) are rows 0, 1, 2, ... of the batch, one after the other
+        self.from_zero = spans[0][0] == 0 and all(
+            a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+        starts = torch.tensor(self.starts[:-1], dtype=torch.int64, device=device)
+        chunk, pos = [], []
+        for m, (start, end) in enumerate(spans):
+            i = torch.arange(end - start, device=device)
+            chunk.append(starts.index_select(0, i // CHUNK) + m)
+            pos.append(i % CHUNK)
+        self.chunk, self.pos = torch.cat(chunk), torch.cat(pos)  # [R] each, in ``rows`` order
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The batch rows of the spans, in ``rows`` order (``x`` itself when they are all of
+        its rows in order)."""
+        if self.from_zero and self.rows.shape[0] == x.shape[0]:
+            return x
+        return x.index_select(0, self.rows)
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows ``x`` ``[R, H, ...]`` (in ``rows`` order) laid out as chunks, head-major:
-        ``[num_chunks, H, CHUNK, ...]``. Zero padding leaves a state as it is (no decay, no
-        write) and its outputs are never read."""
-        padded = x.new_zeros(self.num_chunks * CHUNK, *x.shape[1:]).index_copy_(0, self.dst, x)
-        return padded.view(self.num_chunks, CHUNK, *x.shape[1:]).transpose(1, 2)
+        """Rows ``x`` ``[R, H, ...]`` (in ``rows`` order) laid out as chunks, head-major and
+        contiguous: ``[num_chunks, H, CHUNK, ...]`` (one write of zeros, one scatter). Zero
+        padding leaves a state as it is (no decay, no write) and its outputs are never read."""
+        padded = x.new_zeros(self.num_chunks, x.shape[1], CHUNK, *x.shape[2:])
+        padded[self.chunk, :, self.pos] = x
+        return padded
+
+    def unpad(self, o: torch.Tensor) -> torch.Tensor:
+        """The rows of chunked outputs ``o`` ``[num_chunks, H, CHUNK, ...]``, in ``rows``
+        order: ``[R, H, ...]``."""
+        return o[self.chunk, :, self.pos]
 
 
 def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
              beta: torch.Tensor, s: torch.Tensor, layout: _ChunkLayout
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequences of ``layout`` from states ``s`` ``[M, H, Dk, Dv]`` (in ``layout.order``):
+    """The sequences of ``layout`` from states ``s`` ``[M, H, Dk, Dv]`` (in ``layout.order``; a
+    tensor of the caller's own, stepped in place and returned as the final states):
     ``q``, ``k`` ``[num_chunks, H, CHUNK, Dk]``, ``v`` ``[num_chunks, H, CHUNK, Dv]``, ``g``,
-    ``beta`` ``[num_chunks, H, CHUNK]``. Returns the outputs ``[num_chunks, H, CHUNK, Dv]`` and
-    the final states (module docstring for the algebra). Everything inside a chunk is computed
-    for all chunks at once; the scan over chunks steps every running sequence together."""
-    dk = k.shape[-1]
+    ``beta`` ``[num_chunks, H, CHUNK]``, all contiguous. Returns the outputs
+    ``[num_chunks, H, CHUNK, Dv]`` and the final states (module docstring for the algebra).
+    Everything inside a chunk is computed for all chunks at once; the scan over chunks steps
+    every running sequence together, on slabs of the stacked chunks (no gather, no scatter)."""
+    dk, dv = k.shape[-1], v.shape[-1]
     cum = g.cumsum(-1)  # G_t
     lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
     # exp(G_t - G_s) for s <= t, 0 above the diagonal (masked before exp: no overflow)
@@ -223,22 +247,25 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     k_beta = k * beta.unsqueeze(-1)
     # the system's strictly lower part; solve_triangular(unitriangular) takes the diagonal as 1
     system = (k_beta @ k.transpose(-1, -2) * decay).tril(-1)
-    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u_free, u_state = solved.split([v.shape[-1], dk], dim=-1)  # u = u_free - u_state @ S0
+    rhs = torch.empty(*v.shape[:-1], dv + dk, dtype=v.dtype, device=v.device)
+    torch.mul(v, beta.unsqueeze(-1), out=rhs[..., :dv])
+    torch.mul(k_beta, cum.exp().unsqueeze(-1), out=rhs[..., dv:])
+    # solved where the right-hand side is (no copy of it)
+    torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True, out=rhs)
+    u_free, u_state = rhs.split([dv, dk], dim=-1)  # u = u_free - u_state @ S0
     scores = q @ k.transpose(-1, -2) * decay
     q_decayed = q * cum.exp().unsqueeze(-1)
     k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
     chunk_decay = cum[..., -1].exp()[..., None, None]
-    out = torch.empty_like(u_free)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for c, running in enumerate(layout.active):
-        ids = layout.first[:running] + c
+        slab = slice(layout.starts[c], layout.starts[c] + running)
         now = s[:running]
-        u = u_free.index_select(0, ids) - u_state.index_select(0, ids) @ now
-        out.index_copy_(0, ids, q_decayed.index_select(0, ids) @ now
-                        + scores.index_select(0, ids) @ u)
-        now = now * chunk_decay.index_select(0, ids) + k_to_end.index_select(0, ids) @ u
-        s = torch.cat([now, s[running:]])
+        u = torch.baddbmm(u_free[slab].flatten(0, 1), u_state[slab].flatten(0, 1),
+                          now.flatten(0, 1), alpha=-1).view(u_free[slab].shape)
+        torch.matmul(q_decayed[slab], now, out=out[slab])
+        out[slab] += scores[slab] @ u
+        now.mul_(chunk_decay[slab]).add_(k_to_end[slab] @ u)
     return out, s
 
 
