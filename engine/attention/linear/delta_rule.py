@@ -39,6 +39,7 @@ from itertools import accumulate
 
 import torch
 
+from engine.attention.linear import native
 from engine.attention.linear.varlen import span_rows, split_varlen
 
 CHUNK = 64
@@ -104,23 +105,93 @@ def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, be
     """One token of ``N`` sequences: ``q``, ``k`` ``[N, H, Dk]``, ``v`` ``[N, H, Dv]``, ``g``,
     ``beta`` ``[N, H]``, state ``s`` ``[N, H, Dk, Dv]``; returns the output ``[N, H, Dv]`` and
     the new state (``s`` itself is left as it was)."""
-    s = _advance(k, v, g, beta, s)
-    return _read(q, s), s
+    new = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    out = _one_token(q, k, v, g, beta, s, new, None)
+    assert out is not None
+    return out, new
 
 
 def _advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              s: torch.Tensor) -> torch.Tensor:
     """The state update of :func:`_step` alone: the new state, in a tensor of its own (``s``
     is left as it was)."""
-    out = torch.empty(s.shape, dtype=s.dtype, device=s.device)
-    _update(k, v, g, beta, s, out)
+    new = torch.empty(s.shape, dtype=s.dtype, device=s.device)
+    _one_token(None, k, v, g, beta, s, new, None)
+    return new
+
+
+def _step_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """:func:`_step` over the pool's slots ``slots`` ``[N]`` (distinct), updated where they
+    are: the outputs ``[N, H, Dv]``, the same bits as :func:`_step` on gathered states."""
+    out = _one_token(q, k, v, g, beta, state, state, slots)
+    assert out is not None
+    return out
+
+
+def _one_token(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+               slots: torch.Tensor | None) -> torch.Tensor | None:
+    """Every one-token step of the rule (decode rows, verify windows, replays) goes through
+    here, so all of them compute the same bits on one machine: the state of row ``b``, read
+    from ``src`` at ``slots[b]`` (None: at ``b``), advanced by one token into ``dst`` at the
+    same index (``dst`` is ``src``, the pool, when ``slots`` is given), and the output
+    ``[N, H, Dv]`` float32 read from it (None without ``q``). On a CPU with the native kernel
+    (``native``), its fused step; otherwise the torch ops (:func:`_one_token_torch`)."""
+    if (src.device.type == "cpu" and dst.is_contiguous()
+            and src.dtype == dst.dtype == torch.float32):
+        kernel = native.one_token_kernel()
+        if kernel is not None:
+            return native.one_token(kernel, q, k, v, g, beta, src.contiguous(), dst, slots)
+    return _one_token_torch(q, k, v, g, beta, src, dst, slots)
+
+
+def _one_token_torch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                     slots: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`_one_token` in torch ops (the native kernel's twin, and the accelerators' step).
+
+    Over the pool (``slots`` given), slots on the host (a CPU pool) are taken in runs of
+    consecutive slots, each run a view of the pool stepped in place: no gathered copy of the
+    states and no scatter back, which moved as many bytes as the step itself. The allocator
+    hands out the lowest free slot, so a batch's slots are few runs (one, for requests that
+    started together). Slots on an accelerator are not read back to the host: their states are
+    gathered, stepped and scattered."""
+    if slots is None:
+        _update(k, v, g, beta, src, dst)
+        return None if q is None else _read(q, dst)
+    assert src is dst, "over slots, the step is in place"
+    if slots.device.type != "cpu":
+        s = src.index_select(0, slots)
+        _update(k, v, g, beta, s, s)
+        dst.index_copy_(0, slots, s)
+        return None if q is None else _read(q, s)
+    host = slots.tolist()
+    order = sorted(range(len(host)), key=host.__getitem__)
+    if order == list(range(len(host))) and host == list(range(host[0], host[0] + len(host))):
+        run = dst[host[0]:host[0] + len(host)]  # one run in batch order: no index at all
+        _update(k, v, g, beta, run, run)
+        return None if q is None else _read(q, run)
+    out = None if q is None else torch.empty(*v.shape, dtype=torch.float32, device=v.device)
+    start = 0
+    for end in range(1, len(order) + 1):
+        if end < len(order) and host[order[end]] == host[order[end - 1]] + 1:
+            continue
+        rows = torch.tensor(order[start:end], dtype=torch.int64)
+        first = host[order[start]]
+        run = dst[first:first + end - start]
+        k1, v1, g1, b1 = (t.index_select(0, rows) for t in (k, v, g, beta))
+        _update(k1, v1, g1, b1, run, run)
+        if out is not None and q is not None:
+            out.index_copy_(0, rows, _read(q.index_select(0, rows), run))
+        start = end
     return out
 
 
 def _update(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             s: torch.Tensor, out: torch.Tensor) -> None:
     """Write the state after one token, from ``s``, into ``out`` (contiguous; ``s`` itself for
-    an update in place): the one arithmetic of every one-token step.
+    an update in place): the torch ops' arithmetic of a one-token step.
 
     The decay is applied to the vector the state gives back (``(e^g S)^T k = e^g (S^T k)``)
     rather than to the state before reading it, and the write is one rank-1 ``baddbmm_`` into
@@ -140,42 +211,6 @@ def _read(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     ``[N, H, Dv]``."""
     n, h, dk, dv = s.shape
     return torch.bmm(q.reshape(n * h, 1, dk), s.reshape(n * h, dk, dv)).view(n, h, dv)
-
-
-def _step_in_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                  beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """:func:`_step` over the pool's slots ``slots`` ``[N]`` (distinct), updated where they
-    are: the outputs ``[N, H, Dv]``, the same bits as :func:`_step` on gathered states.
-
-    Slots on the host (a CPU pool) are taken in runs of consecutive slots, each run a view of
-    the pool stepped in place: no gathered copy of the states and no scatter back, which
-    moved as many bytes as the step itself. The allocator hands out the lowest free slot, so
-    a batch's slots are few runs (one, for requests that started together). Slots on an
-    accelerator are not read back to the host: their states are gathered, stepped and
-    scattered."""
-    if slots.device.type != "cpu":
-        o, s = _step(q, k, v, g, beta, state.index_select(0, slots))
-        state.index_copy_(0, slots, s)
-        return o
-    host = slots.tolist()
-    order = sorted(range(len(host)), key=host.__getitem__)
-    if order == list(range(len(host))) and host == list(range(host[0], host[0] + len(host))):
-        run = state[host[0]:host[0] + len(host)]  # one run in batch order: no index at all
-        _update(k, v, g, beta, run, run)
-        return _read(q, run)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    start = 0
-    for end in range(1, len(order) + 1):
-        if end < len(order) and host[order[end]] == host[order[end - 1]] + 1:
-            continue
-        rows = torch.tensor(order[start:end], dtype=torch.int64)
-        first = host[order[start]]
-        run = state[first:first + end - start]
-        k1, v1, g1, b1 = (t.index_select(0, rows) for t in (k, v, g, beta))
-        _update(k1, v1, g1, b1, run, run)
-        out.index_copy_(0, rows, _read(q.index_select(0, rows), run))
-        start = end
-    return out
 
 
 class _ChunkLayout:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from engine.attention.linear import native
 from engine.attention.linear.conv import causal_conv1d
 from engine.attention.linear.delta_rule import _normalised, _step, gated_delta_rule
 from engine.attention.linear.libraries import FlaGatedDeltaRule, LibraryCausalConv1d
@@ -204,15 +205,22 @@ def test_rule_mixed_batch_matches_transformers() -> None:
     assert torch.equal(state[others], before[others])
 
 
+@pytest.mark.parametrize("step", ["native", "torch"])
 @pytest.mark.parametrize("slots", [
     [4, 5, 6, 7],  # one run in batch order: the pool stepped in place, nothing indexed
     [7, 2, 3, 9, 0, 8],  # runs 0 | 2-3 | 7-8-9, out of batch order
     [9, 1, 5],  # no two slots adjacent
 ])
-def test_decode_rows_step_the_pool_in_place_as_on_gathered_states(slots: list[int]) -> None:
-    """A batch of decode rows updates its slots where they are (in runs of consecutive
-    slots): the outputs and states are bit for bit the one-token step on gathered copies,
-    and within the tolerance transformers' recurrent step; other slots stay as they were."""
+def test_decode_rows_step_the_pool_in_place_as_on_gathered_states(
+        slots: list[int], step: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of decode rows updates its slots where they are (the native step by slot, the
+    torch ops in runs of consecutive slots): the outputs and states are bit for bit the
+    one-token step on gathered copies, and within the tolerance transformers' recurrent step;
+    other slots stay as they were."""
+    if step == "torch":
+        monkeypatch.setattr(native, "one_token_kernel", lambda: None)
+    else:
+        assert native.one_token_kernel() is not None, native.unavailable_reason()
     n = len(slots)
     inputs = _rule_inputs(n, seed=11)
     state = _pool(12)
