@@ -9,6 +9,10 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q libnuma.so.1; then
     apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null
   fi
+  # A C compiler builds the native CPU kernels (engine/attention/linear/native) on first use.
+  if ! command -v cc >/dev/null 2>&1; then
+    apt-get update -qq && apt-get install -y -qq gcc libc6-dev >/dev/null
+  fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q torch==2.13.0
