@@ -1,7 +1,7 @@
 """Kernel keepalive on a transfer engine's sockets (:mod:`transfer.backends.keepalive`): the
 timings, finding the sockets, the options reaching every accepted connection, a decode's
 Mooncake manager setting them on its own engine's listening sockets only, a prefill's on the
-connections its writes opened; and a write that fails at once made once more. What they buy (a
+connections its writes opened; and a write that fails at once made again. What they buy (a
 write stalled by a partition never lands in released pages; no half-open connection lingers;
 no retry after a heal) is shown across real hosts in ``tests/netns``."""
 
@@ -146,13 +146,15 @@ class _Engine:
 @pytest.mark.parametrize(("codes", "delay_s", "result", "calls"), [
     ([0], 0.0, 0, 1),
     ([-1, 0], 0.0, 0, 2),  # a dropped connection: the write goes again over a new one
-    ([-1, -1], 0.0, -1, 2),  # failed twice: the caller fails the room
+    ([-1, -1, -1, 0], 0.0, 0, 4),  # three pooled connections were stale
+    ([-1] * 6, 0.0, -1, 5),  # failed STALE_TRIES times: the caller fails the room
     ([-1, 0], 0.3, -1, 1),  # failed slowly (stalled): not made again
 ])
-def test_a_write_failing_at_once_is_made_once_more(monkeypatch: pytest.MonkeyPatch,
-                                                   codes: list[int], delay_s: float,
-                                                   result: int, calls: int) -> None:
+def test_a_write_failing_at_once_is_made_again(monkeypatch: pytest.MonkeyPatch,
+                                               codes: list[int], delay_s: float,
+                                               result: int, calls: int) -> None:
     monkeypatch.setattr(mooncake, "STALE_WRITE_S", 0.2)
+    assert mooncake.STALE_TRIES == 5
     engine = _Engine(codes, delay_s)
     manager = MooncakeKVManager(engine=engine)
     assert manager._write("peer:1", [1], [2], [3]) == result

@@ -34,7 +34,8 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"
 # keep them (it reads its settings from the environment only): over a 50 ms round trip a 512 KiB
 # send took 583 ms that way and 152 ms over kept connections (bench.netns_transfer, 2026-12-06)
 TCP_CONNECTION_POOL = ("MC_TCP_ENABLE_CONNECTION_POOL", "1")
-STALE_WRITE_S = 1.0  # a TCP write that fails sooner is made once more (MooncakeKVManager._write)
+STALE_WRITE_S = 1.0  # a TCP write that fails sooner is made again (MooncakeKVManager._write)
+STALE_TRIES = 5  # at most: a peer's pooled connections (4 lanes) may all be stale, then one
 
 
 def create_mooncake_engine(
@@ -126,14 +127,17 @@ class MooncakeKVManager(KVManager):
             self._ranges.append(r)
 
     def _write(self, session: str, srcs: list[int], dsts: list[int], lens: list[int]) -> int:
-        """One engine write; over TCP, one that fails at once is made once more: the engine
-        reuses its connections, and one its peer dropped meanwhile (a peer restarted, or a
-        partition the keepalive ended) fails the first write on it; the engine drops it, and
-        the same bytes into the same pages go over a new one."""
-        start = time.monotonic()
-        ret = int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
-        if ret != 0 and self.protocol == "tcp" and time.monotonic() - start < STALE_WRITE_S:
+        """One engine write; over TCP, one that fails at once is made again, up to
+        :data:`STALE_TRIES` writes: the engine pools its connections to a peer, and each one
+        its peer dropped meanwhile (a peer restarted, or a partition the keepalive ended) fails
+        the first write on it; the engine drops it, and the same bytes into the same pages go
+        over the next. A write that stalled before failing is not made again."""
+        ret = 0
+        for _ in range(STALE_TRIES if self.protocol == "tcp" else 1):
+            start = time.monotonic()
             ret = int(self.engine.batch_transfer_sync_write(session, srcs, dsts, lens))
+            if ret == 0 or time.monotonic() - start >= STALE_WRITE_S:
+                break
         if self._outgoing is not None:  # the connections this write opened get keepalive
             self._outgoing.sweep()
         return ret
