@@ -120,3 +120,19 @@ def test_without_the_kernel_the_rule_runs_the_torch_ops(
     got = gated_delta_rule(**x, q_starts=[0, 1, 2, 3], state=pool, slots=slots)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     torch.testing.assert_close(pool, twin, atol=ATOL, rtol=0)
+
+
+def test_it_refuses_shapes_and_slots_that_do_not_fit() -> None:
+    """The kernel indexes raw memory: what would read or write past a tensor is an error."""
+    kernel = native.one_token_kernel()
+    assert kernel is not None
+    x = _inputs(2, 2, 8, 8, seed=6)
+    pool = torch.zeros(4, 2, 8, 8)
+    for states, slots in ((torch.zeros(4, 2, 8, 16), torch.tensor([0, 1])),  # other Dv
+                          (pool, torch.tensor([1, 4])),  # a slot past the pool
+                          (pool, torch.tensor([-1, 0])),
+                          (pool, torch.tensor([0, 1, 2])),  # a slot per row, no more
+                          (torch.zeros(1, 2, 8, 8), None)):  # fewer states than rows
+        with pytest.raises(ValueError, match="mismatched shapes or slots"):
+            native.one_token(kernel, x["q"], x["k"], x["v"], x["g"], x["beta"], states, states,
+                             slots)

@@ -134,6 +134,18 @@ def one_token(kernel: OneToken, q: torch.Tensor | None, k: torch.Tensor, v: torc
         raise ValueError("the native delta rule step takes contiguous states")
     if src.dtype != torch.float32 or dst.dtype != torch.float32:
         raise ValueError(f"the native delta rule step takes float32 states, got {src.dtype}")
+    # the kernel indexes raw memory: a shape or slot that does not fit is refused here
+    # (the torch ops would raise; the kernel would read and write past the tensors)
+    rows = min(src.shape[0], dst.shape[0])  # states either tensor holds
+    if (src.shape[1:] != (h, dk, dv) or dst.shape[1:] != (h, dk, dv)
+            or v.shape != (n, h, dv) or g.shape != (n, h) or beta.shape != (n, h)
+            or (q is not None and q.shape != k.shape)
+            or (slots is None and rows < n)
+            or (slots is not None and (slots.shape != (n,) or (n and not (
+                0 <= int(slots.min()) and int(slots.max()) < rows))))):
+        raise ValueError(f"the native delta rule step got mismatched shapes or slots: k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}, states {tuple(src.shape)} -> "
+                         f"{tuple(dst.shape)}")
     ins = [None if t is None else t.float().contiguous() for t in (q, k, v, g, beta)]
     idx = None if slots is None else slots.to(torch.int64).contiguous()
     out = None if q is None else torch.empty(n, h, dv, dtype=torch.float32)
